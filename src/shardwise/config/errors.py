@@ -1,0 +1,77 @@
+"""The one error type for bad configuration, and the did-you-mean helper.
+
+Every problem a user can make in a config file becomes a :class:`ConfigError` that
+names the key path, the value that was found, the rule it breaks and a fix. Nothing
+in the config package uses ``assert`` on user input.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import Any
+
+_MISSING = object()
+
+
+def did_you_mean(name: str, choices: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """Return the closest choice to ``name`` (case-insensitive), or None.
+
+    Example:
+        >>> did_you_mean("stage3_param_persitence_threshold", ["stage3_param_persistence_threshold"])
+        'stage3_param_persistence_threshold'
+    """
+    pool = list(choices)
+    lowered = {c.lower(): c for c in pool}
+    if name.lower() in lowered and lowered[name.lower()] != name:
+        return lowered[name.lower()]
+    matches = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=cutoff)
+    return lowered[matches[0]] if matches else None
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, explained.
+
+    Attributes:
+        key: dotted key path (``"zero_optimization.stage"``), or ``""`` for the whole file.
+        value: the offending value (or the sentinel when the key is missing).
+        rule: what the value must satisfy.
+        fix: how to correct it.
+    """
+
+    def __init__(self, key: str, rule: str, fix: str = "", value: Any = _MISSING) -> None:
+        self.key = key
+        self.value = None if value is _MISSING else value
+        self.has_value = value is not _MISSING
+        self.rule = rule
+        self.fix = fix
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        where = f"'{self.key}'" if self.key else "the config"
+        head = f"{where} = {_show(self.value)}: " if self.has_value else f"{where}: "
+        text = head + self.rule
+        if self.fix:
+            text += f"\n  fix: {self.fix}"
+        return text
+
+
+class ConfigErrors(ConfigError):
+    """Several independent config mistakes found in one pass, reported together."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        self.errors = errors
+        first = errors[0]
+        super().__init__(first.key, first.rule, first.fix, first.value if first.has_value else _MISSING)
+
+    def _format(self) -> str:  # called by ConfigError.__init__
+        lines = [f"{len(self.errors)} problems in the config:"]
+        for i, err in enumerate(self.errors, 1):
+            body = err._format().replace("\n", "\n     ")
+            lines.append(f"  {i}. {body}")
+        return "\n".join(lines)

@@ -1,0 +1,344 @@
+"""``load_config``: from a path, dict or JSON string to a validated, fully resolved config.
+
+The pipeline, in order (each step is a function of its own module):
+
+1. read the source (``loading``), 2. rewrite legacy spellings (``compat``),
+3. set aside unknown top-level keys (warning with did-you-mean; an error when strict),
+4. resolve ``"auto"`` (``auto``), 5. resolve the batch triple (``batch``),
+6. validate every section (pydantic models in ``sections``), 7. record provenance.
+
+All problems found in steps 5-6 are reported together in one ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from shardwise.config.auto import BATCH_KEYS, AutoResolver, ResolutionContext, get_path, model_field_at
+from shardwise.config.batch import BatchSizes, resolve_batch_sizes
+from shardwise.config.compat import FP16_ONLY_KEYS, normalize_legacy
+from shardwise.config.errors import ConfigError, ConfigErrors, did_you_mean
+from shardwise.config.loading import read_config_source
+from shardwise.config.model import ShardwiseConfig
+from shardwise.config.provenance import Provenance, Source
+from shardwise.utils.logging import logger
+
+_PLACEHOLDER = re.compile(r"^(\$\{?[A-Za-z_][\w]*\}?|\{\{.*\}\}|<[^>]+>|[A-Z][A-Z0-9]*(_[A-Z0-9]+)+,?|[A-Z]{4,},?)$")
+# keys users put at the top level that live inside a section
+_TOP_LEVEL_HOMES = {
+    "stage": "zero_optimization.stage", "loss_scale": "fp16.loss_scale", "lr": "optimizer.params.lr",
+    "offload_optimizer": "zero_optimization.offload_optimizer", "offload_param": "zero_optimization.offload_param",
+    "reduce_bucket_size": "zero_optimization.reduce_bucket_size", "overlap_comm": "zero_optimization.overlap_comm",
+}
+
+
+@dataclass
+class ResolvedConfig:
+    """A validated config with every ``"auto"`` resolved, plus where each value came from.
+
+    Attribute access falls through to the typed ``config`` (``resolved.zero_optimization.stage``).
+    """
+
+    config: ShardwiseConfig
+    batch: BatchSizes
+    sources: dict[str, Provenance]
+    warnings: list[str]
+    origin: str
+    world_size: int
+    unknown_keys: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("config",):
+            raise AttributeError(name)
+        return getattr(self.config, name)
+
+    def to_ds_dict(self) -> dict[str, Any]:
+        """The fully resolved config as JSON-ready data with DeepSpeed's key names."""
+        return self.config.model_dump(mode="json", by_alias=True)
+
+    def flat(self) -> dict[str, Any]:
+        """Every resolved leaf value by dotted key path."""
+        return _flatten(self.to_ds_dict())
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(tree, Mapping) and tree:
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+    else:
+        out[prefix[:-1]] = tree
+    return out
+
+
+def _looks_like_placeholder(value: Any) -> bool:
+    return isinstance(value, str) and bool(_PLACEHOLDER.match(value.strip()))
+
+
+def _section_home(key: str) -> str | None:
+    """The section a misplaced key belongs to, e.g. ``loss_scale`` -> ``fp16``."""
+    if key in FP16_ONLY_KEYS:
+        return "fp16"
+    for name, info in ShardwiseConfig.model_fields.items():
+        from shardwise.config.auto import _model_in
+
+        sub = _model_in(info.annotation)
+        if sub is not None and key in sub.model_fields:
+            return name
+    return None
+
+
+def _translate(err: Mapping[str, Any]) -> ConfigError:
+    """One pydantic error -> a ConfigError with key path, value, rule and fix."""
+    loc = [str(p) for p in err["loc"]]
+    path = ".".join(loc)
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        parent = ".".join(loc[:-1])
+        located = model_field_at(ShardwiseConfig, parent) if parent else None
+        choices: list[str] = list(ShardwiseConfig.model_fields)
+        if located is not None:
+            from shardwise.config.auto import _is_dict_of_models, _model_in
+
+            annotation = located[0].model_fields[located[1]].annotation
+            sub = _model_in(annotation) or _is_dict_of_models(annotation)
+            choices = list(sub.model_fields) if sub is not None else []
+        else:
+            # parent inside a dict-of-models: find the model by walking with a dummy field
+            probe = model_field_at(ShardwiseConfig, f"{parent}.__probe__") if parent else None
+            choices = list(probe[0].model_fields) if probe is not None else choices
+        key = loc[-1]
+        suggestion = did_you_mean(key, choices)
+        home = _section_home(key)
+        if suggestion:
+            fix = f"did you mean '{suggestion}'?"
+        elif home and home != parent:
+            fix = f"'{key}' belongs in the '{home}' section; move it there"
+        else:
+            fix = f"remove it; '{parent or 'the top level'}' accepts: {', '.join(sorted(choices))}"
+        return ConfigError(path, f"unknown key in '{parent}'", fix, value=value)
+    if _looks_like_placeholder(value):
+        return ConfigError(
+            path, f"looks like an unfilled template placeholder ({err['msg']})",
+            "substitute the real value before passing the file (e.g. with your launch script's templating)",
+            value=value,
+        )
+    rule = err["msg"]
+    ctx = err.get("ctx") or {}
+    if kind in ("literal_error", "enum") and "expected" in ctx:
+        fix = f"use one of {ctx['expected']}"
+    elif kind.startswith("int_") or kind in ("int_parsing", "int_from_float"):
+        fix = "write a whole number (5e8 is fine; 1.5 is not)"
+    elif kind.startswith("bool"):
+        fix = "write true or false"
+    elif kind in ("greater_than", "greater_than_equal", "less_than_equal", "less_than"):
+        fix = "pick a value inside the allowed range"
+    elif kind == "value_error":
+        rule = rule.removeprefix("Value error, ")
+        fix = "see the rule above"
+    else:
+        fix = "check the type and value against the config reference"
+    return ConfigError(path or "", rule, fix, value=value)
+
+
+# Sections DeepSpeed reads with dict.get (spec 1.5) and the removed legacy sections:
+# real files carry extra keys there (Megatron's pipeline options, old eigenvalue keys),
+# so an unknown key is a warning with did-you-mean, and an error only in strict mode.
+LENIENT_SECTIONS = frozenset({
+    "checkpoint", "aio", "activation_checkpointing", "flops_profiler", "autotuning", "data_efficiency",
+    "pipeline", "data_types", "compression_training", "sparse_attention", "elasticity",
+    "progressive_layer_drop", "eigenvalue", "quantize_training", "curriculum_learning", "amp", "nebula",
+})
+
+
+def _drop_path(raw: dict[str, Any], loc: tuple[Any, ...]) -> None:
+    node: Any = raw
+    for part in loc[:-1]:
+        node = node[part] if isinstance(node, dict) else node[int(part)]
+    node.pop(loc[-1], None)
+
+
+def _validate(
+    raw: dict[str, Any], strict: bool, warnings: list[str]
+) -> tuple[ShardwiseConfig | None, list[ConfigError]]:
+    try:
+        return ShardwiseConfig.model_validate(raw), []
+    except ValidationError as exc:
+        errors = exc.errors()
+    lenient = [e for e in errors if e["type"] == "extra_forbidden" and str(e["loc"][0]) in LENIENT_SECTIONS]
+    if strict or not lenient:
+        return None, [_translate(e) for e in errors]
+    for err in lenient:
+        translated = _translate(err)
+        warnings.append(f"unknown key '{translated.key}' ignored; {translated.fix}")
+        _drop_path(raw, err["loc"])
+    try:
+        return ShardwiseConfig.model_validate(raw), []
+    except ValidationError as exc:
+        return None, [_translate(e) for e in exc.errors()]
+
+
+def _world_size_for_batch(raw: Mapping[str, Any], world_size: int) -> int:
+    sp = raw.get("sequence_parallel_size")
+    if isinstance(sp, int) and sp > 1:
+        if world_size % sp:
+            raise ConfigError("sequence_parallel_size", f"must divide the world size {world_size}",
+                              "pick a divisor of the number of ranks", value=sp)
+        return world_size // sp
+    return world_size
+
+
+def _batch_inputs(raw: dict[str, Any], resolver: AutoResolver, ctx: ResolutionContext) -> None:
+    """Apply the batch ``"auto"`` rules before the arithmetic (see ``auto`` docstring)."""
+    tbs_key, mbs_key, gas_key = BATCH_KEYS
+    autos = resolver.batch_autos
+    # "train_batch_size": "auto" with no micro batch asks for a derived batch just as much
+    if mbs_key in autos or (tbs_key in autos and raw.get(mbs_key) is None):
+        if ctx.loader_batch_size:
+            raw[mbs_key] = ctx.loader_batch_size
+            resolver.provenance[mbs_key] = Provenance(Source.AUTO, "batch size of the data loader given to initialize")
+        elif raw.get(tbs_key) is None:
+            raw[mbs_key] = 1
+            resolver.provenance[mbs_key] = Provenance(Source.AUTO, "default 1: no data loader or batch size given")
+            resolver.warnings.append(
+                "train_micro_batch_size_per_gpu is \"auto\" with nothing to derive it from; using 1. "
+                "Pass training_data to initialize or overrides={'train_micro_batch_size_per_gpu': N}."
+            )
+    if gas_key in autos and not (raw.get(tbs_key) is not None and raw.get(mbs_key) is not None):
+        raw[gas_key] = 1
+        resolver.provenance[gas_key] = Provenance(Source.AUTO, "default 1 (no accumulation)")
+
+
+def _provenance(
+    final: Mapping[str, Any], normalized: Mapping[str, Any], resolver: AutoResolver,
+    renamed: Mapping[str, str], batch: BatchSizes,
+) -> dict[str, Provenance]:
+    batch_notes = {
+        "train_batch_size": "micro x accumulation x world",
+        "train_micro_batch_size_per_gpu": "train_batch_size // world // accumulation",
+        "gradient_accumulation_steps": "train_batch_size // micro // world",
+    }
+    out: dict[str, Provenance] = {}
+    for path in _flatten(final):
+        if path in resolver.provenance:
+            out[path] = resolver.provenance[path]
+        elif path in batch.derived:
+            out[path] = Provenance(Source.DERIVED, f"{batch_notes[path]} (world size {batch.world_size})")
+        elif path in renamed:
+            out[path] = Provenance(Source.FILE, f"legacy spelling '{renamed[path]}'")
+        elif get_path(normalized, path, default=_ABSENT) is not _ABSENT:
+            out[path] = Provenance(Source.FILE)
+        else:
+            out[path] = Provenance(Source.DEFAULT)
+    return out
+
+
+_ABSENT = object()
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any],
+    *,
+    world_size: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    context: ResolutionContext | None = None,
+    strict: bool = False,
+) -> ResolvedConfig:
+    """Read, normalise, resolve and validate a DeepSpeed config.
+
+    Args:
+        source: a path (JSON or hjson), a dict, or JSON / base64 text.
+        world_size: data-parallel world size for the batch rule (default: ``context`` or 1).
+        overrides: dotted key path -> value, filling ``"auto"`` or missing keys.
+        context: objects from ``initialize`` that can resolve ``"auto"``.
+        strict: unknown top-level keys become errors instead of warnings.
+
+    Raises:
+        ConfigError: every problem found, each with key, value, rule and fix.
+
+    Example:
+        >>> cfg = load_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, world_size=4)
+        >>> cfg.gradient_accumulation_steps, cfg.zero_optimization.stage
+        (2, 0)
+    """
+    ctx = context or ResolutionContext()
+    if world_size is not None or overrides is not None:
+        ctx = ResolutionContext(
+            world_size=world_size if world_size is not None else ctx.world_size,
+            overrides={**ctx.overrides, **(overrides or {})},
+            optimizer_hparams=ctx.optimizer_hparams, hidden_size=ctx.hidden_size,
+            loader_batch_size=ctx.loader_batch_size, total_training_steps=ctx.total_training_steps,
+        )
+    raw, origin = read_config_source(source)
+    compat = normalize_legacy(raw)
+    warnings = list(compat.warnings)
+
+    unknown = {k: raw.pop(k) for k in list(raw) if k not in ShardwiseConfig.model_fields}
+    errors: list[ConfigError] = []
+    for key in unknown:
+        suggestion = did_you_mean(key, ShardwiseConfig.model_fields)
+        home = _TOP_LEVEL_HOMES.get(key)
+        hint = f"did you mean '{suggestion}'?" if suggestion else f"it belongs at '{home}'" if home else ""
+        if strict:
+            errors.append(ConfigError(key, "unknown top-level key (strict mode)",
+                                      hint or "remove it, or run without --strict", value=unknown[key]))
+        else:
+            warnings.append(f"unknown top-level key '{key}' ignored" + (f"; {hint}" if hint else ""))
+
+    normalized = copy.deepcopy(raw)
+    resolver = AutoResolver(ctx, ShardwiseConfig)
+    resolver.resolve(raw)
+    _batch_inputs(raw, resolver, ctx)
+    warnings.extend(resolver.warnings)
+
+    batch: BatchSizes | None = None
+    try:
+        dp_world = _world_size_for_batch(raw, ctx.world_size)
+        batch = resolve_batch_sizes(
+            raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu"),
+            raw.get("gradient_accumulation_steps"), dp_world,
+        )
+    except ConfigError as exc:
+        near = [f"'{k}' (did you mean '{did_you_mean(k, BATCH_KEYS)}'?)" for k in unknown if did_you_mean(k, BATCH_KEYS)]
+        if near:
+            exc = ConfigError(exc.key, exc.rule, exc.fix + f"; note the unknown key(s) {', '.join(near)}",
+                              exc.value if exc.has_value else None)
+        errors.append(exc)
+    if batch is not None:
+        raw["train_batch_size"] = batch.train_batch_size
+        raw["train_micro_batch_size_per_gpu"] = batch.micro_batch_per_gpu
+        raw["gradient_accumulation_steps"] = batch.gradient_accumulation_steps
+
+    config, validation_errors = _validate(raw, strict, warnings)
+    errors.extend(e for e in validation_errors if e.key not in BATCH_KEYS or batch is not None)
+    if errors:
+        raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
+    assert config is not None and batch is not None  # internal: no errors means both exist
+
+    for text in warnings:
+        logger.warning(text)
+    if config.log_level:
+        from shardwise.utils.logging import set_log_level
+
+        set_log_level(config.log_level)
+    final = config.model_dump(mode="json", by_alias=True)
+    sources = _provenance(final, normalized, resolver, compat.renamed, batch)
+    return ResolvedConfig(config, batch, sources, warnings, origin, ctx.world_size, unknown)
+
+
+def section_names() -> list[str]:
+    """Every top-level key the config understands."""
+    return list(ShardwiseConfig.model_fields)
+
+
+def is_model(obj: Any) -> bool:
+    """True for pydantic models (used by explain to walk nested sections)."""
+    return isinstance(obj, BaseModel)

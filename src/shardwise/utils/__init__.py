@@ -1,0 +1,1 @@
+"""Small shared helpers: the rank-aware logger."""

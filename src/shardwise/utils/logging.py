@@ -1,0 +1,62 @@
+"""A rank-aware logger: quiet by default, rank 0 only unless asked.
+
+The library never prints; it logs through ``get_logger()``. Records from ranks other
+than 0 are dropped unless ``SHARDWISE_LOG_ALL_RANKS=1`` is set, so a 2-rank run shows
+each line once. The level comes from the config's ``log_level`` or
+``SHARDWISE_LOG_LEVEL`` (default ``WARNING``, like DeepSpeed 0.19.8).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_LOGGER_NAME = "shardwise"
+
+
+def _current_rank() -> int:
+    """The global rank from the launcher's environment (no torch import needed)."""
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var)
+        if value is not None and value.strip().lstrip("-").isdigit():
+            return int(value)
+    return 0
+
+
+class _RankFilter(logging.Filter):
+    """Drops records on ranks other than 0 unless all ranks were asked for."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rank = _current_rank()
+        record.rank = rank
+        if os.environ.get("SHARDWISE_LOG_ALL_RANKS") == "1":
+            return True
+        return rank == 0 or getattr(record, "all_ranks", False)
+
+
+def get_logger() -> logging.Logger:
+    """Return the library logger, configured once.
+
+    Example:
+        >>> from shardwise.utils.logging import get_logger
+        >>> get_logger().info("hello")  # shown at INFO level, rank 0 only
+    """
+    logger = logging.getLogger(_LOGGER_NAME)
+    if not getattr(logger, "_shardwise_configured", False):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[shardwise] [%(levelname)s] [rank%(rank)s] %(message)s"))
+        handler.addFilter(_RankFilter())
+        logger.addHandler(handler)
+        logger.propagate = False
+        logger.setLevel(os.environ.get("SHARDWISE_LOG_LEVEL", "WARNING").upper())
+        logger._shardwise_configured = True  # type: ignore[attr-defined]
+    return logger
+
+
+def set_log_level(level: str | int) -> None:
+    """Set the library log level from a name (``"info"``) or a ``logging`` constant."""
+    get_logger().setLevel(level.upper() if isinstance(level, str) else level)
+
+
+logger = get_logger()
