@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.config.errors import ConfigError
+from shardwise.config.errors import ConfigError, looks_like_placeholder
 
 TBS, MBS, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 
@@ -28,6 +28,9 @@ class BatchSizes:
 def _as_int(key: str, value: object) -> int | None:
     if value is None:
         return None
+    if looks_like_placeholder(value):
+        raise ConfigError(key, "looks like an unfilled template placeholder, not a number",
+                          "substitute the real value before passing the file", value=value)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(key, "must be a positive integer", f"write a number, e.g. \"{key}\": 8", value=value)
     if isinstance(value, float):

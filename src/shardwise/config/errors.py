@@ -8,6 +8,7 @@ in the config package uses ``assert`` on user input.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,6 +28,14 @@ def did_you_mean(name: str, choices: Iterable[str], cutoff: float = 0.6) -> str 
         return lowered[name.lower()]
     matches = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=cutoff)
     return lowered[matches[0]] if matches else None
+
+
+_PLACEHOLDER = re.compile(r"^(\$\{?[A-Za-z_]\w*\}?|\{\{.*\}\}|<[^>]+>|[A-Z][A-Z0-9]*(_[A-Z0-9]+)+,?|[A-Z]{4,},?)$")
+
+
+def looks_like_placeholder(value: Any) -> bool:
+    """True for template leftovers such as ``"CONFIG_BATCH_SIZE"``, ``"${LR}"`` or ``"{{ bs }}"``."""
+    return isinstance(value, str) and bool(_PLACEHOLDER.match(value.strip()))
 
 
 def _show(value: Any) -> str:

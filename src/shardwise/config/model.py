@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from shardwise.config.sections.base import Section
 from shardwise.config.sections.data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig
@@ -140,51 +140,6 @@ class ShardwiseConfig(Section):
     @classmethod
     def _level_lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
-
-    @model_validator(mode="after")
-    def _cross_section_rules(self) -> ShardwiseConfig:
-        """Rules spanning sections; each message names both keys and the way out."""
-        if self.fp16.enabled and self.bf16.enabled:
-            raise ValueError("fp16.enabled and bf16.enabled are both true; pick one (bf16 needs no loss scaling)")
-        if self.amp.enabled and (self.fp16.enabled or self.bf16.enabled):
-            raise ValueError("amp.enabled cannot be combined with fp16/bf16.enabled; keep only one precision section")
-        enabled = "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
-        if self.data_types.param_dtype is not None and self.data_types.param_dtype != enabled:
-            raise ValueError(
-                f"data_types.param_dtype is {self.data_types.param_dtype!r} but the enabled precision is {enabled!r}; "
-                "remove param_dtype or make it match"
-            )
-        zero = self.zero_optimization
-        if zero.stage == 2 and zero.reduce_scatter and self.gradient_allreduce_op == "mean":
-            if self.prescale_gradients:
-                raise ValueError(
-                    "prescale_gradients=true is not supported with zero_optimization.stage=2 and reduce_scatter=true; "
-                    "set prescale_gradients to false (the result is the same mean)"
-                )
-            if self.gradient_predivide_factor != 1.0:
-                raise ValueError(
-                    f"gradient_predivide_factor={self.gradient_predivide_factor} must be 1.0 with stage 2 and "
-                    "reduce_scatter=true; remove it or set reduce_scatter to false"
-                )
-        if self.gradient_allreduce_op == "sum" and zero.stage == 3:
-            raise ValueError("gradient_allreduce_op='sum' is not supported at stage 3; use 'mean'")
-        if not zero.compute_grad_norm and self.gradient_clipping > 0:
-            raise ValueError(
-                "zero_optimization.compute_grad_norm=false needs gradient_clipping=0 (clipping needs the norm)"
-            )
-        if self.bf16.bf16_optimizer_states and not self.bf16.bf16_master_weights_and_grads:
-            raise ValueError("bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads=true")
-        if self.nebula is not None and self.nebula.enabled:
-            raise ValueError(
-                "nebula.enabled=true: the Nebula checkpoint service is not available; remove the block and use "
-                "the 'checkpoint' section (async_save gives the same non-blocking saves)"
-            )
-        if zero.mics_shard_size > 0:
-            raise ValueError(
-                f"zero_optimization.mics_shard_size={zero.mics_shard_size}: MiCS hierarchical sharding is not "
-                "supported; remove mics_shard_size (and mics_hierarchical_params_gather)"
-            )
-        return self
 
     # convenience views used by the engine and the CLI
     @property

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,14 +22,14 @@ from pydantic import BaseModel, ValidationError
 
 from shardwise.config.auto import BATCH_KEYS, AutoResolver, ResolutionContext, get_path, model_field_at
 from shardwise.config.batch import BatchSizes, resolve_batch_sizes
+from shardwise.config.checks import cross_section_errors
 from shardwise.config.compat import FP16_ONLY_KEYS, normalize_legacy
-from shardwise.config.errors import ConfigError, ConfigErrors, did_you_mean
+from shardwise.config.errors import ConfigError, ConfigErrors, did_you_mean, looks_like_placeholder
 from shardwise.config.loading import read_config_source
 from shardwise.config.model import ShardwiseConfig
 from shardwise.config.provenance import Provenance, Source
 from shardwise.utils.logging import logger
 
-_PLACEHOLDER = re.compile(r"^(\$\{?[A-Za-z_][\w]*\}?|\{\{.*\}\}|<[^>]+>|[A-Z][A-Z0-9]*(_[A-Z0-9]+)+,?|[A-Z]{4,},?)$")
 # keys users put at the top level that live inside a section
 _TOP_LEVEL_HOMES = {
     "stage": "zero_optimization.stage", "loss_scale": "fp16.loss_scale", "lr": "optimizer.params.lr",
@@ -78,10 +77,6 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _looks_like_placeholder(value: Any) -> bool:
-    return isinstance(value, str) and bool(_PLACEHOLDER.match(value.strip()))
-
-
 def _section_home(key: str) -> str | None:
     """The section a misplaced key belongs to, e.g. ``loss_scale`` -> ``fp16``."""
     if key in FP16_ONLY_KEYS:
@@ -125,7 +120,7 @@ def _translate(err: Mapping[str, Any]) -> ConfigError:
         else:
             fix = f"remove it; '{parent or 'the top level'}' accepts: {', '.join(sorted(choices))}"
         return ConfigError(path, f"unknown key in '{parent}'", fix, value=value)
-    if _looks_like_placeholder(value):
+    if looks_like_placeholder(value):
         return ConfigError(
             path, f"looks like an unfilled template placeholder ({err['msg']})",
             "substitute the real value before passing the file (e.g. with your launch script's templating)",
@@ -217,6 +212,26 @@ def _batch_inputs(raw: dict[str, Any], resolver: AutoResolver, ctx: ResolutionCo
         resolver.provenance[gas_key] = Provenance(Source.AUTO, "default 1 (no accumulation)")
 
 
+def _apply_elasticity(
+    raw: dict[str, Any], normalized: Mapping[str, Any], world_size: int, resolver: AutoResolver
+) -> None:
+    """With ``elasticity.enabled``, the batch triple comes from the elastic algorithm (spec 10.5)."""
+    block = raw.get("elasticity")
+    if not (isinstance(block, Mapping) and block.get("enabled") is True):
+        return
+    from shardwise.elasticity import ElasticityError, elastic_batch_for_world_size, reject_explicit_batch_keys
+
+    explicit = {k: v for k, v in normalized.items() if k in BATCH_KEYS}
+    try:
+        reject_explicit_batch_keys({"elasticity": block, **explicit})
+        tbs, mbs, gas = elastic_batch_for_world_size({"elasticity": block}, world_size)
+    except ElasticityError as exc:
+        raise ConfigError("elasticity", str(exc), "adjust the elasticity block or the number of ranks") from exc
+    for key, value in zip(BATCH_KEYS, (tbs, mbs, gas)):
+        raw[key] = value
+        resolver.provenance[key] = Provenance(Source.DERIVED, f"elasticity for world size {world_size}")
+
+
 def _provenance(
     final: Mapping[str, Any], normalized: Mapping[str, Any], resolver: AutoResolver,
     renamed: Mapping[str, str], batch: BatchSizes,
@@ -302,6 +317,7 @@ def load_config(
     batch: BatchSizes | None = None
     try:
         dp_world = _world_size_for_batch(raw, ctx.world_size)
+        _apply_elasticity(raw, normalized, dp_world, resolver)
         batch = resolve_batch_sizes(
             raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu"),
             raw.get("gradient_accumulation_steps"), dp_world,
@@ -319,6 +335,8 @@ def load_config(
 
     config, validation_errors = _validate(raw, strict, warnings)
     errors.extend(e for e in validation_errors if e.key not in BATCH_KEYS or batch is not None)
+    if config is not None:
+        errors.extend(cross_section_errors(config))
     if errors:
         raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
     assert config is not None and batch is not None  # internal: no errors means both exist

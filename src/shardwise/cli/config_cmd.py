@@ -1,0 +1,71 @@
+"""``shardwise config check|explain FILE``: validate and explain ds_config files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from shardwise.config import ConfigError, load_config
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``config`` and its sub-commands."""
+    parser = subparsers.add_parser("config", help="check or explain a ds_config.json")
+    sub = parser.add_subparsers(dest="config_command", required=True)
+    for name, text in (("check", "validate files; exit 1 if any is wrong"),
+                       ("explain", "show every resolved value and where it came from")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("files", nargs="+", metavar="FILE")
+        p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks for the batch rule")
+        p.add_argument("--strict", action="store_true", help="unknown keys are errors, not warnings")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a key (fills \"auto\"), e.g. --set train_micro_batch_size_per_gpu=4")
+        p.add_argument("--json", action="store_true", help="print the fully resolved config as JSON")
+        if name == "explain":
+            p.add_argument("--no-defaults", action="store_true", help="hide values left at their default")
+        p.set_defaults(func=_run)
+
+
+def _overrides(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
+
+
+def _run(args: argparse.Namespace) -> int:
+    from shardwise.config.explain import explain
+    from shardwise.utils.logging import set_log_level
+
+    set_log_level("ERROR")  # warnings are printed below, once, next to their file
+    failed = 0
+    overrides = _overrides(args.set)
+    for path in args.files:
+        try:
+            resolved = load_config(path, world_size=args.world_size, overrides=overrides, strict=args.strict)
+        except ConfigError as exc:
+            failed += 1
+            print(f"FAIL {path}\n  {str(exc).replace(chr(10), chr(10) + '  ')}", file=sys.stderr)
+            continue
+        if args.json:
+            print(json.dumps(resolved.to_ds_dict(), indent=2, sort_keys=False))
+        elif args.config_command == "explain":
+            print(explain(resolved, show_defaults=not args.no_defaults))
+        else:
+            note = f" ({len(resolved.warnings)} warning(s))" if resolved.warnings else ""
+            print(
+                f"OK   {path}: batch {resolved.train_batch_size} = {resolved.train_micro_batch_size_per_gpu} x "
+                f"{resolved.gradient_accumulation_steps} x {args.world_size}, ZeRO {resolved.zero_stage}, "
+                f"{resolved.precision}{note}"
+            )
+            for warning in resolved.warnings:
+                print(f"     warning: {warning}")
+    return 1 if failed else 0

@@ -1,0 +1,39 @@
+"""Where the shared corpus lives and how one record is run through shardwise."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from shardwise.config import ConfigError, ResolvedConfig, load_config
+
+
+def corpus_dir() -> Path:
+    """``$SHARDWISE_CORPUS`` or ``../shared/corpus`` beside the repository."""
+    env = os.environ.get("SHARDWISE_CORPUS")
+    path = Path(env) if env else Path(__file__).resolve().parents[3].parent / "shared" / "corpus"
+    if not (path / "ds_ground_truth.jsonl").is_file():
+        raise FileNotFoundError(
+            f"corpus not found at {path}; set SHARDWISE_CORPUS to the folder holding ds_ground_truth.jsonl"
+        )
+    return path
+
+
+def record_id(record: dict[str, Any]) -> str:
+    """A stable id for one record: file, variant and world size."""
+    return f"{record['file']}|{record['variant']}|ws={record['world_size']}"
+
+
+def run_record(corpus: Path, record: dict[str, Any]) -> tuple[ResolvedConfig | None, ConfigError | None]:
+    """Load the record's file the way DeepSpeed was given it.
+
+    The HF variant is the same file with HF's filled values passed as overrides: they
+    replace exactly the "auto" values HF filled, as the HF trainer does.
+    """
+    overrides = record["hf_fill"]["filled"] if record["variant"] == "hf_auto_filled" else None
+    try:
+        return load_config(corpus / "configs" / record["file"], world_size=record["world_size"],
+                           overrides=overrides), None
+    except ConfigError as exc:
+        return None, exc
