@@ -63,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
             note = f" ({len(resolved.warnings)} warning(s))" if resolved.warnings else ""
             print(
                 f"OK   {path}: batch {resolved.train_batch_size} = {resolved.train_micro_batch_size_per_gpu} x "
-                f"{resolved.gradient_accumulation_steps} x {args.world_size}, ZeRO {resolved.zero_stage}, "
+                f"{resolved.gradient_accumulation_steps} x {resolved.batch.world_size}, ZeRO {resolved.zero_stage}, "
                 f"{resolved.precision}{note}"
             )
             for warning in resolved.warnings:

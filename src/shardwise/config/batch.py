@@ -128,6 +128,8 @@ def resolve_batch_sizes(
         if TBS in given and MBS in given and GAS in given:
             fix = (f"set {TBS} to {product}, or remove one of the three keys and let it be derived"
                    f"; {_divisors_hint(tbs, world_size)}")
+        elif MBS not in given and GAS not in given:
+            fix = _divisors_hint(tbs, world_size)
         elif GAS not in given:
             fix = f"{TBS} must be a multiple of {MBS} x world size = {mbs * world_size}; {_divisors_hint(tbs, world_size)}"
         else:

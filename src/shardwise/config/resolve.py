@@ -106,10 +106,14 @@ def _translate(err: Mapping[str, Any]) -> ConfigError:
             annotation = located[0].model_fields[located[1]].annotation
             sub = _model_in(annotation) or _is_dict_of_models(annotation)
             choices = list(sub.model_fields) if sub is not None else []
-        else:
-            # parent inside a dict-of-models: find the model by walking with a dummy field
-            probe = model_field_at(ShardwiseConfig, f"{parent}.__probe__") if parent else None
-            choices = list(probe[0].model_fields) if probe is not None else choices
+        elif len(loc) >= 3:
+            # the parent is a user-named entry of a dict of models (curriculum_metrics.<name>)
+            holder = model_field_at(ShardwiseConfig, ".".join(loc[:-2]))
+            if holder is not None:
+                from shardwise.config.auto import _is_dict_of_models
+
+                entry = _is_dict_of_models(holder[0].model_fields[holder[1]].annotation)
+                choices = list(entry.model_fields) if entry is not None else choices
         key = loc[-1]
         suggestion = did_you_mean(key, choices)
         home = _section_home(key)
@@ -243,8 +247,9 @@ def _provenance(
     }
     out: dict[str, Provenance] = {}
     for path in _flatten(final):
-        if path in resolver.provenance:
-            out[path] = resolver.provenance[path]
+        owner = next((p for p in _prefixes(path) if p in resolver.provenance), None)
+        if owner is not None:
+            out[path] = resolver.provenance[owner]
         elif path in batch.derived:
             out[path] = Provenance(Source.DERIVED, f"{batch_notes[path]} (world size {batch.world_size})")
         elif path in renamed:
@@ -257,6 +262,12 @@ def _provenance(
 
 
 _ABSENT = object()
+
+
+def _prefixes(path: str) -> list[str]:
+    """``a.b.c`` -> ``["a.b.c", "a.b", "a"]``: an override of a block covers its leaves."""
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
 def load_config(

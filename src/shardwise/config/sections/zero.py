@@ -56,10 +56,18 @@ class OffloadOptimizerConfig(_OffloadBase):
     cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
 
 
+# DeepSpeed 0.19.8's defaults: sparse MoE blocks are fetched as one unit at stage 3.
+DEFAULT_LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
 class LeafModuleConfig(Section):
     """``zero_optimization.leaf_module``: modules fetched as one unit at stage 3."""
 
-    classes: list[str] = Field(default_factory=list)
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
     names: list[str] = Field(default_factory=list)
     name_suffixes: list[str] = Field(default_factory=list)
 
