@@ -1,0 +1,67 @@
+"""The only door to ``torch.distributed``: process group, topology, collectives.
+
+DeepSpeed-compatible names (``deepspeed.comm``) where they exist, so
+``import shardwise.comm as dist`` reads like DeepSpeed code. Importing this package does
+not import torch: names load on first use, so the pure environment discovery in
+:mod:`shardwise.comm.env` stays usable (and fast) without torch.
+
+Example:
+    >>> import shardwise.comm as comm
+    >>> comm.init_distributed()  # doctest: +SKIP
+    >>> comm.get_rank(), comm.get_world_size()  # doctest: +SKIP
+    (0, 1)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> (module, attribute)
+_LAZY: dict[str, tuple[str, str]] = {
+    # environment (pure)
+    "DistEnv": ("shardwise.comm.env", "DistEnv"),
+    "discover_environment": ("shardwise.comm.env", "discover_environment"),
+    "expand_nodelist": ("shardwise.comm.env", "expand_nodelist"),
+    "timeout_from_env": ("shardwise.comm.env", "timeout_from_env"),
+    # process group
+    "init_distributed": ("shardwise.comm.init", "init_distributed"),
+    "is_initialized": ("shardwise.comm.init", "is_initialized"),
+    "get_rank": ("shardwise.comm.init", "get_rank"),
+    "get_world_size": ("shardwise.comm.init", "get_world_size"),
+    "get_local_rank": ("shardwise.comm.init", "get_local_rank"),
+    "get_global_rank": ("shardwise.comm.init", "get_global_rank"),
+    "get_world_group": ("shardwise.comm.init", "get_world_group"),
+    "new_group": ("shardwise.comm.init", "new_group"),
+    "barrier": ("shardwise.comm.init", "barrier"),
+    "destroy_process_group": ("shardwise.comm.init", "destroy_process_group"),
+    # topology
+    "Topology": ("shardwise.comm.topology", "Topology"),
+    "build_topology": ("shardwise.comm.topology", "build_topology"),
+    # collectives
+    "CommHandle": ("shardwise.comm.collectives", "CommHandle"),
+    "all_reduce": ("shardwise.comm.collectives", "all_reduce"),
+    "reduce_scatter_flat": ("shardwise.comm.collectives", "reduce_scatter_flat"),
+    "all_gather_flat": ("shardwise.comm.collectives", "all_gather_flat"),
+    "reduce_scatter_tensor": ("shardwise.comm.collectives", "reduce_scatter_tensor"),
+    "all_gather_into_tensor": ("shardwise.comm.collectives", "all_gather_into_tensor"),
+    "broadcast": ("shardwise.comm.collectives", "broadcast"),
+    "all_reduce_max_flag": ("shardwise.comm.collectives", "all_reduce_max_flag"),
+    "choose_algorithm": ("shardwise.comm.collectives", "choose_algorithm"),
+    "ReduceOp": ("torch.distributed", "ReduceOp"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module_name), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'shardwise.comm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,442 @@
+"""The collectives ZeRO uses, each with the algorithm that measured fastest on its backend.
+
+Every function takes ``group`` (None: the world) and ``async_op``. Synchronous calls
+return None; asynchronous ones return a :class:`CommHandle` whose ``wait()`` also runs
+any step that must follow the communication (copying a slice out, dividing for an
+average), so callers never see a half-finished result.
+
+Algorithm choice (:func:`choose_algorithm`)
+-------------------------------------------
+On nccl (and any backend other than gloo on CPU tensors) the native collectives are used:
+``reduce_scatter_single``/``all_gather_single`` where torch has them, else
+``reduce_scatter_tensor``/``all_gather_into_tensor`` (the older names warn in torch 2.13).
+
+On gloo, torch's native reduce-scatter and all-gather lose to an all-reduce of the whole
+buffer once the buffer reaches 32 MiB. They allocate buffer-sized temporaries on every
+call, and from 32 MiB (glibc's largest mmap threshold) every allocation is a fresh
+``mmap`` whose pages fault in again: measured minor page faults per call (fp32, rank 0)
+were 4.9K (native all-gather) and 6.3K (native reduce-scatter) at 24 MiB, 8.2K and 8.4K
+at 32 MiB (8K pages = the whole buffer), against about 200 for the in-place all-reduce
+forms at both sizes. So on gloo:
+
+* reduce-scatter with ``input_is_scratch=True``: all-reduce the input in place, then copy
+  this rank's slice out. It ties with the native collective below 32 MiB and wins above,
+  so it is used at every size. With ``input_is_scratch=False`` it would need a copy of the
+  input, which costs the same page faults (column "ar+copy") and never beat native, so
+  native is used.
+* all-gather: native below 32 MiB of output; at 32 MiB and above, zero the parts of the
+  output this rank does not own, place the shard, and all-reduce with SUM. This is exact:
+  every element is its owner's value plus zeros (the one visible difference: ``-0.0``
+  comes back as ``+0.0``).
+
+The crossover is a number of bytes, not of elements: fp32 and bf16 cross at the same
+byte size. Measured here through these functions (2 gloo ranks on one 2-core machine
+that other jobs shared, ``torch.set_num_threads(1)``, 11 interleaved rounds; each cell is
+min / median ms of the slower rank; a second run gave the same picture). "ar+slice" is
+the in-place all-reduce (``input_is_scratch=True``), "ar+copy" the same on a copy of the
+input, "ag ar" the zero + place + all-reduce all-gather:
+
+=====  ========  ====  ============  ============  ===========  ============  ============  ============
+dtype  numel     MiB   all_reduce    rs native     rs ar+slice  rs ar+copy    ag native     ag ar
+=====  ========  ====  ============  ============  ===========  ============  ============  ============
+fp32   256K      1     1.3 / 7.4     1.7 / 8.0     1.3 / 2.2    1.5 / 2.4     1.2 / 3.2     1.6 / 6.4
+fp32   4M        16    24.2 / 40.9   28.4 / 47.1   33.8 / 39.8  34.2 / 45.6   21.0 / 25.4   33.3 / 41.7
+fp32   6M        24    50.5 / 61.9   65.7 / 88.2   46.1 / 69.5  67.5 / 84.6   33.8 / 47.8   60.1 / 72.6
+fp32   8M        32    54.2 / 82.4   110 / 174     64.8 / 94.0  137 / 169     104 / 117     66.4 / 101
+fp32   16M       64    94.5 / 109    268 / 319     104 / 135    238 / 384     178 / 297     96.8 / 171
+bf16   256K      0.5   0.8 / 1.6     1.2 / 2.4     1.6 / 2.7    1.3 / 2.9     0.8 / 1.3     1.1 / 1.6
+bf16   4M        8     11.1 / 15.5   13.3 / 20.1   11.9 / 19.3  11.9 / 17.5   7.4 / 11.2    12.7 / 15.1
+bf16   12M       24    31.3 / 52.3   45.9 / 68.2   28.7 / 59.7  51.9 / 69.9   19.1 / 32.1   34.1 / 60.6
+bf16   16M       32    43.1 / 63.1   95.5 / 138    49.0 / 76.4  96.6 / 147    82.7 / 115    55.9 / 71.8
+bf16   32M       64    95.8 / 146    254 / 345     103 / 193    239 / 305     150 / 214     83.8 / 148
+=====  ========  ====  ============  ============  ===========  ============  ============  ============
+
+Below 32 MiB the in-place all-reduce and the native reduce-scatter are within noise of
+each other (either can win a run); from 32 MiB on native loses by 1.7-2.6x. Native
+all-gather wins clearly below 32 MiB (it moves half the bytes) and loses from 32 MiB on.
+(The lead's earlier measurement, 16M fp32 elements: all-reduce 113 ms, native
+reduce-scatter 227 ms, native all-gather 222 ms, agrees.) The threshold was measured
+with two ranks only; with more ranks an all-reduce moves up to twice the bytes of a
+reduce-scatter, so re-measure there. To force one algorithm (benchmarks, tests), pass
+``algorithm="native"`` or ``algorithm="all_reduce"``.
+
+Averaging
+---------
+Gloo has no AVG reduction, so ``op="avg"`` is always a SUM followed by a division by the
+group size, on every backend (one rule, the same numerics everywhere; it is DeepSpeed's
+default "postscale" order). The division runs after the communication: on the whole
+tensor for :func:`all_reduce`, on the output shard only for :func:`reduce_scatter_flat`
+(1/world of the work), and for asynchronous calls inside ``CommHandle.wait()``.
+
+Example:
+    >>> import torch
+    >>> from shardwise.comm.collectives import all_gather_flat, reduce_scatter_flat
+    >>> grads = torch.ones(8); shard = torch.empty(4)  # on each of 2 ranks
+    >>> reduce_scatter_flat(shard, grads, op="avg", input_is_scratch=True)  # doctest: +SKIP
+    >>> full = torch.empty(8)
+    >>> all_gather_flat(full, shard)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "GLOO_ALL_GATHER_VIA_ALL_REDUCE_MIN_BYTES",
+    "CommHandle",
+    "all_gather_flat",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_reduce_max_flag",
+    "broadcast",
+    "choose_algorithm",
+    "reduce_scatter_flat",
+    "reduce_scatter_tensor",
+]
+
+Algorithm = Literal["native", "all_reduce"]
+AlgorithmChoice = Literal["auto", "native", "all_reduce"]
+OpName = Literal["sum", "avg", "max", "min"]
+
+# Gloo's native all-gather falls off glibc's 32 MiB mmap cliff (see the module docstring).
+GLOO_ALL_GATHER_VIA_ALL_REDUCE_MIN_BYTES = 32 * 1024 * 1024
+
+_OPS: dict[str, dist.ReduceOp.RedOpType] = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,  # SUM, then a division (gloo has no AVG)
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+_OP_NAMES = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.AVG: "avg",
+    dist.ReduceOp.MAX: "max",
+    dist.ReduceOp.MIN: "min",
+}
+
+# torch 2.13 renamed the flat collectives; the old names emit FutureWarnings there.
+_reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CommHandle:
+    """A Work-like handle: ``wait()`` waits for the collective, then finishes the result.
+
+    The finishing step (copying a slice out of an all-reduced buffer, dividing for an
+    average) runs exactly once, on the first ``wait()``. Until then the tensors passed to
+    the collective must not be read or written.
+    """
+
+    def __init__(self, work: dist.Work | None, finish: Callable[[], object] | None = None) -> None:
+        self._work = work
+        self._finish = finish
+        self._done = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the result is complete (on CUDA: ordered on the current stream)."""
+        if not self._done:
+            if self._work is not None:
+                if timeout is None:
+                    self._work.wait()
+                else:
+                    self._work.wait(timeout)
+            if self._finish is not None:
+                self._finish()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether ``wait()`` has already finished the result."""
+        return self._done
+
+
+def _op_name(op: str | dist.ReduceOp | dist.ReduceOp.RedOpType) -> str:
+    if isinstance(op, str):
+        name = op.lower()
+        if name == "mean":
+            name = "avg"
+        if name in _OPS:
+            return name
+    else:
+        found = _OP_NAMES.get(op)  # type: ignore[arg-type]
+        if found is not None:
+            return found
+    raise ValueError(f"reduction op {op!r} is not supported: use one of 'sum', 'avg', 'max', 'min'")
+
+
+def _group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise RuntimeError("no process group exists yet: call shardwise.init_distributed() first")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def choose_algorithm(
+    collective: Literal["reduce_scatter", "all_gather"],
+    backend: str,
+    device_type: str,
+    nbytes: int,
+    *,
+    input_is_scratch: bool = False,
+) -> Algorithm:
+    """Pick the faster algorithm for one call from the measurements in the module docstring.
+
+    Args:
+        collective: ``"reduce_scatter"`` or ``"all_gather"``.
+        backend: the group's backend name (``dist.get_backend(group)``).
+        device_type: the tensors' device type (``"cpu"``, ``"cuda"``).
+        nbytes: bytes of the full (unsharded) buffer.
+        input_is_scratch: reduce-scatter only: the input may be overwritten.
+
+    Returns:
+        ``"native"`` or ``"all_reduce"``.
+
+    Example:
+        >>> choose_algorithm("all_gather", "gloo", "cpu", 64 * 2**20)
+        'all_reduce'
+        >>> choose_algorithm("all_gather", "nccl", "cuda", 64 * 2**20)
+        'native'
+    """
+    if device_type != "cpu" or "gloo" not in backend:
+        return "native"
+    if collective == "reduce_scatter":
+        return "all_reduce" if input_is_scratch else "native"
+    if collective == "all_gather":
+        return "all_reduce" if nbytes >= GLOO_ALL_GATHER_VIA_ALL_REDUCE_MIN_BYTES else "native"
+    raise ValueError(f"unknown collective {collective!r}: use 'reduce_scatter' or 'all_gather'")
+
+
+def _resolve(
+    algorithm: AlgorithmChoice,
+    collective: Literal["reduce_scatter", "all_gather"],
+    group: dist.ProcessGroup | None,
+    full: torch.Tensor,
+    input_is_scratch: bool,
+) -> Algorithm:
+    if algorithm == "auto":
+        return choose_algorithm(
+            collective,
+            str(dist.get_backend(group)),
+            full.device.type,
+            full.numel() * full.element_size(),
+            input_is_scratch=input_is_scratch,
+        )
+    if algorithm not in ("native", "all_reduce"):
+        raise ValueError(f"algorithm={algorithm!r} is not one of 'auto', 'native', 'all_reduce'")
+    return algorithm
+
+
+def _check_flat_pair(what: str, full: torch.Tensor, shard: torch.Tensor, world: int) -> None:
+    """Both tensors contiguous, same dtype/device, and ``full`` = ``world`` x ``shard``."""
+    if full.dtype != shard.dtype or full.device != shard.device:
+        raise ValueError(
+            f"{what}: tensors must share dtype and device, got {full.dtype} on {full.device} and "
+            f"{shard.dtype} on {shard.device}"
+        )
+    if not (full.is_contiguous() and shard.is_contiguous()):
+        raise ValueError(f"{what}: tensors must be contiguous (call .contiguous() or use a flat buffer)")
+    if full.numel() % world:
+        raise ValueError(
+            f"{what}: the full buffer has {full.numel()} elements, not divisible by the group size {world}; "
+            f"pad it to a multiple of {world}"
+        )
+    if shard.numel() * world != full.numel():
+        raise ValueError(
+            f"{what}: the shard has {shard.numel()} elements but must have {full.numel() // world} "
+            f"(= {full.numel()} / group size {world})"
+        )
+
+
+def _run(work: dist.Work | None, async_op: bool, finish: Callable[[], object] | None) -> CommHandle | None:
+    handle = CommHandle(work, finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: str | dist.ReduceOp | dist.ReduceOp.RedOpType = "sum",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> CommHandle | None:
+    """Reduce ``tensor`` in place across ``group``.
+
+    Args:
+        tensor: reduced in place on every rank.
+        op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or the matching ``dist.ReduceOp``.
+            ``"avg"`` is SUM followed by a division by the group size after the
+            communication.
+        group: process group (None: the world).
+        async_op: return a :class:`CommHandle` instead of waiting.
+
+    Example:
+        >>> t = torch.tensor([1.0, 3.0])
+        >>> all_reduce(t, op="avg")  # doctest: +SKIP
+    """
+    name = _op_name(op)
+    if name == "avg" and not tensor.is_floating_point():
+        raise ValueError(f"all_reduce(op='avg') needs a floating-point tensor, got {tensor.dtype}; use 'sum'")
+    world, _ = _group_size_and_rank(group)
+    work = dist.all_reduce(tensor, op=_OPS[name], group=group, async_op=async_op)
+    finish = (lambda: tensor.div_(world)) if name == "avg" and world > 1 else None
+    return _run(work, async_op, finish)
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor,
+    input: torch.Tensor,  # torch's parameter name, shadowing the builtin on purpose
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    op: Literal["sum", "avg"] = "sum",
+    input_is_scratch: bool = False,
+    algorithm: AlgorithmChoice = "auto",
+) -> CommHandle | None:
+    """Sum ``input`` across ``group`` and keep this rank's slice in ``output``.
+
+    ``output`` receives elements ``[r * n, (r + 1) * n)`` of the reduced input, where ``r``
+    is this rank's index in ``group`` and ``n = output.numel()``.
+
+    Args:
+        output: this rank's shard, ``input.numel() / group size`` elements; may be a view
+            of ``input`` at this rank's slice.
+        input: the full flat buffer; its element count must be divisible by the group size.
+        group: process group (None: the world).
+        async_op: return a :class:`CommHandle`; read ``output`` only after ``wait()``.
+        op: ``"sum"``, or ``"avg"`` (sum, then the shard is divided by the group size).
+        input_is_scratch: True lets the all-reduce algorithm overwrite ``input`` with the
+            reduced full buffer (faster on gloo, no extra memory). False keeps ``input``
+            intact.
+        algorithm: ``"auto"`` (measured choice), or force ``"native"``/``"all_reduce"``.
+
+    Raises:
+        ValueError: sizes not divisible or not matching, mixed dtypes/devices,
+            non-contiguous tensors, or an unsupported op.
+    """
+    name = _op_name(op)
+    if name not in ("sum", "avg"):
+        raise ValueError(f"reduce_scatter_flat supports op 'sum' or 'avg', got {op!r}")
+    if name == "avg" and not output.is_floating_point():
+        raise ValueError(f"reduce_scatter_flat(op='avg') needs floating-point tensors, got {output.dtype}")
+    world, rank = _group_size_and_rank(group)
+    _check_flat_pair("reduce_scatter_flat", input, output, world)
+    out, inp = output.view(-1), input.view(-1)
+    n = out.numel()
+    average = name == "avg" and world > 1
+    if _resolve(algorithm, "reduce_scatter", group, inp, input_is_scratch) == "native":
+        work = _reduce_scatter_native(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return _run(work, async_op, (lambda: out.div_(world)) if average else None)
+
+    buffer = inp if input_is_scratch else inp.clone()
+    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+    def finish() -> None:
+        mine = buffer[rank * n : (rank + 1) * n]
+        if mine.data_ptr() != out.data_ptr():  # output may already be that slice
+            out.copy_(mine)
+        if average:
+            out.div_(world)
+
+    return _run(work, async_op, finish)
+
+
+def all_gather_flat(
+    output: torch.Tensor,
+    input_shard: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    algorithm: AlgorithmChoice = "auto",
+) -> CommHandle | None:
+    """Concatenate every rank's ``input_shard`` into ``output``, in group-rank order.
+
+    Args:
+        output: the full flat buffer, group size x ``input_shard.numel()`` elements.
+        input_shard: this rank's shard; may be a view of ``output`` at this rank's slice.
+        group: process group (None: the world).
+        async_op: return a :class:`CommHandle`; read ``output`` only after ``wait()``.
+        algorithm: ``"auto"`` (measured choice), or force ``"native"``/``"all_reduce"``.
+
+    Raises:
+        ValueError: sizes not matching, mixed dtypes/devices, or non-contiguous tensors.
+    """
+    world, rank = _group_size_and_rank(group)
+    _check_flat_pair("all_gather_flat", output, input_shard, world)
+    out, shard = output.view(-1), input_shard.view(-1)
+    if _resolve(algorithm, "all_gather", group, out, False) == "native":
+        work = _all_gather_native(out, shard, group=group, async_op=async_op)
+        return _run(work, async_op, None)
+
+    n = shard.numel()
+    lo, hi = rank * n, (rank + 1) * n
+    if out[lo:hi].data_ptr() != shard.data_ptr():
+        out[lo:hi].copy_(shard)
+    # Everyone else's part is zero here, so the SUM hands each element its owner's value.
+    out[:lo].zero_()
+    out[hi:].zero_()
+    work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _run(work, async_op, None)
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> CommHandle | None:
+    """Copy ``tensor`` from the rank with global rank ``src`` to every rank of ``group``."""
+    _group_size_and_rank(group)
+    work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _run(work, async_op, None)
+
+
+def _flag_device(group: dist.ProcessGroup | None) -> torch.device:
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_max_flag(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """True on every rank if ``flag`` is True on any rank (e.g. "some gradient overflowed").
+
+    Example:
+        >>> all_reduce_max_flag(rank == 1)  # doctest: +SKIP
+        True
+    """
+    _group_size_and_rank(group)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_flag_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+# DeepSpeed-compatible names (deepspeed.comm) for the flat collectives.
+
+
+def reduce_scatter_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    op: str | dist.ReduceOp | dist.ReduceOp.RedOpType = "sum",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> CommHandle | None:
+    """``deepspeed.comm.reduce_scatter_tensor``: :func:`reduce_scatter_flat`, input kept intact."""
+    name = _op_name(op)
+    if name not in ("sum", "avg"):
+        raise ValueError(f"reduce_scatter_tensor supports SUM or AVG, got {op!r}")
+    return reduce_scatter_flat(output_tensor, input_tensor, group, async_op, op=name)  # type: ignore[arg-type]
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> CommHandle | None:
+    """``deepspeed.comm.all_gather_into_tensor``: :func:`all_gather_flat`."""
+    return all_gather_flat(output_tensor, input_tensor, group, async_op)

@@ -1,0 +1,229 @@
+"""Who shards with whom: the data-, model- and sequence-parallel layout, asked once.
+
+:func:`build_topology` reads the layout from DeepSpeed's ``mpu`` interface (spec 6.8)
+when the user passes one, and otherwise makes every rank a data-parallel rank of the
+world. The result is a frozen :class:`Topology` that ZeRO, the batch arithmetic and
+checkpoint naming read instead of calling the mpu again.
+
+Three cases, as DeepSpeed distinguishes them (spec 1.3):
+
+* no mpu: data parallel over the whole world (``dp_group=None`` means the world group);
+* an mpu with ``get_data_parallel_world_size`` (Megatron-style tensor/pipeline parallel):
+  dp and mp come from the mpu;
+* an mpu *without* ``get_data_parallel_world_size``: a Ulysses sequence-parallel mpu.
+  The data-parallel degree for batch arithmetic is ``world / sp``. ZeRO then shards and
+  reduces over the sequence-data-parallel group (every rank that holds the same model
+  replica slice, dp x sp ranks), which ``shard_group`` names. DeepSpeed computes the
+  degree as a float; we require ``world`` to be divisible by ``sp`` and say so otherwise.
+
+Example:
+    >>> from shardwise.comm.topology import build_topology
+    >>> topo = build_topology()  # no process group: a world of one
+    >>> (topo.world_size, topo.dp_size, topo.dp_rank, topo.mp_size)
+    (1, 1, 0, 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from shardwise.comm.init import get_rank, get_world_size
+
+__all__ = ["Topology", "build_topology"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in the parallel layout.
+
+    A group of ``None`` means the world group (torch's convention), so it can be passed
+    straight to collectives. Under Ulysses the mpu names no data-parallel group: ``dp_group``
+    is None and only ``dp_size``/``dp_rank`` are meaningful (batch arithmetic and which
+    batch slice to load; sequence-parallel groups are taken to be consecutive ranks, as
+    Ulysses builds them); collectives use ``shard_group``.
+
+    Attributes:
+        world_rank: global rank.
+        world_size: number of ranks in the job.
+        dp_group: data-parallel group (None: the world).
+        dp_rank: rank in the data-parallel group.
+        dp_size: data-parallel degree; the ``world_size`` of DeepSpeed's batch arithmetic.
+        mp_group: model-parallel group (None when there is no model parallelism).
+        mp_rank: rank in the model-parallel group (names checkpoint files).
+        mp_size: model-parallel degree.
+        sp_group: sequence-parallel group (None without Ulysses).
+        sp_rank: rank in the sequence-parallel group.
+        sp_size: sequence-parallel degree.
+        shard_group: the group ZeRO partitions over and averages gradients across
+            (``dp_group``, or the sequence-data-parallel group under Ulysses).
+        shard_rank: rank in ``shard_group``.
+        shard_size: size of ``shard_group``.
+    """
+
+    world_rank: int = 0
+    world_size: int = 1
+    dp_group: dist.ProcessGroup | None = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    mp_group: dist.ProcessGroup | None = None
+    mp_rank: int = 0
+    mp_size: int = 1
+    sp_group: dist.ProcessGroup | None = None
+    sp_rank: int = 0
+    sp_size: int = 1
+    shard_group: dist.ProcessGroup | None = None
+    shard_rank: int = 0
+    shard_size: int = 1
+
+    def __post_init__(self) -> None:
+        # Internal invariants: build_topology validated user-facing values already.
+        for name in ("world", "dp", "mp", "sp", "shard"):
+            rank, size = getattr(self, f"{name}_rank"), getattr(self, f"{name}_size")
+            assert size >= 1 and 0 <= rank < size, f"rank{self.world_rank}: {name} rank {rank} of size {size}"
+
+
+def _call(mpu: Any, name: str, default: Any = None) -> Any:
+    method = getattr(mpu, name, None)
+    return method() if callable(method) else default
+
+
+def _require(mpu: Any, names: tuple[str, ...], why: str) -> None:
+    missing = [n for n in names if not callable(getattr(mpu, n, None))]
+    if missing:
+        raise ValueError(
+            f"the mpu object {type(mpu).__name__} lacks {', '.join(missing)}: {why}. Implement "
+            "DeepSpeed's mpu interface (get_data_parallel_{group,rank,world_size} and "
+            "get_model_parallel_{group,rank,world_size}), or pass mpu=None for pure data parallelism"
+        )
+
+
+def _positive(value: Any, what: str, mpu: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"mpu {type(mpu).__name__}: {what} returned {value!r}; it must be an int >= 1")
+    return value
+
+
+def _rank_in(value: Any, size: int, what: str, mpu: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
+        raise ValueError(f"mpu {type(mpu).__name__}: {what} returned {value!r}; it must be in [0, {size})")
+    return value
+
+
+def build_topology(mpu: Any = None) -> Topology:
+    """Read the parallel layout from ``mpu`` (DeepSpeed's interface) or the world.
+
+    Args:
+        mpu: None for pure data parallelism, or an object with DeepSpeed's mpu methods
+            (``get_data_parallel_{group,rank,world_size}``,
+            ``get_model_parallel_{group,rank,world_size}``), or a Ulysses mpu with
+            ``get_sequence_parallel_{group,rank,world_size}`` (and optionally
+            ``get_sequence_data_parallel_{group,rank,world_size}``).
+
+    Returns:
+        The frozen layout. Without a process group: rank 0 of a world of one.
+
+    Raises:
+        ValueError: the mpu lacks required methods, returns invalid sizes or ranks, or
+            (Ulysses) the world size is not divisible by the sequence-parallel size.
+
+    Example:
+        >>> class DataParallelOnly:  # what a Megatron-style mpu provides
+        ...     def get_data_parallel_group(self): return None
+        ...     def get_data_parallel_rank(self): return 0
+        ...     def get_data_parallel_world_size(self): return 1
+        ...     def get_model_parallel_group(self): return None
+        ...     def get_model_parallel_rank(self): return 0
+        ...     def get_model_parallel_world_size(self): return 1
+        >>> build_topology(DataParallelOnly()).dp_size
+        1
+    """
+    world_rank, world_size = get_rank(), get_world_size()
+    if mpu is None:
+        return Topology(
+            world_rank=world_rank,
+            world_size=world_size,
+            dp_rank=world_rank,
+            dp_size=world_size,
+            shard_rank=world_rank,
+            shard_size=world_size,
+        )
+
+    mp_size = _positive(
+        _call(mpu, "get_model_parallel_world_size", 1), "get_model_parallel_world_size()", mpu
+    )
+    mp_rank = _rank_in(_call(mpu, "get_model_parallel_rank", 0), mp_size, "get_model_parallel_rank()", mpu)
+    mp_group = _call(mpu, "get_model_parallel_group") if mp_size > 1 else None
+
+    if callable(getattr(mpu, "get_data_parallel_world_size", None)):
+        _require(
+            mpu,
+            ("get_data_parallel_group", "get_data_parallel_rank"),
+            "ZeRO needs the data-parallel group and this rank's place in it",
+        )
+        dp_size = _positive(mpu.get_data_parallel_world_size(), "get_data_parallel_world_size()", mpu)
+        dp_rank = _rank_in(mpu.get_data_parallel_rank(), dp_size, "get_data_parallel_rank()", mpu)
+        dp_group = mpu.get_data_parallel_group()
+        return Topology(
+            world_rank=world_rank,
+            world_size=world_size,
+            dp_group=dp_group,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            mp_group=mp_group,
+            mp_rank=mp_rank,
+            mp_size=mp_size,
+            shard_group=dp_group,
+            shard_rank=dp_rank,
+            shard_size=dp_size,
+        )
+
+    # Ulysses: no data-parallel methods; the dp degree is what sequence parallelism leaves.
+    _require(
+        mpu,
+        ("get_sequence_parallel_world_size",),
+        "an mpu without get_data_parallel_world_size is read as a Ulysses sequence-parallel mpu",
+    )
+    sp_size = _positive(mpu.get_sequence_parallel_world_size(), "get_sequence_parallel_world_size()", mpu)
+    if world_size % sp_size:
+        raise ValueError(
+            f"world size {world_size} is not divisible by the sequence-parallel size {sp_size} reported by "
+            f"{type(mpu).__name__}: launch a multiple of {sp_size} ranks"
+        )
+    sp_rank = _rank_in(
+        _call(mpu, "get_sequence_parallel_rank", 0), sp_size, "get_sequence_parallel_rank()", mpu
+    )
+    if callable(getattr(mpu, "get_sequence_data_parallel_world_size", None)):
+        _require(
+            mpu,
+            ("get_sequence_data_parallel_group", "get_sequence_data_parallel_rank"),
+            "ZeRO shards over the sequence-data-parallel group under Ulysses",
+        )
+        shard_size = _positive(
+            mpu.get_sequence_data_parallel_world_size(), "get_sequence_data_parallel_world_size()", mpu
+        )
+        shard_rank = _rank_in(
+            mpu.get_sequence_data_parallel_rank(), shard_size, "get_sequence_data_parallel_rank()", mpu
+        )
+        shard_group = mpu.get_sequence_data_parallel_group()
+    else:
+        shard_size, shard_rank, shard_group = world_size, world_rank, None
+    dp_size = world_size // sp_size
+    return Topology(
+        world_rank=world_rank,
+        world_size=world_size,
+        dp_group=None,
+        dp_rank=world_rank // sp_size,
+        dp_size=dp_size,
+        mp_group=mp_group,
+        mp_rank=mp_rank,
+        mp_size=mp_size,
+        sp_group=_call(mpu, "get_sequence_parallel_group"),
+        sp_rank=sp_rank,
+        sp_size=sp_size,
+        shard_group=shard_group,
+        shard_rank=shard_rank,
+        shard_size=shard_size,
+    )
