@@ -3,6 +3,10 @@
 ``import shardwise`` is instant: nothing here imports torch. The heavy parts load on
 first use through module ``__getattr__``, so ``import shardwise as deepspeed`` works
 in user scripts and costs nothing until ``initialize`` is called.
+
+Example:
+    >>> import shardwise as deepspeed
+    >>> # engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, config="ds_config.json")
 """
 
 from __future__ import annotations
@@ -14,8 +18,17 @@ __version__ = "0.1.0"
 
 # public name -> (module, attribute or None for the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {
+    "initialize": ("shardwise.initialization", "initialize"),
+    "add_config_arguments": ("shardwise.initialization", "add_config_arguments"),
+    "init_distributed": ("shardwise.comm", "init_distributed"),
+    "ShardwiseEngine": ("shardwise.engine", "ShardwiseEngine"),
+    "DeepSpeedEngine": ("shardwise.engine", "ShardwiseEngine"),
     "ConfigError": ("shardwise.config.errors", "ConfigError"),
     "load_config": ("shardwise.config", "load_config"),
+    "comm": ("shardwise.comm", None),
+    "zero": ("shardwise.zero", None),
+    "config": ("shardwise.config", None),
+    "RepeatingLoader": ("shardwise.data", "RepeatingLoader"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,0 +1,215 @@
+"""``initialize``: read the config once and build everything, in order.
+
+(The module is not called ``initialize.py`` because importing a submodule of that name
+would shadow the ``shardwise.initialize`` function on the package.)
+
+topology -> config (with the objects handed in resolving "auto") -> precision ->
+module placement and dtype -> optimizer (ZeRO) -> scheduler -> data loader -> engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise import comm
+from shardwise.comm.topology import build_topology
+from shardwise.config import ConfigError, ResolutionContext, load_config
+from shardwise.config.resolve import ResolvedConfig
+from shardwise.engine import ShardwiseEngine
+from shardwise.precision.policy import build_precision
+from shardwise.utils.logging import logger
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    """Where the config comes from: ``config=``, its alias ``config_params=``, or ``args``."""
+    if config is None and config_params is not None:
+        config = config_params
+    from_args = None
+    if args is not None:
+        for name in ("deepspeed_config", "shardwise_config", "deepscale_config"):
+            value = getattr(args, name, None)
+            if value:
+                if from_args is not None and value != from_args:
+                    raise ConfigError("--deepspeed_config", f"two different configs given on the command line "
+                                      f"({from_args!r} and {value!r})", "pass only one", value=value)
+                from_args = value
+    if from_args is not None and config is not None:
+        raise ConfigError(
+            "--deepspeed_config", "a config was given both on the command line and to initialize(config=...)",
+            "pass only one of them", value=from_args,
+        )
+    source = config if config is not None else from_args
+    if source is None:
+        raise ConfigError(
+            "config", "shardwise.initialize needs a config",
+            "pass config='ds_config.json' (or a dict), or --deepspeed_config on the command line",
+        )
+    return source
+
+
+def _hidden_size(model: nn.Module) -> int | None:
+    cfg = getattr(model, "config", None)
+    for name in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _client_hparams(optimizer: Any) -> dict[str, Any] | None:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        group = optimizer.param_groups[0]
+        return {k: v for k, v in group.items() if k in ("lr", "betas", "eps", "weight_decay", "momentum")}
+    return None
+
+
+def _user_param_groups(model: nn.Module, model_parameters: Any, client_optimizer: Any) -> list[dict[str, Any]]:
+    if isinstance(client_optimizer, torch.optim.Optimizer):
+        return [{**g, "params": list(g["params"])} for g in client_optimizer.param_groups if g["params"]]
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [{**g, "params": list(g["params"])} for g in items if list(g["params"])]
+    return [{"params": items}]
+
+
+def _optimizer_factory(cfg: ResolvedConfig, client_optimizer: Any) -> Callable[[list[dict[str, Any]]], Any] | None:
+    """How to build the inner optimizer over the tensors ZeRO hands it (masters/shards)."""
+    from shardwise.optim import build_optimizer
+
+    if isinstance(client_optimizer, torch.optim.Optimizer):
+        cls = type(client_optimizer)
+        accepted = set(inspect.signature(cls).parameters)
+        defaults = {k: v for k, v in client_optimizer.defaults.items() if k in accepted}
+        logger.info("rebuilding the client %s over ZeRO's flat tensors", cls.__name__)
+        return lambda groups: cls(groups, **defaults)
+    if callable(client_optimizer):
+        return lambda groups: client_optimizer(groups)
+    if cfg.optimizer is not None:
+        spec = cfg.optimizer
+        offload = cfg.zero_optimization.offload_optimizer_device != "none"
+        return lambda groups: build_optimizer(spec.type, dict(spec.params), groups, offload=offload)
+    return None
+
+
+def _check_zero_optimizer(cfg: ResolvedConfig, optimizer: torch.optim.Optimizer) -> None:
+    from shardwise.optim import is_zero_supported
+
+    if cfg.zero_stage >= 1 and not is_zero_supported(optimizer) and not cfg.zero_allow_untested_optimizer:
+        raise ConfigError(
+            "zero_allow_untested_optimizer",
+            f"{type(optimizer).__name__} is not known to be correct on ZeRO's sharded flat tensors "
+            "(optimizers with per-tensor maths, such as Lamb's trust ratio, would see shard pieces)",
+            'use stage 0, an element-wise optimizer (Adam, AdamW, Adagrad, Lion), or set '
+            '"zero_allow_untested_optimizer": true to run it anyway', value=False,
+        )
+
+
+def _device() -> torch.device:
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _build_scheduler(cfg: ResolvedConfig, client_scheduler: Any, optimizer: Any) -> Any:
+    from shardwise.schedulers import build_scheduler
+
+    if client_scheduler is not None:
+        if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
+            return client_scheduler(optimizer.optimizer if optimizer is not None else None)
+        return client_scheduler
+    if cfg.scheduler is None or optimizer is None:
+        return None
+    return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), optimizer)
+
+
+def initialize(
+    args: argparse.Namespace | None = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable[..., Any] | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+) -> tuple[ShardwiseEngine, Any, Any, Any]:
+    """Build an engine from a model and a DeepSpeed config.
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` like DeepSpeed.
+
+    Example:
+        >>> # engine, optimizer, loader, scheduler = shardwise.initialize(
+        >>> #     model=model, model_parameters=model.parameters(), config="ds_config.json")
+    """
+    if model is None:
+        raise ValueError("shardwise.initialize needs model=...")
+    if mesh_param is not None:
+        raise ValueError("mesh_param (sequence/data-parallel meshes) is not supported in this release")
+    source = _config_source(args, config, config_params)
+    comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    topology = build_topology(mpu)
+    context = ResolutionContext(
+        world_size=topology.dp_size, optimizer_hparams=_client_hparams(optimizer),
+        hidden_size=_hidden_size(model),
+    )
+    cfg = load_config(source, context=context)
+    precision = build_precision(cfg.config)
+    device = _device()
+    model.to(device=device)
+    if precision.param_dtype != torch.float32:
+        model.to(dtype=precision.param_dtype)
+
+    zero_optimizer = None
+    factory = _optimizer_factory(cfg, optimizer)
+    if factory is not None:
+        from shardwise.zero.factory import build_zero_optimizer
+
+        def checked(groups: list[dict[str, Any]]) -> Any:
+            inner = factory(groups)
+            _check_zero_optimizer(cfg, inner)
+            return inner
+
+        groups = _user_param_groups(model, model_parameters, optimizer)
+        zero_optimizer = build_zero_optimizer(cfg.config, precision, topology, groups, checked, device)
+        zero_optimizer.broadcast_parameters(src=0)
+    for buffer in model.buffers():
+        comm.broadcast(buffer, src=0, group=topology.dp_group)
+
+    scheduler = _build_scheduler(cfg, lr_scheduler, zero_optimizer)
+    engine = ShardwiseEngine(model, cfg, topology, precision, zero_optimizer, scheduler, device, collate_fn)
+    loader = None
+    if training_data is not None:
+        loader = engine.deepspeed_io(training_data)
+        engine.training_dataloader = loader
+    logger.info(
+        "engine ready: ZeRO stage %d, %s, batch %d = %d x %d x %d ranks",
+        cfg.zero_stage, precision.name, cfg.batch.train_batch_size, cfg.batch.micro_batch_per_gpu,
+        cfg.batch.gradient_accumulation_steps, topology.dp_size,
+    )
+    return engine, zero_optimizer, loader, scheduler
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--deepspeed``, ``--deepspeed_config`` (and ``--shardwise_config``) to a parser."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed-compatible configuration (shardwise)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="accepted for compatibility; has no effect")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="ds_config.json path")
+    group.add_argument("--shardwise_config", default=None, type=str, help="alias of --deepspeed_config")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+

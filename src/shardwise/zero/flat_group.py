@@ -1,0 +1,169 @@
+"""Flat buffers for one group of trainable parameters (one optimizer param group, one dtype).
+
+After construction every parameter's ``.data`` is a view into ``param_buffer``, so the
+model computes on the buffer directly and an update of the buffer is an update of the
+model, with no copies. Per bucket the group keeps:
+
+- ``master[b]``: the fp32 values this rank optimises (its shard of bucket ``b``, or the
+  whole bucket at stage 0). For fp32 models it is a view into ``param_buffer``; for
+  16-bit models it is a separate fp32 copy (the master weights).
+- ``grad[b]``: the reduced gradient for ``master[b]``, in the accumulation dtype.
+
+Stages 0 and 1 also keep a full-size ``grad_buffer`` that gradients accumulate into
+between reductions; stage 2 keeps only the shard gradients (the memory saving).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from shardwise.zero.partition import FlatLayout, plan_layout
+
+
+class FlatGroup:
+    """The flat parameter/gradient/master buffers of one parameter group."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        *,
+        rank: int,
+        world_size: int,
+        bucket_numel: int,
+        shard: bool,
+        full_grad_buffer: bool,
+        grad_dtype: torch.dtype,
+        align: int = 1,
+    ) -> None:
+        if not params:
+            raise ValueError("a FlatGroup needs at least one parameter")
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
+        assert len(dtypes) == 1 and len(devices) == 1, f"rank{rank}: mixed dtypes/devices {dtypes} {devices}"
+        self.params = list(params)
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.rank = rank
+        self.world_size = world_size
+        self.shard = shard
+        self.grad_dtype = grad_dtype
+        self.layout: FlatLayout = plan_layout([p.numel() for p in params], world_size, bucket_numel, align)
+        self.param_buffer = torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for slot, p in zip(self.layout.slots, self.params):
+                view = self.param_buffer[slot.offset : slot.offset + slot.numel]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+        self.grad_buffer = (
+            torch.zeros(self.layout.total_numel, dtype=grad_dtype, device=self.device) if full_grad_buffer else None
+        )
+        self.owned = [self.owned_range(b) for b in range(len(self.layout.buckets))]
+        self.master: list[torch.Tensor] = []
+        self.grad: list[torch.Tensor] = []
+        self._master_flat: torch.Tensor | None = None
+        if not shard:
+            # Unsharded (stage 0): the optimizer sees one tensor per parameter, so
+            # optimizers with per-tensor maths (Lamb's trust ratio) stay exact.
+            assert self.grad_buffer is not None, "unsharded groups keep a full gradient buffer"
+            master_flat = self.param_buffer if self.dtype == torch.float32 else self.param_buffer.float()
+            self._master_flat = master_flat
+            for index, p in enumerate(self.params):
+                lo, hi = self.param_view(index)
+                self.master.append(master_flat[lo:hi].view_as(p))
+                self.grad.append(self.grad_buffer[lo:hi].view_as(p))
+        else:
+            # Sharded (stages 1-2): one tensor per bucket shard, updated with one fused kernel.
+            for lo, hi in self.owned:
+                if self.dtype == torch.float32:
+                    self.master.append(self.param_buffer[lo:hi])
+                else:
+                    self.master.append(self.param_buffer[lo:hi].detach().float())
+                if self.grad_buffer is not None:
+                    self.grad.append(self.grad_buffer[lo:hi])
+                else:
+                    self.grad.append(torch.zeros(hi - lo, dtype=grad_dtype, device=self.device))
+        # Stages 0/1 with matching dtypes: let autograd accumulate straight into the flat
+        # gradient buffer (param.grad is a view), so accumulation costs no copy at all.
+        self.grads_are_views = self.grad_buffer is not None and grad_dtype == self.dtype
+        self.attach_grad_views()
+
+    # ------------------------------------------------------------------ layout helpers
+    def owned_range(self, bucket: int) -> tuple[int, int]:
+        """The part of ``bucket`` this rank optimises: its shard, or all of it without sharding."""
+        plan = self.layout.buckets[bucket]
+        return plan.shard_range(self.rank) if self.shard else (plan.start, plan.end)
+
+    def param_view(self, index: int) -> tuple[int, int]:
+        """``[start, end)`` of parameter ``index`` in the flat buffer."""
+        slot = self.layout.slots[index]
+        return slot.offset, slot.offset + slot.numel
+
+    # ------------------------------------------------------------------ gradients
+    def attach_grad_views(self) -> None:
+        """Point ``param.grad`` at the flat gradient buffer (no-op unless views are used)."""
+        if not self.grads_are_views:
+            return
+        assert self.grad_buffer is not None
+        for index, p in enumerate(self.params):
+            lo, hi = self.param_view(index)
+            p.grad = self.grad_buffer[lo:hi].view_as(p)
+
+    def zero_grads(self) -> None:
+        """Clear accumulated gradients (buffers are zeroed in place, views stay attached)."""
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero_()
+        else:
+            for g in self.grad:
+                g.zero_()
+        if not self.grads_are_views:
+            for p in self.params:
+                p.grad = None
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The tensors the optimizer updates, one per bucket."""
+        return self.master
+
+    # ------------------------------------------------------------------ after the step
+    def copy_master_to_params(self) -> None:
+        """Write updated fp32 masters into the (16-bit) parameter buffer's owned ranges."""
+        if self.dtype == torch.float32:
+            return  # masters are views of the parameter buffer
+        if self._master_flat is not None:
+            self.param_buffer.copy_(self._master_flat)
+            return
+        for (lo, hi), master in zip(self.owned, self.master):
+            self.param_buffer[lo:hi].copy_(master)
+
+    def state_bytes(self) -> int:
+        """Bytes held by this group's persistent buffers (params, grads, masters)."""
+        total = self.param_buffer.numel() * self.param_buffer.element_size()
+        if self.grad_buffer is not None:
+            total += self.grad_buffer.numel() * self.grad_buffer.element_size()
+        else:
+            total += sum(g.numel() * g.element_size() for g in self.grad)
+        if self.dtype != torch.float32:
+            total += sum(m.numel() * m.element_size() for m in self.master)
+        return total
+
+    def local_master_flat(self) -> torch.Tensor:
+        """A full-size fp32 buffer holding this rank's master values, zeros where other
+        ranks own the values (summing it over ranks gives every master exactly)."""
+        if self._master_flat is not None:
+            return self._master_flat.float().clone()
+        full = torch.zeros(self.layout.total_numel, dtype=torch.float32, device=self.device)
+        for (lo, hi), master in zip(self.owned, self.master):
+            full[lo:hi] = master
+        return full
+
+    def refresh_masters(self) -> None:
+        """Re-read fp32 masters from the parameter buffer (after a broadcast or a load)."""
+        if self.dtype == torch.float32:
+            return
+        if self._master_flat is not None:
+            self._master_flat.copy_(self.param_buffer)
+            return
+        for (lo, hi), master in zip(self.owned, self.master):
+            master.copy_(self.param_buffer[lo:hi])

@@ -1,0 +1,212 @@
+"""Gradient reduction in buckets, fired from autograd hooks during backward.
+
+Each trainable parameter gets a post-accumulate-grad hook. When the last parameter of
+a bucket has its gradient, the bucket's reduction is launched asynchronously, so
+communication overlaps the rest of backward (``overlap_comm``); without overlap the
+buckets are reduced in order when backward ends. ``finish()`` (called by the engine
+after backward and again, idempotently, before the optimizer step) launches buckets
+whose parameters got no gradient (their gradient is zero) and waits for everything.
+
+Stage 0 all-reduces each bucket; stages 1 and 2 reduce-scatter it, so each rank keeps
+the sum for its own shard only. Stages 0/1 reduce at the accumulation boundary only;
+stage 2 reduces every micro step into its shard accumulators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardwise.comm import collectives
+from shardwise.zero.flat_group import FlatGroup
+
+
+@dataclass(frozen=True)
+class ReducePolicy:
+    """How gradients travel: derived once from the config.
+
+    Attributes:
+        shard: reduce-scatter (stages 1-2) instead of all-reduce (stage 0).
+        every_micro_step: reduce on every backward (stage 2) rather than at the boundary.
+        overlap: launch a bucket as soon as it is complete (``overlap_comm``).
+        comm_dtype: dtype on the wire (``communication_data_type``), None = gradient dtype.
+        pre_multiplier: applied before the reduction (prescale 1/W or predivide 1/f), 1.0 = none.
+    """
+
+    shard: bool
+    every_micro_step: bool
+    overlap: bool
+    comm_dtype: torch.dtype | None
+    pre_multiplier: float
+
+
+@dataclass
+class _Inflight:
+    work: Any
+    after: Callable[[], None]
+
+
+class GradientReducer:
+    """Owns the hooks and the in-flight reductions of a set of flat groups."""
+
+    def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Any = None) -> None:
+        self.groups = groups
+        self.policy = policy
+        self.process_group = process_group
+        self.reduce_this_backward = True  # set by the engine before each backward
+        self.sync_enabled = True  # False inside no_sync()
+        self._pending: list[list[int]] = []
+        self._launched: list[list[bool]] = []
+        self._fresh: list[list[bool]] = [[True] * len(g.layout.buckets) for g in groups]
+        self._bucket_buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._inflight: list[_Inflight] = []
+        self._active = False
+        self._expected_ptr: list[list[int]] = []
+        self._reset_counts()
+        self._handles = []
+        for gi, group in enumerate(groups):
+            self._expected_ptr.append(
+                [group.grad_buffer[group.param_view(i)[0] :].data_ptr() if group.grads_are_views else 0  # type: ignore[index]
+                 for i in range(len(group.params))]
+            )
+            for pi, param in enumerate(group.params):
+                self._handles.append(param.register_post_accumulate_grad_hook(self._make_hook(gi, pi)))
+
+    # ------------------------------------------------------------------ state per backward
+    def _reset_counts(self) -> None:
+        self._pending = [[len(b.param_indices) for b in g.layout.buckets] for g in self.groups]
+        self._launched = [[False] * len(g.layout.buckets) for g in self.groups]
+
+    def _reducing(self) -> bool:
+        return self.sync_enabled and (self.policy.every_micro_step or self.reduce_this_backward)
+
+    def remove_hooks(self) -> None:
+        """Detach every hook (used when the engine is destroyed)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ hooks
+    def _make_hook(self, gi: int, pi: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(gi, pi, param)
+
+        return hook
+
+    def _accumulate(self, gi: int, pi: int, param: torch.Tensor) -> None:
+        """Move ``param.grad`` into the group's buffers (unless autograd already did)."""
+        group = self.groups[gi]
+        grad = param.grad
+        if grad is None:
+            return
+        lo, hi = group.param_view(pi)
+        if group.grads_are_views:
+            if grad.data_ptr() == self._expected_ptr[gi][pi]:
+                return  # accumulated in place by autograd
+            # someone replaced .grad (e.g. model.zero_grad(set_to_none=True)): fold it in
+            assert group.grad_buffer is not None
+            group.grad_buffer[lo:hi].add_(grad.reshape(-1))
+            param.grad = group.grad_buffer[lo:hi].view_as(param)
+            return
+        if group.grad_buffer is not None:
+            group.grad_buffer[lo:hi].add_(grad.reshape(-1))
+        else:
+            bucket = group.layout.slots[pi].bucket
+            buf = self._bucket_buffer(gi, bucket)
+            start = group.layout.buckets[bucket].start
+            buf[lo - start : hi - start].add_(grad.reshape(-1))
+        param.grad = None
+
+    def _on_grad(self, gi: int, pi: int, param: torch.Tensor) -> None:
+        self._active = True
+        self._accumulate(gi, pi, param)
+        if not self._reducing():
+            return
+        bucket = self.groups[gi].layout.slots[pi].bucket
+        self._pending[gi][bucket] -= 1
+        if self._pending[gi][bucket] == 0 and self.policy.overlap:
+            self._launch(gi, bucket)
+
+    # ------------------------------------------------------------------ buckets
+    def _bucket_buffer(self, gi: int, bucket: int) -> torch.Tensor:
+        key = (gi, bucket)
+        buf = self._bucket_buffers.get(key)
+        if buf is None:
+            group = self.groups[gi]
+            buf = torch.zeros(group.layout.buckets[bucket].numel, dtype=group.grad_dtype, device=group.device)
+            self._bucket_buffers[key] = buf
+        return buf
+
+    def _launch(self, gi: int, bucket: int) -> None:
+        if self._launched[gi][bucket]:
+            return
+        self._launched[gi][bucket] = True
+        group = self.groups[gi]
+        plan = group.layout.buckets[bucket]
+        if group.grad_buffer is not None:
+            source = group.grad_buffer[plan.start : plan.end]
+        else:
+            source = self._bucket_buffer(gi, bucket)
+        policy = self.policy
+        wire = source if policy.comm_dtype in (None, source.dtype) else source.to(policy.comm_dtype)
+        if policy.pre_multiplier != 1.0:
+            wire.mul_(policy.pre_multiplier)
+        target = group.grad[bucket]
+        accumulate = group.grad_buffer is None and not self._fresh[gi][bucket]
+        if not policy.shard:
+            work = collectives.all_reduce(wire, op="sum", group=self.process_group, async_op=True)
+
+            def after() -> None:
+                if wire is not source:
+                    source.copy_(wire)
+        else:
+            direct = wire.dtype == target.dtype and not accumulate
+            lo, hi = group.owned[bucket]
+            out = (target if group.grad_buffer is None else source[lo - plan.start : hi - plan.start]) if direct \
+                else torch.empty(hi - lo, dtype=wire.dtype, device=wire.device)
+            work = collectives.reduce_scatter_flat(out, wire, group=self.process_group, async_op=True,
+                                                   input_is_scratch=True)
+
+            def after() -> None:
+                if out is not target and not (group.grad_buffer is not None and direct):
+                    if accumulate:
+                        target.add_(out)
+                    else:
+                        target.copy_(out)
+                self._fresh[gi][bucket] = False
+                if group.grad_buffer is None:
+                    self._bucket_buffers.pop((gi, bucket), None)
+
+        self._inflight.append(_Inflight(work, after))
+
+    # ------------------------------------------------------------------ end of backward
+    def finish(self) -> None:
+        """Launch every remaining bucket of this backward and wait for all reductions."""
+        if self._active and self._reducing():
+            for gi, group in enumerate(self.groups):
+                for bucket in range(len(group.layout.buckets)):
+                    self._launch(gi, bucket)
+        for item in self._inflight:
+            if item.work is not None:
+                item.work.wait()
+            item.after()
+        self._inflight = []
+        if self._active and self._reducing():
+            self._reset_counts()
+        self._active = False
+
+    def reduce_all_now(self) -> None:
+        """Reduce every bucket even if no backward ran (all ranks must call it together)."""
+        self._active = True
+        saved = self.reduce_this_backward
+        self.reduce_this_backward = True
+        self.finish()
+        self.reduce_this_backward = saved
+
+    def new_accumulation(self) -> None:
+        """Called after the optimizer step: shard accumulators start fresh."""
+        self._fresh = [[True] * len(g.layout.buckets) for g in self.groups]
+        self._bucket_buffers.clear()

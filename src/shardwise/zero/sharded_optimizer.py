@@ -1,0 +1,205 @@
+"""ZeRO stages 0-2: the optimizer step over flat, (optionally) sharded buffers.
+
+``ZeroOptimizer`` owns the flat groups, the gradient reducer and the inner torch
+optimizer (which sees only the fp32 tensors this rank updates). Its ``step`` is, in
+order: finish reductions; one all-reduce of the squared gradient norm (which also
+detects inf/NaN: a non-finite sum means overflow, so no separate flag collective);
+skip on overflow; one multiply that averages over ranks, unscales and clips; the inner
+optimizer step; copy fp32 masters into 16-bit parameters; all-gather updated shards.
+
+Stage 0: no sharding (each rank steps the whole buffer; grads all-reduced).
+Stage 1: optimizer state sharded; grads reduce-scattered at the accumulation boundary.
+Stage 2: stage 1 plus sharded gradients, reduce-scattered every micro step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.comm import collectives
+from shardwise.zero.flat_group import FlatGroup
+from shardwise.zero.reducer import GradientReducer, ReducePolicy
+
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class ZeroPolicy:
+    """What the sharded optimizer needs from the config, decided once."""
+
+    stage: int
+    rank: int
+    world_size: int
+    bucket_numel: int
+    overlap_comm: bool
+    grad_dtype: torch.dtype
+    comm_dtype: torch.dtype | None
+    pre_multiplier: float
+    post_divisor: float
+    check_overflow: bool
+    gradient_clipping: float
+    process_group: Any = None
+    mp_group: Any = None
+    mp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Outcome of one optimizer step."""
+
+    applied: bool
+    grad_norm: float  # true (unscaled, unclipped) global norm; inf on overflow
+    overflow: bool
+
+
+class ZeroOptimizer:
+    """Flat-buffer ZeRO (stages 0, 1, 2) around a torch optimizer built on the masters."""
+
+    def __init__(
+        self,
+        param_groups: Sequence[dict[str, Any]],
+        optimizer_factory: OptimizerFactory,
+        policy: ZeroPolicy,
+    ) -> None:
+        self.policy = policy
+        shard = policy.stage >= 1
+        self.groups: list[FlatGroup] = []
+        self.group_index: list[int] = []  # flat group -> user param group
+        self.tp_flags: list[bool] = []
+        inner_groups: list[dict[str, Any]] = []
+        for gi, group in enumerate(param_groups):
+            params = [p for p in group["params"] if p.requires_grad]
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            masters: list[torch.Tensor] = []
+            for key, members in _split_by_kind(params).items():
+                flat = FlatGroup(
+                    members, rank=policy.rank, world_size=policy.world_size, bucket_numel=policy.bucket_numel,
+                    shard=shard, full_grad_buffer=policy.stage < 2, grad_dtype=policy.grad_dtype,
+                )
+                self.groups.append(flat)
+                self.group_index.append(gi)
+                self.tp_flags.append(key[2])
+                masters.extend(flat.master_params())
+            inner_groups.append({"params": masters, **hyper})
+        self.optimizer = optimizer_factory(inner_groups)
+        self.reducer = GradientReducer(
+            self.groups,
+            ReducePolicy(
+                shard=shard, every_micro_step=policy.stage >= 2, overlap=policy.overlap_comm,
+                comm_dtype=policy.comm_dtype, pre_multiplier=policy.pre_multiplier,
+            ),
+            policy.process_group,
+        )
+        self._bind_master_grads()
+
+    # ------------------------------------------------------------------ wiring
+    def _bind_master_grads(self) -> None:
+        for flat in self.groups:
+            for master, grad in zip(flat.master, flat.grad):
+                master.grad = grad if grad.dtype == master.dtype else None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's param groups (schedulers write ``lr`` here)."""
+        return self.optimizer.param_groups
+
+    def broadcast_parameters(self, src: int = 0) -> None:
+        """Make every rank start from ``src``'s parameters (and masters)."""
+        for flat in self.groups:
+            collectives.broadcast(flat.param_buffer, src=src, group=self.policy.process_group)
+            flat.refresh_masters()
+
+    # ------------------------------------------------------------------ micro steps
+    def prepare_backward(self, is_boundary: bool) -> None:
+        """Tell the reducer whether this backward ends an accumulation window."""
+        self.reducer.reduce_this_backward = is_boundary
+
+    def after_backward(self) -> None:
+        """Complete this backward's reductions (waits for in-flight buckets)."""
+        self.reducer.finish()
+
+    def zero_grad(self) -> None:
+        """Clear accumulated gradients."""
+        for flat in self.groups:
+            flat.zero_grads()
+        self.reducer.new_accumulation()
+
+    # ------------------------------------------------------------------ the step
+    def _squared_norm(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.groups[0].device)
+        mp_rank0 = self.policy.mp_rank == 0
+        for flat, is_tp in zip(self.groups, self.tp_flags):
+            if not (is_tp or mp_rank0):
+                continue  # replicated across model-parallel ranks: count it once
+            norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in flat.grad], 2.0)
+            total += torch.stack(norms).pow(2).sum()
+        if self.policy.stage >= 1 and self.policy.world_size > 1:
+            collectives.all_reduce(total, op="sum", group=self.policy.process_group)
+        if self.policy.mp_group is not None:
+            collectives.all_reduce(total, op="sum", group=self.policy.mp_group)
+        return total
+
+    def step(self, loss_scale: float = 1.0) -> StepResult:
+        """One optimizer step at an accumulation boundary (every rank must call it)."""
+        self.reducer.finish()
+        policy = self.policy
+        divisor = policy.post_divisor * loss_scale
+        norm = math.sqrt(float(self._squared_norm())) / divisor
+        if not math.isfinite(norm) and policy.check_overflow:
+            self.zero_grad()
+            return StepResult(applied=False, grad_norm=math.inf, overflow=True)
+        multiplier = 1.0 / divisor
+        if policy.gradient_clipping > 0:
+            clip = (norm + 1e-6) / policy.gradient_clipping
+            if clip > 1.0:
+                multiplier /= clip
+        for flat in self.groups:
+            if multiplier != 1.0:
+                torch._foreach_mul_(flat.grad, multiplier)
+            for master, grad in zip(flat.master, flat.grad):
+                if grad.dtype != master.dtype:
+                    master.grad = grad.to(master.dtype)
+        self.optimizer.step()
+        self._publish_parameters()
+        self.zero_grad()
+        return StepResult(applied=True, grad_norm=norm, overflow=False)
+
+    def _publish_parameters(self) -> None:
+        """Masters -> parameter buffer, then (sharded) all-gather every bucket."""
+        works = []
+        for flat in self.groups:
+            flat.copy_master_to_params()
+            if self.policy.stage == 0 or self.policy.world_size == 1:
+                continue
+            for plan, (lo, hi) in zip(flat.layout.buckets, flat.owned):
+                bucket = flat.param_buffer[plan.start : plan.end]
+                works.append(collectives.all_gather_flat(bucket, flat.param_buffer[lo:hi],
+                                                         group=self.policy.process_group, async_op=True))
+        for work in works:
+            if work is not None:
+                work.wait()
+
+    # ------------------------------------------------------------------ introspection
+    def model_state_bytes(self) -> int:
+        """Bytes of parameters, gradients, masters and optimizer state held by this rank."""
+        total = sum(flat.state_bytes() for flat in self.groups)
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    total += value.numel() * value.element_size()
+        return total
+
+
+def _split_by_kind(params: Sequence[nn.Parameter]) -> dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]]:
+    """Group parameters by (dtype, device, tensor-parallel flag): one flat buffer each."""
+    out: dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
+    for p in params:
+        is_tp = bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
+        out.setdefault((p.dtype, p.device, is_tp), []).append(p)
+    return out

@@ -1,0 +1,184 @@
+"""A single-process reference for ZeRO parity tests, and the per-rank training function.
+
+The reference is fed the same global batch as the ranks, processed as the same micro
+batches (rank r's micro batch k of step s is forwarded on its own, as rank r does), so
+every forward and backward runs the same kernels on the same shapes; gradients are
+accumulated in fp32 per rank and summed over ranks in the same order as the reduction.
+It implements DeepSpeed's recipe directly with plain torch: 16-bit model copy for
+forward/backward, fp32 master weights, loss / GAS (x loss scale for fp16), mean over
+ranks, global-norm clipping ``coef = clip / (norm + 1e-6)``, AdamW on the masters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from shardwise.testing.models import GPTConfig, TinyGPT
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, qkv_bias=False)
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.99), 1e-8, 0.01
+
+
+def make_model(seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT(TINY)
+
+
+def batch(step: int, micro: int, rank: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deterministic micro batch that ``rank`` sees at (step, micro)."""
+    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    data = torch.randint(0, TINY.vocab_size, (micro_batch, TINY.block_size + 1), generator=gen)
+    return data[:, :-1], data[:, 1:]
+
+
+def config(
+    stage: int, precision: str, gas: int, micro_batch: int, world: int, clip: float = 0.0, **zero: Any
+) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, **zero},
+    }
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
+    return cfg
+
+
+def reference_run(
+    precision: str, gas: int, micro_batch: int, world: int, steps: int, *, reduce_every_micro: bool = False,
+    clip: float = 0.0,
+) -> dict[str, Any]:
+    """Losses per (step, micro, rank), gradient norms per step and final fp32 master parameters.
+
+    ``reduce_every_micro`` sums over ranks after every micro batch and accumulates those
+    sums (ZeRO-2's order); otherwise each rank accumulates its micro batches and the
+    per-rank sums are added (stages 0/1). Both are the same mean, rounded differently.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks use 1 thread: reductions split the same way
+    try:
+        return _reference(precision, gas, micro_batch, world, steps, reduce_every_micro, clip)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(
+    precision: str, gas: int, micro_batch: int, world: int, steps: int, reduce_every_micro: bool, clip_to: float
+) -> dict[str, Any]:
+    dtype = DTYPES[precision]
+    model = make_model()
+    params = list(model.parameters())
+    model.to(dtype)  # like the engine: masters start from the 16-bit values
+    masters = [p.detach().float().clone() for p in params]
+    opt = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    scale = 2.0**8 if precision == "fp16" else 1.0
+    losses: dict[tuple[int, int, int], float] = {}
+    norms = []
+    for step in range(steps):
+        grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for rank in range(world):
+            for micro in range(gas):
+                x, y = batch(step, micro, rank, micro_batch)
+                loss = model(x, y)
+                losses[(step, micro, rank)] = loss.item()
+                scaled = (loss / gas if gas > 1 else loss).float() * scale
+                scaled.backward()
+                grads[(micro, rank)] = [p.grad.float() for p in params]
+                for p in params:
+                    p.grad = None
+        total = [torch.zeros_like(m) for m in masters]
+        if reduce_every_micro:
+            for micro in range(gas):
+                for i, t in enumerate(total):
+                    summed = grads[(micro, 0)][i].clone()
+                    for rank in range(1, world):
+                        summed.add_(grads[(micro, rank)][i])
+                    t.add_(summed)
+        else:
+            for i in range(len(total)):
+                per_rank = []
+                for rank in range(world):
+                    acc = torch.zeros_like(masters[i])
+                    for micro in range(gas):
+                        acc.add_(grads[(micro, rank)][i])
+                    per_rank.append(acc)
+                total[i] = per_rank[0].clone()
+                for rank in range(1, world):
+                    total[i].add_(per_rank[rank])
+        divisor = world * scale
+        norm = math.sqrt(sum(float(t.pow(2).sum()) for t in total)) / divisor
+        mult = 1.0 / divisor
+        norms.append(norm)
+        clip = (norm + 1e-6) / clip_to if clip_to > 0 else 0.0
+        if clip > 1:
+            mult /= clip
+        for m, t in zip(masters, total):
+            m.grad = t * mult
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+    return {"losses": losses, "params": [m.clone() for m in masters], "norms": norms}
+
+
+def rank_train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the engine under test (run by the harness)."""
+    import shardwise
+
+    torch.set_num_threads(1)
+    model = make_model()
+    engine, _, _, _ = shardwise.initialize(
+        model=model, model_parameters=model.parameters(),
+        config=config(case["stage"], case["precision"], case["gas"], case["micro_batch"], world,
+                      clip=case.get("clip", 0.0), **case.get("zero", {})),
+    )
+    losses = {}
+    norms = []
+    for step in range(case["steps"]):
+        for micro in range(case["gas"]):
+            x, y = _micro_batch(case, step, micro, rank)
+            loss = engine(x, y)
+            losses[(step, micro, rank)] = loss.item()
+            engine.backward(loss)
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+    masters = _full_masters(engine)
+    return {"losses": losses, "params": masters, "steps": engine.global_steps,
+            "skipped": engine.skipped_steps, "state_bytes": engine.optimizer.model_state_bytes(),
+            "norms": norms}
+
+
+def _micro_batch(case: dict[str, Any], step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """With ``same_data`` every accumulation split of a step sees the same samples."""
+    m = case["micro_batch"]
+    if not case.get("same_data"):
+        return batch(step, micro, rank, m)
+    x, y = batch(step, 0, rank, m * case["gas"])
+    return x[micro * m : (micro + 1) * m], y[micro * m : (micro + 1) * m]
+
+
+def _full_masters(engine: Any) -> list[torch.Tensor]:
+    """Full fp32 parameter values in model order (16-bit params: gather fp32 masters)."""
+    import torch.distributed as dist
+
+    opt = engine.optimizer
+    out: list[torch.Tensor] = []
+    by_param: dict[int, torch.Tensor] = {}
+    for flat in opt.groups:
+        full = flat.local_master_flat()
+        if flat.shard and dist.get_world_size() > 1:
+            dist.all_reduce(full)  # owned ranges are disjoint across ranks
+        for index, p in enumerate(flat.params):
+            a, b = flat.param_view(index)
+            by_param[id(p)] = full[a:b].view_as(p).clone()
+    for p in engine.module.parameters():
+        out.append(by_param[id(p)])
+    return out
