@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo check-configs test lint bench bench-setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,8 +15,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-## demo: the main job (a short run on the bundled example configs)
+## demo: the main job: a 2-process CPU training of a tiny GPT with a ZeRO-2 bf16 config
 demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 \
+		examples/train_gpt.py --deepspeed_config examples/configs/zero2_bf16.json --steps 30
+
+## check-configs: validate the bundled example configs for 2 ranks
+check-configs: $(STAMP)
 	$(BIN)/shardwise config check --world-size 2 examples/configs/*.json
 
 ## test: the whole test suite
@@ -26,6 +31,14 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
+
+## bench-setup: a separate venv with DeepSpeed, the engine-core benchmark's peer (never imported by src/)
+DS_VENV := .venv-ds
+bench-setup:
+	test -x $(DS_VENV)/bin/python || $(PYTHON) -m venv $(DS_VENV)
+	$(DS_VENV)/bin/pip install --quiet --upgrade pip
+	$(DS_VENV)/bin/pip install --quiet "torch==2.13.0"
+	$(DS_VENV)/bin/pip install --quiet "deepspeed==0.19.8" || $(DS_VENV)/bin/pip install --quiet deepspeed
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
