@@ -76,14 +76,19 @@ def main() -> None:
             bar.set_postfix(loss=f"{value:.3f}", lr=f"{engine.get_lr()[0]:.2e}")
             bar.update(1)
             if rank0 and not interactive and engine.global_steps % 5 == 0:
-                print(f"step {engine.global_steps:4d}  loss {value:.3f}  lr {engine.get_lr()[0]:.2e}  "
-                      f"grad_norm {engine.get_global_grad_norm():.3f}", flush=True)
+                print(
+                    f"step {engine.global_steps:4d}  loss {value:.3f}  lr {engine.get_lr()[0]:.2e}  "
+                    f"grad_norm {engine.get_global_grad_norm():.3f}",
+                    flush=True,
+                )
         if engine.global_steps >= args.steps:
             break
     bar.close()
     if rank0:
-        print(f"loss {first:.3f} -> {last:.3f} after {engine.global_steps} steps "
-              f"({engine.skipped_steps} skipped), final grad norm {engine.get_global_grad_norm():.3f}")
+        print(
+            f"loss {first:.3f} -> {last:.3f} after {engine.global_steps} steps "
+            f"({engine.skipped_steps} skipped), final grad norm {engine.get_global_grad_norm():.3f}"
+        )
 
 
 if __name__ == "__main__":

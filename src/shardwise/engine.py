@@ -81,7 +81,11 @@ class ShardwiseEngine(nn.Module):
 
     def get_batch_info(self) -> tuple[int, int, int]:
         """``(train_batch_size, micro_batch, accumulation_steps)``."""
-        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+        return (
+            self.train_batch_size(),
+            self.train_micro_batch_size_per_gpu(),
+            self.gradient_accumulation_steps(),
+        )
 
     def zero_optimization_stage(self) -> int:
         """The ZeRO stage, 0-3."""
@@ -117,7 +121,7 @@ class ShardwiseEngine(nn.Module):
     def _require_optimizer(self, what: str) -> ZeroOptimizer:
         if self.optimizer is None:
             raise RuntimeError(
-                f"engine.{what}() needs an optimizer: add an \"optimizer\" section to the config or pass "
+                f'engine.{what}() needs an optimizer: add an "optimizer" section to the config or pass '
                 "optimizer=... to shardwise.initialize"
             )
         return self.optimizer
@@ -136,11 +140,15 @@ class ShardwiseEngine(nn.Module):
         """``loss * loss_scale`` for a manual ``.backward()``."""
         return self.precision.loss_scaler.scale_loss(loss)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the loss scale); returns ``loss / GAS``."""
         optimizer = self._require_optimizer("backward")
         if loss.dim() != 0:
-            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it first")
+            raise ValueError(
+                f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it first"
+            )
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         optimizer.prepare_backward(self.is_gradient_accumulation_boundary())
@@ -172,7 +180,9 @@ class ShardwiseEngine(nn.Module):
         """Call after every micro batch; at the accumulation boundary it updates the model."""
         optimizer = self._require_optimizer("step")
         if self._in_no_sync:
-            raise RuntimeError("engine.step() inside no_sync(): leave the context and run a final backward first")
+            raise RuntimeError(
+                "engine.step() inside no_sync(): leave the context and run a final backward first"
+            )
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             result = optimizer.step(loss_scale=self.loss_scale)
@@ -201,7 +211,11 @@ class ShardwiseEngine(nn.Module):
         if every and self.global_steps % every == 0:
             logger.info(
                 "step=%d, skipped=%d, lr=%s, grad_norm=%s, loss_scale=%s",
-                self.global_steps, self.skipped_steps, self.get_lr(), self.get_global_grad_norm(), self.loss_scale,
+                self.global_steps,
+                self.skipped_steps,
+                self.get_lr(),
+                self.get_global_grad_norm(),
+                self.loss_scale,
             )
 
     def was_step_applied(self) -> bool:
@@ -212,8 +226,11 @@ class ShardwiseEngine(nn.Module):
         """Gradient norm of the last step, unscaled and before clipping (inf after an overflow)."""
         return None if self._last_step is None else self._last_step.grad_norm
 
-    def zero_grad(self) -> None:
-        """Clear gradients (the engine already does after each optimizer step)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients (the engine already does after each optimizer step).
+
+        ZeRO's gradient buffers are always zeroed in place, whatever ``set_to_none`` says.
+        """
         if self.optimizer is not None:
             self.optimizer.zero_grad()
 
@@ -246,22 +263,35 @@ class ShardwiseEngine(nn.Module):
     def _set_batch(self, tbs: int, mbs: int, gas: int) -> None:
         from dataclasses import replace
 
-        self._config.batch = replace(self._config.batch, train_batch_size=tbs, micro_batch_per_gpu=mbs,
-                                     gradient_accumulation_steps=gas)
+        self._config.batch = replace(
+            self._config.batch, train_batch_size=tbs, micro_batch_per_gpu=mbs, gradient_accumulation_steps=gas
+        )
 
     # ------------------------------------------------------------------ data
     def deepspeed_io(
-        self, dataset: Any, batch_size: int | None = None, route: str = "train", pin_memory: bool = False,
-        data_sampler: Any = None, collate_fn: Any = None, num_local_io_workers: int | None = None,
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        route: str = "train",
+        pin_memory: bool = False,
+        data_sampler: Any = None,
+        collate_fn: Any = None,
+        num_local_io_workers: int | None = None,
     ) -> Any:
         """A distributed data loader over ``dataset`` with the micro batch size."""
         from shardwise.data import build_data_loader
 
         return build_data_loader(
-            dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(), dp_rank=self.topology.dp_rank,
-            dp_world_size=self.dp_world_size, drop_last=self._config.dataloader_drop_last,
-            collate_fn=collate_fn or self.collate_fn, num_workers=num_local_io_workers or 0,
-            pin_memory=pin_memory and self.device.type == "cuda", data_sampler=data_sampler, route=route,
+            dataset,
+            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            dp_rank=self.topology.dp_rank,
+            dp_world_size=self.dp_world_size,
+            drop_last=self._config.dataloader_drop_last,
+            collate_fn=collate_fn or self.collate_fn,
+            num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory and self.device.type == "cuda",
+            data_sampler=data_sampler,
+            route=route,
         )
 
     # ------------------------------------------------------------------ module access

@@ -23,7 +23,7 @@ from shardwise.config import ConfigError, ResolutionContext, load_config
 from shardwise.config.resolve import ResolvedConfig
 from shardwise.engine import ShardwiseEngine
 from shardwise.precision.policy import build_precision
-from shardwise.utils.logging import logger
+from shardwise.utils.logging import logger, set_log_level
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -36,18 +36,25 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
             value = getattr(args, name, None)
             if value:
                 if from_args is not None and value != from_args:
-                    raise ConfigError("--deepspeed_config", f"two different configs given on the command line "
-                                      f"({from_args!r} and {value!r})", "pass only one", value=value)
+                    raise ConfigError(
+                        "--deepspeed_config",
+                        f"two different configs given on the command line ({from_args!r} and {value!r})",
+                        "pass only one",
+                        value=value,
+                    )
                 from_args = value
     if from_args is not None and config is not None:
         raise ConfigError(
-            "--deepspeed_config", "a config was given both on the command line and to initialize(config=...)",
-            "pass only one of them", value=from_args,
+            "--deepspeed_config",
+            "a config was given both on the command line and to initialize(config=...)",
+            "pass only one of them",
+            value=from_args,
         )
     source = config if config is not None else from_args
     if source is None:
         raise ConfigError(
-            "config", "shardwise.initialize needs a config",
+            "config",
+            "shardwise.initialize needs a config",
             "pass config='ds_config.json' (or a dict), or --deepspeed_config on the command line",
         )
     return source
@@ -69,7 +76,9 @@ def _client_hparams(optimizer: Any) -> dict[str, Any] | None:
     return None
 
 
-def _user_param_groups(model: nn.Module, model_parameters: Any, client_optimizer: Any) -> list[dict[str, Any]]:
+def _user_param_groups(
+    model: nn.Module, model_parameters: Any, client_optimizer: Any
+) -> list[dict[str, Any]]:
     if isinstance(client_optimizer, torch.optim.Optimizer):
         return [{**g, "params": list(g["params"])} for g in client_optimizer.param_groups if g["params"]]
     if model_parameters is None:
@@ -80,7 +89,9 @@ def _user_param_groups(model: nn.Module, model_parameters: Any, client_optimizer
     return [{"params": items}]
 
 
-def _optimizer_factory(cfg: ResolvedConfig, client_optimizer: Any) -> Callable[[list[dict[str, Any]]], Any] | None:
+def _optimizer_factory(
+    cfg: ResolvedConfig, client_optimizer: Any
+) -> Callable[[list[dict[str, Any]]], Any] | None:
     """How to build the inner optimizer over the tensors ZeRO hands it (masters/shards)."""
     from shardwise.optim import build_optimizer
 
@@ -107,8 +118,9 @@ def _check_zero_optimizer(cfg: ResolvedConfig, optimizer: torch.optim.Optimizer)
             "zero_allow_untested_optimizer",
             f"{type(optimizer).__name__} is not known to be correct on ZeRO's sharded flat tensors "
             "(optimizers with per-tensor maths, such as Lamb's trust ratio, would see shard pieces)",
-            'use stage 0, an element-wise optimizer (Adam, AdamW, Adagrad, Lion), or set '
-            '"zero_allow_untested_optimizer": true to run it anyway', value=False,
+            "use stage 0, an element-wise optimizer (Adam, AdamW, Adagrad, Lion), or set "
+            '"zero_allow_untested_optimizer": true to run it anyway',
+            value=False,
         )
 
 
@@ -161,10 +173,13 @@ def initialize(
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     topology = build_topology(mpu)
     context = ResolutionContext(
-        world_size=topology.dp_size, optimizer_hparams=_client_hparams(optimizer),
+        world_size=topology.dp_size,
+        optimizer_hparams=_client_hparams(optimizer),
         hidden_size=_hidden_size(model),
     )
     cfg = load_config(source, context=context)
+    if cfg.log_level:
+        set_log_level(cfg.log_level)
     precision = build_precision(cfg.config)
     device = _device()
     model.to(device=device)
@@ -195,8 +210,12 @@ def initialize(
         engine.training_dataloader = loader
     logger.info(
         "engine ready: ZeRO stage %d, %s, batch %d = %d x %d x %d ranks",
-        cfg.zero_stage, precision.name, cfg.batch.train_batch_size, cfg.batch.micro_batch_per_gpu,
-        cfg.batch.gradient_accumulation_steps, topology.dp_size,
+        cfg.zero_stage,
+        precision.name,
+        cfg.batch.train_batch_size,
+        cfg.batch.micro_batch_per_gpu,
+        cfg.batch.gradient_accumulation_steps,
+        topology.dp_size,
     )
     return engine, zero_optimizer, loader, scheduler
 
@@ -204,12 +223,11 @@ def initialize(
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--deepspeed``, ``--deepspeed_config`` (and ``--shardwise_config``) to a parser."""
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed-compatible configuration (shardwise)")
-    group.add_argument("--deepspeed", default=False, action="store_true",
-                       help="accepted for compatibility; has no effect")
+    group.add_argument(
+        "--deepspeed", default=False, action="store_true", help="accepted for compatibility; has no effect"
+    )
     group.add_argument("--deepspeed_config", default=None, type=str, help="ds_config.json path")
     group.add_argument("--shardwise_config", default=None, type=str, help="alias of --deepspeed_config")
     group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     return parser
-
-

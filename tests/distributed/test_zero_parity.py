@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from zero_reference import rank_train, reference_run
 
 from shardwise.testing import run_distributed_cases
-
-from zero_reference import rank_train, reference_run
 
 pytestmark = pytest.mark.distributed
 
@@ -53,7 +52,9 @@ def results():
 
 @pytest.mark.parametrize("case", GRID, ids=_id)
 def test_matches_single_process_reference(results, case):
-    ref = reference_run(case["precision"], case["gas"], MICRO, WORLD, STEPS, reduce_every_micro=case["stage"] == 2)
+    ref = reference_run(
+        case["precision"], case["gas"], MICRO, WORLD, STEPS, reduce_every_micro=case["stage"] == 2
+    )
     ranks = results[_id(case)]
     for rank_result in ranks:
         assert rank_result["steps"] == STEPS and rank_result["skipped"] == 0
@@ -69,8 +70,15 @@ def test_matches_single_process_reference(results, case):
 
 @pytest.mark.parametrize("case", CLIP_CASES, ids=_id)
 def test_global_norm_clipping_matches_reference(results, case):
-    ref = reference_run("fp32", case["gas"], MICRO, WORLD, case["steps"], reduce_every_micro=case["stage"] == 2,
-                        clip=case["clip"])
+    ref = reference_run(
+        "fp32",
+        case["gas"],
+        MICRO,
+        WORLD,
+        case["steps"],
+        reduce_every_micro=case["stage"] == 2,
+        clip=case["clip"],
+    )
     ranks = results[_id(case)]
     assert all(n > case["clip"] for n in ref["norms"]), "the test must actually clip"
     for rank_result in ranks:

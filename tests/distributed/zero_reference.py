@@ -42,7 +42,10 @@ def config(
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD},
+        },
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, **zero},
     }
     if precision == "bf16":
@@ -53,7 +56,13 @@ def config(
 
 
 def reference_run(
-    precision: str, gas: int, micro_batch: int, world: int, steps: int, *, reduce_every_micro: bool = False,
+    precision: str,
+    gas: int,
+    micro_batch: int,
+    world: int,
+    steps: int,
+    *,
+    reduce_every_micro: bool = False,
     clip: float = 0.0,
 ) -> dict[str, Any]:
     """Losses per (step, micro, rank), gradient norms per step and final fp32 master parameters.
@@ -71,7 +80,13 @@ def reference_run(
 
 
 def _reference(
-    precision: str, gas: int, micro_batch: int, world: int, steps: int, reduce_every_micro: bool, clip_to: float
+    precision: str,
+    gas: int,
+    micro_batch: int,
+    world: int,
+    steps: int,
+    reduce_every_micro: bool,
+    clip_to: float,
 ) -> dict[str, Any]:
     dtype = DTYPES[precision]
     model = make_model()
@@ -136,9 +151,17 @@ def rank_train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = make_model()
     engine, _, _, _ = shardwise.initialize(
-        model=model, model_parameters=model.parameters(),
-        config=config(case["stage"], case["precision"], case["gas"], case["micro_batch"], world,
-                      clip=case.get("clip", 0.0), **case.get("zero", {})),
+        model=model,
+        model_parameters=model.parameters(),
+        config=config(
+            case["stage"],
+            case["precision"],
+            case["gas"],
+            case["micro_batch"],
+            world,
+            clip=case.get("clip", 0.0),
+            **case.get("zero", {}),
+        ),
     )
     losses = {}
     norms = []
@@ -151,9 +174,14 @@ def rank_train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
             engine.step()
         norms.append(engine.get_global_grad_norm())
     masters = _full_masters(engine)
-    return {"losses": losses, "params": masters, "steps": engine.global_steps,
-            "skipped": engine.skipped_steps, "state_bytes": engine.optimizer.model_state_bytes(),
-            "norms": norms}
+    return {
+        "losses": losses,
+        "params": masters,
+        "steps": engine.global_steps,
+        "skipped": engine.skipped_steps,
+        "state_bytes": engine.optimizer.model_state_bytes(),
+        "norms": norms,
+    }
 
 
 def _micro_batch(case: dict[str, Any], step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

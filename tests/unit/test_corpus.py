@@ -15,13 +15,22 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "corpus"))
 
-from categories import ACCEPT, REJECT, accept_category, reject_category  # noqa: E402
-from corpus_paths import corpus_dir, record_id, run_record  # noqa: E402
+from categories import ACCEPT, REJECT, accept_category, reject_category
+from corpus_paths import corpus_dir, record_id, run_record
 
-from shardwise.utils.logging import logger  # noqa: E402
+from shardwise.utils.logging import logger
 
-FIELDS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_stage",
-          "fp16_enabled", "bf16_enabled", "gradient_clipping", "optimizer_name", "scheduler_name")
+FIELDS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_stage",
+    "fp16_enabled",
+    "bf16_enabled",
+    "gradient_clipping",
+    "optimizer_name",
+    "scheduler_name",
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +100,13 @@ def test_every_record_lands_in_its_expected_category(corpus):
             else:
                 message = str(error)
                 if reject_category(message) != category:
-                    failures.append(f"{rid}: rejected as {reject_category(message)}, expected {category}: {message}")
+                    failures.append(
+                        f"{rid}: rejected as {reject_category(message)}, expected {category}: {message}"
+                    )
                 if f"'{expected['error_key']}'" not in message or "fix:" not in message:
-                    failures.append(f"{rid}: message does not name '{expected['error_key']}' with a fix: {message}")
+                    failures.append(
+                        f"{rid}: message does not name '{expected['error_key']}' with a fix: {message}"
+                    )
     assert not failures, f"{len(failures)} records off:\n" + "\n".join(failures[:40])
 
 
@@ -110,14 +123,22 @@ def test_categories_cover_the_corpus_as_reviewed(corpus):
     for record in records:
         category = expectations[record_id(record)]["category"]
         if accept_category(record) in ("removed-section", "auto") and category in REJECT:
-            assert category in ("batch-mismatch", "missing-batch", "placeholder", "unknown-key", "unsupported")
+            assert category in (
+                "batch-mismatch",
+                "missing-batch",
+                "placeholder",
+                "unknown-key",
+                "unsupported",
+            )
 
 
 def test_error_messages_name_key_value_and_fix(corpus):
-    root, records, expectations = corpus
+    root, records, _expectations = corpus
     logger.setLevel(logging.ERROR)
     by_id = {record_id(r): r for r in records}
-    typo = by_id["260_microsoft__DeepSpeedExamples__Megatron-LM-v1.1.5-ZeRO3__examples__ds_zero_stage_3_config.json|as_is|ws=1"]
+    typo = by_id[
+        "260_microsoft__DeepSpeedExamples__Megatron-LM-v1.1.5-ZeRO3__examples__ds_zero_stage_3_config.json|as_is|ws=1"
+    ]
     _, error = run_record(root, typo)
     assert error is not None
     assert "'zero_optimization.stage3_param_persitence_threshold' = 100000" in str(error)

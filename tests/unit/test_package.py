@@ -25,8 +25,21 @@ def test_config_package_is_pure():
 def test_public_api_names_resolve():
     import shardwise
 
-    for name in ("initialize", "add_config_arguments", "init_distributed", "ConfigError", "load_config",
-                 "RepeatingLoader", "DeepSpeedEngine"):
+    for name in (
+        "initialize",
+        "add_config_arguments",
+        "init_distributed",
+        "ConfigError",
+        "load_config",
+        "RepeatingLoader",
+        "DeepSpeedEngine",
+    ):
         assert getattr(shardwise, name) is not None
     assert callable(shardwise.initialize) and shardwise.initialize.__name__ == "initialize"
-    assert set(shardwise.__all__) >= {"initialize", "init_distributed", "add_config_arguments", "comm", "zero"}
+    assert set(shardwise.__all__) >= {
+        "initialize",
+        "init_distributed",
+        "add_config_arguments",
+        "comm",
+        "zero",
+    }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from shardwise.zero.partition import plan_layout
@@ -20,7 +22,7 @@ def test_every_element_belongs_to_exactly_one_rank_and_params_do_not_overlap(wor
                 owner[i] = rank
     assert None not in owner
     covered = sorted((s.offset, s.offset + s.numel) for s in layout.slots)
-    for (a0, a1), (b0, b1) in zip(covered, covered[1:]):
+    for (_a0, a1), (b0, _b1) in itertools.pairwise(covered):
         assert a1 <= b0
     for slot in layout.slots:
         plan = layout.buckets[slot.bucket]

@@ -14,14 +14,21 @@ def add_parser(subparsers: Any) -> None:
     """Register ``config`` and its sub-commands."""
     parser = subparsers.add_parser("config", help="check or explain a ds_config.json")
     sub = parser.add_subparsers(dest="config_command", required=True)
-    for name, text in (("check", "validate files; exit 1 if any is wrong"),
-                       ("explain", "show every resolved value and where it came from")):
+    for name, text in (
+        ("check", "validate files; exit 1 if any is wrong"),
+        ("explain", "show every resolved value and where it came from"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("files", nargs="+", metavar="FILE")
         p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks for the batch rule")
         p.add_argument("--strict", action="store_true", help="unknown keys are errors, not warnings")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a key (fills \"auto\"), e.g. --set train_micro_batch_size_per_gpu=4")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help='override a key (fills "auto"), e.g. --set train_micro_batch_size_per_gpu=4',
+        )
         p.add_argument("--json", action="store_true", help="print the fully resolved config as JSON")
         if name == "explain":
             p.add_argument("--no-defaults", action="store_true", help="hide values left at their default")

@@ -37,16 +37,31 @@ LITERAL_AUTO_FIELDS = {"data_types.keep_in_fp32_modules", "pipeline.stages"}
 # optimizer hyperparameter defaults by JSON name (lower case); torch classes are introspected
 _ADAM_LIKE = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "adam": _ADAM_LIKE, "adamw": _ADAM_LIKE, "onebitadam": _ADAM_LIKE, "zerooneadam": _ADAM_LIKE,
-    "lamb": _ADAM_LIKE, "onebitlamb": _ADAM_LIKE,
+    "adam": _ADAM_LIKE,
+    "adamw": _ADAM_LIKE,
+    "onebitadam": _ADAM_LIKE,
+    "zerooneadam": _ADAM_LIKE,
+    "lamb": _ADAM_LIKE,
+    "onebitlamb": _ADAM_LIKE,
     "lion": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},
     "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
 }
 SCHEDULER_DEFAULTS: dict[str, Any] = {
-    "warmup_min_lr": 0.0, "warmup_num_steps": 1000, "warmup_type": "log", "warmup_min_ratio": 0.0,
-    "cos_min_ratio": 0.0001, "decay_lr_rate": 0.0, "cycle_first_step_size": 2000, "cycle_momentum": True,
-    "cycle_min_mom": 0.8, "cycle_max_mom": 0.9, "decay_mom_rate": 0.0, "decay_step_size": 0,
-    "lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2000, "lr_range_test_step_rate": 1.0,
+    "warmup_min_lr": 0.0,
+    "warmup_num_steps": 1000,
+    "warmup_type": "log",
+    "warmup_min_ratio": 0.0,
+    "cos_min_ratio": 0.0001,
+    "decay_lr_rate": 0.0,
+    "cycle_first_step_size": 2000,
+    "cycle_momentum": True,
+    "cycle_min_mom": 0.8,
+    "cycle_max_mom": 0.9,
+    "decay_mom_rate": 0.0,
+    "decay_step_size": 0,
+    "lr_range_test_min_lr": 1e-3,
+    "lr_range_test_step_size": 2000,
+    "lr_range_test_step_rate": 1.0,
     "lr_range_test_staircase": False,
 }
 # the last-resort total_num_steps when nothing tells us the run length (logged as a warning)
@@ -190,8 +205,10 @@ def _optimizer_default(opt_type: str, key: str) -> Any:
             default = param.default
             return list(default) if isinstance(default, tuple) else default
     raise ConfigError(
-        f"optimizer.params.{key}", f"is \"auto\" but optimizer {opt_type!r} has no default for {key!r}",
-        f"give a value, or pass overrides={{'optimizer.params.{key}': ...}}", value=AUTO,
+        f"optimizer.params.{key}",
+        f'is "auto" but optimizer {opt_type!r} has no default for {key!r}',
+        f"give a value, or pass overrides={{'optimizer.params.{key}': ...}}",
+        value=AUTO,
     )
 
 
@@ -212,11 +229,13 @@ class AutoResolver:
             is_auto = isinstance(current, str) and current.strip().lower() == AUTO
             if current is _MISSING or is_auto or current == value:
                 set_path(raw, path, value)
-                self.provenance[path] = Provenance(Source.OVERRIDE, "replaced \"auto\"" if is_auto else "")
+                self.provenance[path] = Provenance(Source.OVERRIDE, 'replaced "auto"' if is_auto else "")
             else:
                 raise ConfigError(
-                    path, f"the file says {current!r} but the caller's override says {value!r}",
-                    "make them agree, or write \"auto\" in the file to let the override decide", value=current,
+                    path,
+                    f"the file says {current!r} but the caller's override says {value!r}",
+                    'make them agree, or write "auto" in the file to let the override decide',
+                    value=current,
                 )
 
     def resolve(self, raw: dict[str, Any]) -> None:
@@ -228,7 +247,9 @@ class AutoResolver:
         for path in autos:
             self._resolve_one(raw, path)
 
-    def _set(self, raw: dict[str, Any], path: str, value: Any, note: str, source: Source = Source.AUTO) -> None:
+    def _set(
+        self, raw: dict[str, Any], path: str, value: Any, note: str, source: Source = Source.AUTO
+    ) -> None:
         set_path(raw, path, value)
         self.provenance[path] = Provenance(source, note)
 
@@ -244,7 +265,10 @@ class AutoResolver:
         hidden = ctx.hidden_size
         bucket_rules = {
             "zero_optimization.reduce_bucket_size": (lambda h: h * h, "hidden_size**2"),
-            "zero_optimization.stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), "0.9 * hidden_size**2"),
+            "zero_optimization.stage3_prefetch_bucket_size": (
+                lambda h: int(0.9 * h * h),
+                "0.9 * hidden_size**2",
+            ),
             "zero_optimization.stage3_param_persistence_threshold": (lambda h: 10 * h, "10 * hidden_size"),
         }
         if path in bucket_rules and hidden:
@@ -267,8 +291,10 @@ class AutoResolver:
             self.provenance[path] = Provenance(Source.AUTO, f"section default {shown!r}")
             return
         raise ConfigError(
-            path, "is \"auto\", but no rule can resolve it here (it is not a setting with a default)",
-            f"write a concrete value, or pass overrides={{'{path}': ...}}", value=AUTO,
+            path,
+            'is "auto", but no rule can resolve it here (it is not a setting with a default)',
+            f"write a concrete value, or pass overrides={{'{path}': ...}}",
+            value=AUTO,
         )
 
     def _optimizer_param(self, raw: dict[str, Any], path: str) -> None:
@@ -276,8 +302,12 @@ class AutoResolver:
         hparams = self.ctx.optimizer_hparams or {}
         if key in hparams:
             value = hparams[key]
-            self._set(raw, path, list(value) if isinstance(value, tuple) else value,
-                      "from the optimizer passed to initialize")
+            self._set(
+                raw,
+                path,
+                list(value) if isinstance(value, tuple) else value,
+                "from the optimizer passed to initialize",
+            )
             return
         opt_type = str(get_path(raw, "optimizer.type", ""))
         self._set(raw, path, _optimizer_default(opt_type, key), f"{opt_type} default")
@@ -298,13 +328,15 @@ class AutoResolver:
             return
         if key == "total_num_steps":
             if self.ctx.total_training_steps:
-                self._set(raw, path, int(self.ctx.total_training_steps), "planned training steps", Source.DERIVED)
+                self._set(
+                    raw, path, int(self.ctx.total_training_steps), "planned training steps", Source.DERIVED
+                )
                 return
             warmup = get_path(raw, "scheduler.params.warmup_num_steps")
             total = max(DEFAULT_TOTAL_NUM_STEPS, warmup if isinstance(warmup, int) else 0)
             self._set(raw, path, total, f"default {total}: nothing tells the run length")
             self.warnings.append(
-                f"scheduler.params.total_num_steps is \"auto\" and nothing tells the run length; using {total}. "
+                f'scheduler.params.total_num_steps is "auto" and nothing tells the run length; using {total}. '
                 "Pass training_data to initialize or overrides={'scheduler.params.total_num_steps': N}."
             )
             return
@@ -312,8 +344,10 @@ class AutoResolver:
             self._set(raw, path, SCHEDULER_DEFAULTS[key], f"scheduler default {SCHEDULER_DEFAULTS[key]!r}")
             return
         raise ConfigError(
-            path, "is \"auto\", but this scheduler parameter has no default to fall back to",
-            f"write a value, or pass overrides={{'{path}': ...}}", value=AUTO,
+            path,
+            'is "auto", but this scheduler parameter has no default to fall back to',
+            f"write a value, or pass overrides={{'{path}': ...}}",
+            value=AUTO,
         )
 
 

@@ -29,13 +29,19 @@ def _as_int(key: str, value: object) -> int | None:
     if value is None:
         return None
     if looks_like_placeholder(value):
-        raise ConfigError(key, "looks like an unfilled template placeholder, not a number",
-                          "substitute the real value before passing the file", value=value)
+        raise ConfigError(
+            key,
+            "looks like an unfilled template placeholder, not a number",
+            "substitute the real value before passing the file",
+            value=value,
+        )
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(key, "must be a positive integer", f"write a number, e.g. \"{key}\": 8", value=value)
+        raise ConfigError(key, "must be a positive integer", f'write a number, e.g. "{key}": 8', value=value)
     if isinstance(value, float):
         if not value.is_integer():
-            raise ConfigError(key, "must be a whole number", f"use {int(value)} or {int(value) + 1}", value=value)
+            raise ConfigError(
+                key, "must be a whole number", f"use {int(value)} or {int(value) + 1}", value=value
+            )
         return int(value)
     return value
 
@@ -77,9 +83,13 @@ def resolve_batch_sizes(
     if gas is not None and gas <= 0:
         raise ConfigError(GAS, "must be greater than 0", "use 1 for no accumulation", value=gas)
     if tbs is not None and tbs <= 0:
-        raise ConfigError(TBS, "must be greater than 0", "give the number of samples per optimizer step", value=tbs)
+        raise ConfigError(
+            TBS, "must be greater than 0", "give the number of samples per optimizer step", value=tbs
+        )
     if mbs is not None and mbs <= 0:
-        raise ConfigError(MBS, "must be greater than 0", "give the number of samples per rank per forward", value=mbs)
+        raise ConfigError(
+            MBS, "must be greater than 0", "give the number of samples per rank per forward", value=mbs
+        )
 
     if tbs is not None and mbs is not None and gas is None:
         gas = tbs // mbs // world_size
@@ -108,8 +118,10 @@ def resolve_batch_sizes(
         mbs = tbs // world_size
         if mbs == 0:
             raise ConfigError(
-                TBS, f"is smaller than the world size ({world_size}), so each rank would get 0 samples",
-                f"set {TBS} to at least {world_size} (a multiple of it)", value=tbs,
+                TBS,
+                f"is smaller than the world size ({world_size}), so each rank would get 0 samples",
+                f"set {TBS} to at least {world_size} (a multiple of it)",
+                value=tbs,
             )
     elif mbs is not None and tbs is None and gas is None:
         gas = 1
@@ -126,8 +138,10 @@ def resolve_batch_sizes(
     if tbs != mbs * gas * world_size:
         product = mbs * gas * world_size
         if TBS in given and MBS in given and GAS in given:
-            fix = (f"set {TBS} to {product}, or remove one of the three keys and let it be derived"
-                   f"; {_divisors_hint(tbs, world_size)}")
+            fix = (
+                f"set {TBS} to {product}, or remove one of the three keys and let it be derived"
+                f"; {_divisors_hint(tbs, world_size)}"
+            )
         elif MBS not in given and GAS not in given:
             fix = _divisors_hint(tbs, world_size)
         elif GAS not in given:

@@ -13,20 +13,42 @@ from shardwise.config.model import ShardwiseConfig
 def _precision_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
     errors = []
     if cfg.fp16.enabled and cfg.bf16.enabled:
-        errors.append(ConfigError("bf16.enabled", "fp16 and bf16 cannot both be enabled",
-                                  "pick one; bf16 needs no loss scaling and is the safer choice", value=True))
+        errors.append(
+            ConfigError(
+                "bf16.enabled",
+                "fp16 and bf16 cannot both be enabled",
+                "pick one; bf16 needs no loss scaling and is the safer choice",
+                value=True,
+            )
+        )
     if cfg.amp.enabled and (cfg.fp16.enabled or cfg.bf16.enabled):
-        errors.append(ConfigError("amp.enabled", "amp cannot be combined with fp16 or bf16",
-                                  "keep only one precision section enabled", value=True))
+        errors.append(
+            ConfigError(
+                "amp.enabled",
+                "amp cannot be combined with fp16 or bf16",
+                "keep only one precision section enabled",
+                value=True,
+            )
+        )
     enabled = cfg.precision
     if cfg.data_types.param_dtype is not None and cfg.data_types.param_dtype != enabled:
-        errors.append(ConfigError(
-            "data_types.param_dtype", f"must match the enabled precision ({enabled!r})",
-            "remove param_dtype or make it match", value=cfg.data_types.param_dtype,
-        ))
+        errors.append(
+            ConfigError(
+                "data_types.param_dtype",
+                f"must match the enabled precision ({enabled!r})",
+                "remove param_dtype or make it match",
+                value=cfg.data_types.param_dtype,
+            )
+        )
     if cfg.bf16.bf16_optimizer_states and not cfg.bf16.bf16_master_weights_and_grads:
-        errors.append(ConfigError("bf16.bf16_optimizer_states", "needs bf16.bf16_master_weights_and_grads=true",
-                                  "enable bf16_master_weights_and_grads or drop bf16_optimizer_states", value=True))
+        errors.append(
+            ConfigError(
+                "bf16.bf16_optimizer_states",
+                "needs bf16.bf16_master_weights_and_grads=true",
+                "enable bf16_master_weights_and_grads or drop bf16_optimizer_states",
+                value=True,
+            )
+        )
     return errors
 
 
@@ -35,38 +57,61 @@ def _communication_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
     zero = cfg.zero_optimization
     if zero.stage == 2 and zero.reduce_scatter and cfg.gradient_allreduce_op == "mean":
         if cfg.prescale_gradients:
-            errors.append(ConfigError(
-                "prescale_gradients", "is not supported with zero_optimization.stage=2 and reduce_scatter=true",
-                "set prescale_gradients to false (the averaged result is the same)", value=True,
-            ))
+            errors.append(
+                ConfigError(
+                    "prescale_gradients",
+                    "is not supported with zero_optimization.stage=2 and reduce_scatter=true",
+                    "set prescale_gradients to false (the averaged result is the same)",
+                    value=True,
+                )
+            )
         if cfg.gradient_predivide_factor != 1.0:
-            errors.append(ConfigError(
-                "gradient_predivide_factor", "must be 1.0 with stage 2 and reduce_scatter=true",
-                "remove it, or set zero_optimization.reduce_scatter to false", value=cfg.gradient_predivide_factor,
-            ))
+            errors.append(
+                ConfigError(
+                    "gradient_predivide_factor",
+                    "must be 1.0 with stage 2 and reduce_scatter=true",
+                    "remove it, or set zero_optimization.reduce_scatter to false",
+                    value=cfg.gradient_predivide_factor,
+                )
+            )
     if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
-        errors.append(ConfigError("gradient_allreduce_op", "'sum' is not supported at stage 3",
-                                  "use 'mean'", value="sum"))
+        errors.append(
+            ConfigError(
+                "gradient_allreduce_op", "'sum' is not supported at stage 3", "use 'mean'", value="sum"
+            )
+        )
     if not zero.compute_grad_norm and cfg.gradient_clipping > 0:
-        errors.append(ConfigError(
-            "zero_optimization.compute_grad_norm", f"false needs gradient_clipping=0 (clipping is {cfg.gradient_clipping})",
-            "set gradient_clipping to 0 or compute_grad_norm to true", value=False,
-        ))
+        errors.append(
+            ConfigError(
+                "zero_optimization.compute_grad_norm",
+                f"false needs gradient_clipping=0 (clipping is {cfg.gradient_clipping})",
+                "set gradient_clipping to 0 or compute_grad_norm to true",
+                value=False,
+            )
+        )
     return errors
 
 
 def _unsupported_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
     errors = []
     if cfg.nebula is not None and cfg.nebula.enabled:
-        errors.append(ConfigError(
-            "nebula.enabled", "the Nebula checkpoint service is not available",
-            "remove the block; the 'checkpoint' section's async_save gives non-blocking saves", value=True,
-        ))
+        errors.append(
+            ConfigError(
+                "nebula.enabled",
+                "the Nebula checkpoint service is not available",
+                "remove the block; the 'checkpoint' section's async_save gives non-blocking saves",
+                value=True,
+            )
+        )
     if cfg.zero_optimization.mics_shard_size > 0:
-        errors.append(ConfigError(
-            "zero_optimization.mics_shard_size", "MiCS hierarchical sharding is not supported",
-            "remove mics_shard_size and mics_hierarchical_params_gather", value=cfg.zero_optimization.mics_shard_size,
-        ))
+        errors.append(
+            ConfigError(
+                "zero_optimization.mics_shard_size",
+                "MiCS hierarchical sharding is not supported",
+                "remove mics_shard_size and mics_hierarchical_params_gather",
+                value=cfg.zero_optimization.mics_shard_size,
+            )
+        )
     return errors
 
 

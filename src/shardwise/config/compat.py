@@ -29,8 +29,14 @@ STAGE3_ALIASES = {
 
 # keys of fp16 that mean nothing for bf16 (bf16 needs no loss scaling)
 FP16_ONLY_KEYS = (
-    "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-    "consecutive_hysteresis", "min_loss_scale", "auto_cast", "fp16_master_weights_and_grads",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+    "auto_cast",
+    "fp16_master_weights_and_grads",
 )
 # apex amp options sometimes written inside fp16/bf16
 AMP_KEYS = ("opt_level", "fp16_opt_level")
@@ -49,13 +55,17 @@ class CompatReport:
     warnings: list[str] = field(default_factory=list)
 
 
-def _rename(section: dict[str, Any], old: str, new: str, prefix: str, report: CompatReport, note: str = "") -> None:
+def _rename(
+    section: dict[str, Any], old: str, new: str, prefix: str, report: CompatReport, note: str = ""
+) -> None:
     if old not in section:
         return
     if new in section:
         raise ConfigError(
-            f"{prefix}{old}", f"'{prefix}{old}' and '{prefix}{new}' are two spellings of the same setting",
-            f"keep only '{prefix}{new}'", value=section[old],
+            f"{prefix}{old}",
+            f"'{prefix}{old}' and '{prefix}{new}' are two spellings of the same setting",
+            f"keep only '{prefix}{new}'",
+            value=section[old],
         )
     section[new] = section.pop(old)
     report.renamed[f"{prefix}{new}"] = f"{prefix}{old}"
@@ -70,7 +80,7 @@ def _normalize_zero(raw: dict[str, Any], report: CompatReport) -> None:
         report.renamed["zero_optimization.stage"] = "zero_optimization"
         report.warnings.append(
             f"'zero_optimization: {str(zero).lower()}' is the old boolean form; read as stage {1 if zero else 0}. "
-            f"Write {{\"stage\": {1 if zero else 0}}} instead."
+            f'Write {{"stage": {1 if zero else 0}}} instead.'
         )
         if "allgather_size" in raw:
             raw["zero_optimization"]["allgather_bucket_size"] = raw.pop("allgather_size")
@@ -82,21 +92,33 @@ def _normalize_zero(raw: dict[str, Any], report: CompatReport) -> None:
     if "cpu_offload" in zero:
         flag = zero.pop("cpu_offload")
         if "offload_optimizer" in zero and flag:
-            raise ConfigError(f"{p}cpu_offload", "cpu_offload is the old spelling of offload_optimizer",
-                              "keep only offload_optimizer", value=flag)
+            raise ConfigError(
+                f"{p}cpu_offload",
+                "cpu_offload is the old spelling of offload_optimizer",
+                "keep only offload_optimizer",
+                value=flag,
+            )
         if flag is True:
             zero["offload_optimizer"] = {"device": "cpu"}
             report.renamed[f"{p}offload_optimizer.device"] = f"{p}cpu_offload"
-            report.warnings.append("'zero_optimization.cpu_offload' is deprecated; read as offload_optimizer.device=cpu")
+            report.warnings.append(
+                "'zero_optimization.cpu_offload' is deprecated; read as offload_optimizer.device=cpu"
+            )
     if "cpu_offload_param" in zero:
         flag = zero.pop("cpu_offload_param")
         if "offload_param" in zero and flag:
-            raise ConfigError(f"{p}cpu_offload_param", "cpu_offload_param is the old spelling of offload_param",
-                              "keep only offload_param", value=flag)
+            raise ConfigError(
+                f"{p}cpu_offload_param",
+                "cpu_offload_param is the old spelling of offload_param",
+                "keep only offload_param",
+                value=flag,
+            )
         if flag is True:
             zero["offload_param"] = {"device": "cpu"}
             report.renamed[f"{p}offload_param.device"] = f"{p}cpu_offload_param"
-            report.warnings.append("'zero_optimization.cpu_offload_param' is deprecated; read as offload_param.device=cpu")
+            report.warnings.append(
+                "'zero_optimization.cpu_offload_param' is deprecated; read as offload_param.device=cpu"
+            )
     for key, why in ZERO_IGNORED_KEYS.items():
         if key in zero:
             zero.pop(key)
@@ -112,7 +134,9 @@ def _normalize_precision(raw: dict[str, Any], report: CompatReport) -> None:
     if "bfloat16" in raw:
         if "bf16" in raw:
             raw.pop("bfloat16")
-            report.warnings.append("both 'bf16' and its old name 'bfloat16' are present; 'bfloat16' is ignored")
+            report.warnings.append(
+                "both 'bf16' and its old name 'bfloat16' are present; 'bfloat16' is ignored"
+            )
         else:
             raw["bf16"] = raw.pop("bfloat16")
             report.renamed["bf16"] = "bfloat16"
@@ -138,8 +162,10 @@ def _normalize_precision(raw: dict[str, Any], report: CompatReport) -> None:
         raw.pop("fp32_allreduce")
         if raw.get("communication_data_type") not in (None, "fp32", "auto"):
             raise ConfigError(
-                "fp32_allreduce", "fp32_allreduce=true contradicts communication_data_type="
-                f"{raw['communication_data_type']!r}", "keep only communication_data_type", value=True,
+                "fp32_allreduce",
+                f"fp32_allreduce=true contradicts communication_data_type={raw['communication_data_type']!r}",
+                "keep only communication_data_type",
+                value=True,
             )
         raw["communication_data_type"] = "fp32"
         report.renamed["communication_data_type"] = "fp32_allreduce"

@@ -30,7 +30,9 @@ def did_you_mean(name: str, choices: Iterable[str], cutoff: float = 0.6) -> str 
     return lowered[matches[0]] if matches else None
 
 
-_PLACEHOLDER = re.compile(r"^(\$\{?[A-Za-z_]\w*\}?|\{\{.*\}\}|<[^>]+>|[A-Z][A-Z0-9]*(_[A-Z0-9]+)+,?|[A-Z]{4,},?)$")
+_PLACEHOLDER = re.compile(
+    r"^(\$\{?[A-Za-z_]\w*\}?|\{\{.*\}\}|<[^>]+>|[A-Z][A-Z0-9]*(_[A-Z0-9]+)+,?|[A-Z]{4,},?)$"
+)
 
 
 def looks_like_placeholder(value: Any) -> bool:

@@ -12,7 +12,7 @@ _ORDER = (Source.OVERRIDE, Source.FILE, Source.AUTO, Source.DERIVED, Source.DEFA
 _TITLES = {
     Source.OVERRIDE: "Set by the caller (overrides)",
     Source.FILE: "From the file",
-    Source.AUTO: "Resolved from \"auto\"",
+    Source.AUTO: 'Resolved from "auto"',
     Source.DERIVED: "Derived from other values",
     Source.DEFAULT: "Defaults (not in the file)",
 }
@@ -59,7 +59,9 @@ def explain(resolved: ResolvedConfig, show_defaults: bool = True) -> str:
             lines.append(f"  {key.ljust(width)}  {_fmt(value)}{note}")
     if resolved.unknown_keys:
         lines.append("")
-        lines.append(f"Ignored top-level keys (not DeepSpeed settings): {', '.join(sorted(resolved.unknown_keys))}")
+        lines.append(
+            f"Ignored top-level keys (not DeepSpeed settings): {', '.join(sorted(resolved.unknown_keys))}"
+        )
     if resolved.warnings:
         lines.append("")
         lines.append("Warnings:")

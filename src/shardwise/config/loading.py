@@ -48,8 +48,9 @@ def _parse_text(text: str, origin: str) -> dict[str, Any]:
         ) from exc
     if not isinstance(data, Mapping):
         raise ConfigError(
-            "", f"{origin} must hold a JSON object at the top level, found {type(data).__name__}",
-            'wrap the settings in { ... }',
+            "",
+            f"{origin} must hold a JSON object at the top level, found {type(data).__name__}",
+            "wrap the settings in { ... }",
         )
     return _to_plain(data)
 
@@ -77,7 +78,8 @@ def read_config_source(source: str | os.PathLike[str] | Mapping[str, Any]) -> tu
         source = os.fspath(source)
     if not isinstance(source, str):
         raise ConfigError(
-            "", f"a config must be a path, a dict or a JSON string, got {type(source).__name__}",
+            "",
+            f"a config must be a path, a dict or a JSON string, got {type(source).__name__}",
             "pass the path of your ds_config.json, or the dict itself",
         )
     path = Path(source)
@@ -94,9 +96,12 @@ def read_config_source(source: str | os.PathLike[str] | Mapping[str, Any]) -> tu
     except (binascii.Error, UnicodeError, ValueError):
         pass
     if stripped.endswith((".json", ".hjson", ".conf")) or os.sep in stripped:
-        raise ConfigError("", f"config file {source!r} does not exist", "check the path (relative to the working directory)")
+        raise ConfigError(
+            "", f"config file {source!r} does not exist", "check the path (relative to the working directory)"
+        )
     raise ConfigError(
-        "", "the config string is neither an existing file, JSON text, nor base64-encoded JSON",
+        "",
+        "the config string is neither an existing file, JSON text, nor base64-encoded JSON",
         "pass a path to an existing ds_config.json, a dict, or JSON text",
         value=source if len(source) < 80 else source[:77] + "...",
     )

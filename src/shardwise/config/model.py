@@ -97,7 +97,9 @@ class ShardwiseConfig(Section):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
     # features
-    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -132,7 +134,13 @@ class ShardwiseConfig(Section):
     def _comm_dtype(cls, value: object) -> object:
         if isinstance(value, str):
             lowered = value.lower()
-            aliases = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32"}
+            aliases = {
+                "float16": "fp16",
+                "half": "fp16",
+                "bfloat16": "bf16",
+                "float32": "fp32",
+                "float": "fp32",
+            }
             return aliases.get(lowered, lowered)
         return value
 

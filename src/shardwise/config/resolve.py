@@ -32,9 +32,13 @@ from shardwise.utils.logging import logger
 
 # keys users put at the top level that live inside a section
 _TOP_LEVEL_HOMES = {
-    "stage": "zero_optimization.stage", "loss_scale": "fp16.loss_scale", "lr": "optimizer.params.lr",
-    "offload_optimizer": "zero_optimization.offload_optimizer", "offload_param": "zero_optimization.offload_param",
-    "reduce_bucket_size": "zero_optimization.reduce_bucket_size", "overlap_comm": "zero_optimization.overlap_comm",
+    "stage": "zero_optimization.stage",
+    "loss_scale": "fp16.loss_scale",
+    "lr": "optimizer.params.lr",
+    "offload_optimizer": "zero_optimization.offload_optimizer",
+    "offload_param": "zero_optimization.offload_param",
+    "reduce_bucket_size": "zero_optimization.reduce_bucket_size",
+    "overlap_comm": "zero_optimization.overlap_comm",
 }
 
 
@@ -126,7 +130,8 @@ def _translate(err: Mapping[str, Any]) -> ConfigError:
         return ConfigError(path, f"unknown key in '{parent}'", fix, value=value)
     if looks_like_placeholder(value):
         return ConfigError(
-            path, f"looks like an unfilled template placeholder ({err['msg']})",
+            path,
+            f"looks like an unfilled template placeholder ({err['msg']})",
             "substitute the real value before passing the file (e.g. with your launch script's templating)",
             value=value,
         )
@@ -151,11 +156,27 @@ def _translate(err: Mapping[str, Any]) -> ConfigError:
 # Sections DeepSpeed reads with dict.get (spec 1.5) and the removed legacy sections:
 # real files carry extra keys there (Megatron's pipeline options, old eigenvalue keys),
 # so an unknown key is a warning with did-you-mean, and an error only in strict mode.
-LENIENT_SECTIONS = frozenset({
-    "checkpoint", "aio", "activation_checkpointing", "flops_profiler", "autotuning", "data_efficiency",
-    "pipeline", "data_types", "compression_training", "sparse_attention", "elasticity",
-    "progressive_layer_drop", "eigenvalue", "quantize_training", "curriculum_learning", "amp", "nebula",
-})
+LENIENT_SECTIONS = frozenset(
+    {
+        "checkpoint",
+        "aio",
+        "activation_checkpointing",
+        "flops_profiler",
+        "autotuning",
+        "data_efficiency",
+        "pipeline",
+        "data_types",
+        "compression_training",
+        "sparse_attention",
+        "elasticity",
+        "progressive_layer_drop",
+        "eigenvalue",
+        "quantize_training",
+        "curriculum_learning",
+        "amp",
+        "nebula",
+    }
+)
 
 
 def _drop_path(raw: dict[str, Any], loc: tuple[Any, ...]) -> None:
@@ -189,8 +210,12 @@ def _world_size_for_batch(raw: Mapping[str, Any], world_size: int) -> int:
     sp = raw.get("sequence_parallel_size")
     if isinstance(sp, int) and sp > 1:
         if world_size % sp:
-            raise ConfigError("sequence_parallel_size", f"must divide the world size {world_size}",
-                              "pick a divisor of the number of ranks", value=sp)
+            raise ConfigError(
+                "sequence_parallel_size",
+                f"must divide the world size {world_size}",
+                "pick a divisor of the number of ranks",
+                value=sp,
+            )
         return world_size // sp
     return world_size
 
@@ -203,12 +228,16 @@ def _batch_inputs(raw: dict[str, Any], resolver: AutoResolver, ctx: ResolutionCo
     if mbs_key in autos or (tbs_key in autos and raw.get(mbs_key) is None):
         if ctx.loader_batch_size:
             raw[mbs_key] = ctx.loader_batch_size
-            resolver.provenance[mbs_key] = Provenance(Source.AUTO, "batch size of the data loader given to initialize")
+            resolver.provenance[mbs_key] = Provenance(
+                Source.AUTO, "batch size of the data loader given to initialize"
+            )
         elif raw.get(tbs_key) is None:
             raw[mbs_key] = 1
-            resolver.provenance[mbs_key] = Provenance(Source.AUTO, "default 1: no data loader or batch size given")
+            resolver.provenance[mbs_key] = Provenance(
+                Source.AUTO, "default 1: no data loader or batch size given"
+            )
             resolver.warnings.append(
-                "train_micro_batch_size_per_gpu is \"auto\" with nothing to derive it from; using 1. "
+                'train_micro_batch_size_per_gpu is "auto" with nothing to derive it from; using 1. '
                 "Pass training_data to initialize or overrides={'train_micro_batch_size_per_gpu': N}."
             )
     if gas_key in autos and not (raw.get(tbs_key) is not None and raw.get(mbs_key) is not None):
@@ -230,15 +259,20 @@ def _apply_elasticity(
         reject_explicit_batch_keys({"elasticity": block, **explicit})
         tbs, mbs, gas = elastic_batch_for_world_size({"elasticity": block}, world_size)
     except ElasticityError as exc:
-        raise ConfigError("elasticity", str(exc), "adjust the elasticity block or the number of ranks") from exc
+        raise ConfigError(
+            "elasticity", str(exc), "adjust the elasticity block or the number of ranks"
+        ) from exc
     for key, value in zip(BATCH_KEYS, (tbs, mbs, gas)):
         raw[key] = value
         resolver.provenance[key] = Provenance(Source.DERIVED, f"elasticity for world size {world_size}")
 
 
 def _provenance(
-    final: Mapping[str, Any], normalized: Mapping[str, Any], resolver: AutoResolver,
-    renamed: Mapping[str, str], batch: BatchSizes,
+    final: Mapping[str, Any],
+    normalized: Mapping[str, Any],
+    resolver: AutoResolver,
+    renamed: Mapping[str, str],
+    batch: BatchSizes,
 ) -> dict[str, Provenance]:
     batch_notes = {
         "train_batch_size": "micro x accumulation x world",
@@ -300,8 +334,10 @@ def load_config(
         ctx = ResolutionContext(
             world_size=world_size if world_size is not None else ctx.world_size,
             overrides={**ctx.overrides, **(overrides or {})},
-            optimizer_hparams=ctx.optimizer_hparams, hidden_size=ctx.hidden_size,
-            loader_batch_size=ctx.loader_batch_size, total_training_steps=ctx.total_training_steps,
+            optimizer_hparams=ctx.optimizer_hparams,
+            hidden_size=ctx.hidden_size,
+            loader_batch_size=ctx.loader_batch_size,
+            total_training_steps=ctx.total_training_steps,
         )
     raw, origin = read_config_source(source)
     compat = normalize_legacy(raw)
@@ -314,8 +350,14 @@ def load_config(
         home = _TOP_LEVEL_HOMES.get(key)
         hint = f"did you mean '{suggestion}'?" if suggestion else f"it belongs at '{home}'" if home else ""
         if strict:
-            errors.append(ConfigError(key, "unknown top-level key (strict mode)",
-                                      hint or "remove it, or run without --strict", value=unknown[key]))
+            errors.append(
+                ConfigError(
+                    key,
+                    "unknown top-level key (strict mode)",
+                    hint or "remove it, or run without --strict",
+                    value=unknown[key],
+                )
+            )
         else:
             warnings.append(f"unknown top-level key '{key}' ignored" + (f"; {hint}" if hint else ""))
 
@@ -330,14 +372,24 @@ def load_config(
         dp_world = _world_size_for_batch(raw, ctx.world_size)
         _apply_elasticity(raw, normalized, dp_world, resolver)
         batch = resolve_batch_sizes(
-            raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu"),
-            raw.get("gradient_accumulation_steps"), dp_world,
+            raw.get("train_batch_size"),
+            raw.get("train_micro_batch_size_per_gpu"),
+            raw.get("gradient_accumulation_steps"),
+            dp_world,
         )
     except ConfigError as exc:
-        near = [f"'{k}' (did you mean '{did_you_mean(k, BATCH_KEYS)}'?)" for k in unknown if did_you_mean(k, BATCH_KEYS)]
+        near = [
+            f"'{k}' (did you mean '{did_you_mean(k, BATCH_KEYS)}'?)"
+            for k in unknown
+            if did_you_mean(k, BATCH_KEYS)
+        ]
         if near:
-            exc = ConfigError(exc.key, exc.rule, exc.fix + f"; note the unknown key(s) {', '.join(near)}",
-                              exc.value if exc.has_value else None)
+            exc = ConfigError(
+                exc.key,
+                exc.rule,
+                exc.fix + f"; note the unknown key(s) {', '.join(near)}",
+                exc.value if exc.has_value else None,
+            )
         errors.append(exc)
     if batch is not None:
         raw["train_batch_size"] = batch.train_batch_size
@@ -354,10 +406,6 @@ def load_config(
 
     for text in warnings:
         logger.warning(text)
-    if config.log_level:
-        from shardwise.utils.logging import set_log_level
-
-        set_log_level(config.log_level)
     final = config.model_dump(mode="json", by_alias=True)
     sources = _provenance(final, normalized, resolver, compat.renamed, batch)
     return ResolvedConfig(config, batch, sources, warnings, origin, ctx.world_size, unknown)

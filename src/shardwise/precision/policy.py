@@ -57,7 +57,9 @@ class PrecisionPolicy:
             with torch.autocast(device_type=device_type, dtype=self.autocast_dtype):
                 yield
 
-    def cast_forward_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def cast_forward_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``fp16.auto_cast``: floating-point inputs (nested) become the parameter dtype."""
         if not self.cast_inputs:
             return args, kwargs
@@ -78,9 +80,12 @@ def build_precision(cfg: ShardwiseConfig) -> PrecisionPolicy:
     """The policy for a validated config."""
     fp16 = cfg.fp16
     scaler_args = dict(
-        loss_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
-        loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-        consecutive_hysteresis=fp16.consecutive_hysteresis, min_loss_scale=fp16.min_loss_scale,
+        loss_scale=fp16.loss_scale,
+        initial_scale_power=fp16.initial_scale_power,
+        loss_scale_window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+        min_loss_scale=fp16.min_loss_scale,
     )
     autocast_dtype: torch.dtype | None = None
     if cfg.fp16.enabled:

@@ -52,13 +52,19 @@ def build_zero_optimizer(
     stage = cfg.zero_stage
     if stage == 3:
         raise ConfigError(
-            "zero_optimization.stage", "stage 3 (parameter partitioning) is not available in this release",
-            "use stage 2 (gradients and optimizer state sharded) for now", value=3,
+            "zero_optimization.stage",
+            "stage 3 (parameter partitioning) is not available in this release",
+            "use stage 2 (gradients and optimizer state sharded) for now",
+            value=3,
         )
-    if device.type != "cpu" and (zero.offload_optimizer_device != "none" or zero.offload_param_device != "none"):
+    if device.type != "cpu" and (
+        zero.offload_optimizer_device != "none" or zero.offload_param_device != "none"
+    ):
         raise ConfigError(
-            "zero_optimization.offload_optimizer.device", "offload to CPU/NVMe from an accelerator is not available "
-            "in this release", "remove the offload blocks", value=zero.offload_optimizer_device,
+            "zero_optimization.offload_optimizer.device",
+            "offload to CPU/NVMe from an accelerator is not available in this release",
+            "remove the offload blocks",
+            value=zero.offload_optimizer_device,
         )
     pre, post = reduction_factors(cfg, topology.dp_size)
     comm_dtype = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None

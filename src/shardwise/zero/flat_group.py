@@ -58,7 +58,9 @@ class FlatGroup:
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view_as(p)
         self.grad_buffer = (
-            torch.zeros(self.layout.total_numel, dtype=grad_dtype, device=self.device) if full_grad_buffer else None
+            torch.zeros(self.layout.total_numel, dtype=grad_dtype, device=self.device)
+            if full_grad_buffer
+            else None
         )
         self.owned = [self.owned_range(b) for b in range(len(self.layout.buckets))]
         self.master: list[torch.Tensor] = []

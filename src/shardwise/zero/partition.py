@@ -109,7 +109,9 @@ def plan_layout(numels: list[int], world_size: int, bucket_numel: int, align: in
         [(0, 8, (2, 1)), (8, 14, (0,))]
     """
     if world_size < 1 or bucket_numel < 1 or align < 1:
-        raise ValueError(f"world_size, bucket_numel and align must be >= 1, got {world_size}, {bucket_numel}, {align}")
+        raise ValueError(
+            f"world_size, bucket_numel and align must be >= 1, got {world_size}, {bucket_numel}, {align}"
+        )
     quantum = world_size * align
     slots: list[Slot] = []
     buckets: list[BucketPlan] = []

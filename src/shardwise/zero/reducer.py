@@ -69,8 +69,10 @@ class GradientReducer:
         self._handles = []
         for gi, group in enumerate(groups):
             self._expected_ptr.append(
-                [group.grad_buffer[group.param_view(i)[0] :].data_ptr() if group.grads_are_views else 0  # type: ignore[index]
-                 for i in range(len(group.params))]
+                [
+                    group.grad_buffer[group.param_view(i)[0] :].data_ptr() if group.grads_are_views else 0  # type: ignore[index]
+                    for i in range(len(group.params))
+                ]
             )
             for pi, param in enumerate(group.params):
                 self._handles.append(param.register_post_accumulate_grad_hook(self._make_hook(gi, pi)))
@@ -165,10 +167,14 @@ class GradientReducer:
         else:
             direct = wire.dtype == target.dtype and not accumulate
             lo, hi = group.owned[bucket]
-            out = (target if group.grad_buffer is None else source[lo - plan.start : hi - plan.start]) if direct \
+            out = (
+                (target if group.grad_buffer is None else source[lo - plan.start : hi - plan.start])
+                if direct
                 else torch.empty(hi - lo, dtype=wire.dtype, device=wire.device)
-            work = collectives.reduce_scatter_flat(out, wire, group=self.process_group, async_op=True,
-                                                   input_is_scratch=True)
+            )
+            work = collectives.reduce_scatter_flat(
+                out, wire, group=self.process_group, async_op=True, input_is_scratch=True
+            )
 
             def after() -> None:
                 if out is not target and not (group.grad_buffer is not None and direct):

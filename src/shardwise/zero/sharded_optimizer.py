@@ -79,8 +79,13 @@ class ZeroOptimizer:
             masters: list[torch.Tensor] = []
             for key, members in _split_by_kind(params).items():
                 flat = FlatGroup(
-                    members, rank=policy.rank, world_size=policy.world_size, bucket_numel=policy.bucket_numel,
-                    shard=shard, full_grad_buffer=policy.stage < 2, grad_dtype=policy.grad_dtype,
+                    members,
+                    rank=policy.rank,
+                    world_size=policy.world_size,
+                    bucket_numel=policy.bucket_numel,
+                    shard=shard,
+                    full_grad_buffer=policy.stage < 2,
+                    grad_dtype=policy.grad_dtype,
                 )
                 self.groups.append(flat)
                 self.group_index.append(gi)
@@ -91,8 +96,11 @@ class ZeroOptimizer:
         self.reducer = GradientReducer(
             self.groups,
             ReducePolicy(
-                shard=shard, every_micro_step=policy.stage >= 2, overlap=policy.overlap_comm,
-                comm_dtype=policy.comm_dtype, pre_multiplier=policy.pre_multiplier,
+                shard=shard,
+                every_micro_step=policy.stage >= 2,
+                overlap=policy.overlap_comm,
+                comm_dtype=policy.comm_dtype,
+                pre_multiplier=policy.pre_multiplier,
             ),
             policy.process_group,
         )
@@ -137,7 +145,9 @@ class ZeroOptimizer:
         for flat, is_tp in zip(self.groups, self.tp_flags):
             if not (is_tp or mp_rank0):
                 continue  # replicated across model-parallel ranks: count it once
-            norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in flat.grad], 2.0)
+            norms = torch._foreach_norm(
+                [g.float() if g.dtype != torch.float32 else g for g in flat.grad], 2.0
+            )
             total += torch.stack(norms).pow(2).sum()
         if self.policy.stage >= 1 and self.policy.world_size > 1:
             collectives.all_reduce(total, op="sum", group=self.policy.process_group)
@@ -179,8 +189,11 @@ class ZeroOptimizer:
                 continue
             for plan, (lo, hi) in zip(flat.layout.buckets, flat.owned):
                 bucket = flat.param_buffer[plan.start : plan.end]
-                works.append(collectives.all_gather_flat(bucket, flat.param_buffer[lo:hi],
-                                                         group=self.policy.process_group, async_op=True))
+                works.append(
+                    collectives.all_gather_flat(
+                        bucket, flat.param_buffer[lo:hi], group=self.policy.process_group, async_op=True
+                    )
+                )
         for work in works:
             if work is not None:
                 work.wait()
@@ -196,7 +209,9 @@ class ZeroOptimizer:
         return total
 
 
-def _split_by_kind(params: Sequence[nn.Parameter]) -> dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]]:
+def _split_by_kind(
+    params: Sequence[nn.Parameter],
+) -> dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]]:
     """Group parameters by (dtype, device, tensor-parallel flag): one flat buffer each."""
     out: dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
     for p in params:

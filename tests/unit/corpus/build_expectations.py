@@ -33,19 +33,24 @@ def main() -> int:
     expectations: dict[str, dict[str, str]] = {}
     problems = []
     for record in records:
-        resolved, error = run_record(corpus, record)
+        _resolved, error = run_record(corpus, record)
         rid = record_id(record)
         if error is None:
             category = accept_category(record)
             if category is None:
-                problems.append(f"{rid}: accepted, but DeepSpeed's reason is not an accept category: {record['reason']}")
+                problems.append(
+                    f"{rid}: accepted, but DeepSpeed's reason is not an accept category: {record['reason']}"
+                )
                 continue
             expectations[rid] = {"category": category}
         else:
             if record["accepted"]:
                 problems.append(f"{rid}: DeepSpeed accepted it but we reject: {error}")
                 continue
-            expectations[rid] = {"category": reject_category(str(error)), "error_key": first_error_key(str(error))}
+            expectations[rid] = {
+                "category": reject_category(str(error)),
+                "error_key": first_error_key(str(error)),
+            }
     if problems:
         print("\n".join(problems))
         return 1

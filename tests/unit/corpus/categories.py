@@ -44,8 +44,10 @@ _DS_REASON_TO_ACCEPT = [
     (re.compile(r"has been removed|Legacy top-level|integration has been removed"), "removed-section"),
     (re.compile(r"BF\d+Config\.\w+: Extra inputs|FP\d+Config\.(fp16_)?opt_level: Extra"), "misplaced-key"),
     (re.compile(r"CompileConfig\.disable|grad_hooks: Extra"), "legacy-key"),
-    (re.compile(r"min_loss_scale: Input should be a valid integer, got a number with a fractional part"),
-     "too-strict"),
+    (
+        re.compile(r"min_loss_scale: Input should be a valid integer, got a number with a fractional part"),
+        "too-strict",
+    ),
 ]
 
 
@@ -79,5 +81,7 @@ def reject_category(message: str) -> str:
 
 def first_error_key(message: str) -> str:
     """The key path our message names first."""
-    match = re.search(r"'([\w.\[\]-]+)'", message.split("fix:")[0] if "problems" not in message else message.split("\n")[1])
+    match = re.search(
+        r"'([\w.\[\]-]+)'", message.split("fix:")[0] if "problems" not in message else message.split("\n")[1]
+    )
     return match.group(1) if match else ""

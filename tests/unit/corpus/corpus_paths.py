@@ -33,7 +33,8 @@ def run_record(corpus: Path, record: dict[str, Any]) -> tuple[ResolvedConfig | N
     """
     overrides = record["hf_fill"]["filled"] if record["variant"] == "hf_auto_filled" else None
     try:
-        return load_config(corpus / "configs" / record["file"], world_size=record["world_size"],
-                           overrides=overrides), None
+        return load_config(
+            corpus / "configs" / record["file"], world_size=record["world_size"], overrides=overrides
+        ), None
     except ConfigError as exc:
         return None, exc

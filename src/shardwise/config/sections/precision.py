@@ -78,8 +78,13 @@ class TorchAutocastConfig(Section):
     @classmethod
     def _dtype_alias(cls, value: object) -> object:
         aliases = {
-            "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
-            "float16": "float16", "fp16": "float16", "half": "float16", "torch.float16": "float16",
+            "bfloat16": "bfloat16",
+            "bf16": "bfloat16",
+            "torch.bfloat16": "bfloat16",
+            "float16": "float16",
+            "fp16": "float16",
+            "half": "float16",
+            "torch.float16": "float16",
             "torch.half": "float16",
         }
         if isinstance(value, str) and value.lower() in aliases:
@@ -101,8 +106,16 @@ class DataTypesConfig(Section):
     @field_validator("grad_accum_dtype", "param_dtype", "buffer_dtype", mode="before")
     @classmethod
     def _dtype_names(cls, value: object) -> object:
-        aliases = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16",
-                   "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+        aliases = {
+            "fp32": "fp32",
+            "float32": "fp32",
+            "float": "fp32",
+            "fp16": "fp16",
+            "float16": "fp16",
+            "half": "fp16",
+            "bf16": "bf16",
+            "bfloat16": "bf16",
+        }
         if isinstance(value, str):
             if value.lower() not in aliases:
                 raise ValueError(f"must be one of 'fp32', 'fp16', 'bf16' (got {value!r})")
