@@ -24,6 +24,7 @@ from shardwise.config.resolve import ResolvedConfig
 from shardwise.engine import ShardwiseEngine
 from shardwise.precision.policy import build_precision
 from shardwise.utils.logging import logger, set_log_level
+from shardwise.zero.sharded_optimizer import group_source_rank
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -198,9 +199,10 @@ def initialize(
 
         groups = _user_param_groups(model, model_parameters, optimizer)
         zero_optimizer = build_zero_optimizer(cfg.config, precision, topology, groups, checked, device)
-        zero_optimizer.broadcast_parameters(src=0)
+        zero_optimizer.broadcast_parameters()
+    source = group_source_rank(topology.dp_group)
     for buffer in model.buffers():
-        comm.broadcast(buffer, src=0, group=topology.dp_group)
+        comm.broadcast(buffer, src=source, group=topology.dp_group)
 
     scheduler = _build_scheduler(cfg, lr_scheduler, zero_optimizer)
     engine = ShardwiseEngine(model, cfg, topology, precision, zero_optimizer, scheduler, device, collate_fn)

@@ -117,8 +117,9 @@ class ZeroOptimizer:
         """The inner optimizer's param groups (schedulers write ``lr`` here)."""
         return self.optimizer.param_groups
 
-    def broadcast_parameters(self, src: int = 0) -> None:
-        """Make every rank start from ``src``'s parameters (and masters)."""
+    def broadcast_parameters(self) -> None:
+        """Make every rank start from the first data-parallel rank's parameters (and masters)."""
+        src = group_source_rank(self.policy.process_group)
         for flat in self.groups:
             collectives.broadcast(flat.param_buffer, src=src, group=self.policy.process_group)
             flat.refresh_masters()
@@ -207,6 +208,15 @@ class ZeroOptimizer:
                 if torch.is_tensor(value) and value.dim() > 0:
                     total += value.numel() * value.element_size()
         return total
+
+
+def group_source_rank(group: Any) -> int:
+    """The global rank of a group's first member (broadcast sources are global ranks)."""
+    if group is None:
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_global_rank(group, 0)
 
 
 def _split_by_kind(

@@ -1,0 +1,62 @@
+"""One-rank scenarios for test_initialize_api.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+from zero_reference import batch, make_model
+
+import shardwise
+from shardwise.config import ConfigError
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ConfigError, RuntimeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def api_scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    path = f"{tmp}/ds.json"
+    with open(path, "w") as fh:
+        json.dump(BASE, fh)
+    parser = shardwise.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", path])
+    engine, opt, loader, sched = shardwise.initialize(args=args, model=make_model())
+    out["from_args"] = (engine.train_batch_size(), type(opt.optimizer).__name__, loader, sched)
+    alias = parser.parse_args(["--shardwise_config", path])
+    out["alias"] = shardwise.initialize(args=alias, model=make_model())[0].train_micro_batch_size_per_gpu()
+    out["config_params"] = shardwise.initialize(model=make_model(), config_params=BASE)[0].train_batch_size()
+    out["both"] = _error(lambda: shardwise.initialize(args=args, model=make_model(), config=BASE))
+    out["none"] = _error(lambda: shardwise.initialize(model=make_model()))
+    out["no_model"] = _error(lambda: shardwise.initialize(config=BASE))
+    bare, bare_opt, _, _ = shardwise.initialize(model=make_model(), config={"train_batch_size": 2})
+    x, y = batch(0, 0, 0, 2)
+    out["no_optimizer"] = (bare_opt, _error(lambda: bare.backward(bare(x, y))))
+    out["stage3"] = _error(
+        lambda: shardwise.initialize(model=make_model(), config={**BASE, "zero_optimization": {"stage": 3}})
+    )
+    lamb = {**BASE, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
+    out["lamb_stage1"] = _error(
+        lambda: shardwise.initialize(model=make_model(), config={**lamb, "zero_optimization": {"stage": 1}})
+    )
+    engine0, _, _, _ = shardwise.initialize(model=make_model(), config=lamb)
+    engine0.backward(engine0(x, y))
+    engine0.step()
+    out["lamb_stage0_steps"] = engine0.global_steps
+    engine.set_train_batch_size(8)
+    out["set_tbs"] = engine.get_batch_info()
+    out["bad_tbs"] = _error(lambda: engine.set_train_batch_size(3))
+    engine.set_train_micro_batch_size(1)
+    out["set_mbs"] = engine.get_batch_info()
+    out["getattr"] = engine.config.zero_optimization.stage, engine.wte is engine.module.wte
+    return out

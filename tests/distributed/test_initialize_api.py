@@ -1,0 +1,28 @@
+"""``initialize``'s DeepSpeed-compatible API on one rank: config sources, errors, batch changes."""
+
+from __future__ import annotations
+
+import initialize_cases
+import pytest
+
+from shardwise.testing import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def test_initialize_api(tmp_path):
+    (out,) = run_distributed(initialize_cases.api_scenarios, 1, args=(str(tmp_path),), timeout=300)
+    assert out["from_args"] == (2, "AdamW", None, None)
+    assert out["alias"] == 2 and out["config_params"] == 2
+    assert "both on the command line and to initialize" in out["both"]
+    assert "needs a config" in out["none"]
+    assert "needs model" in out["no_model"]
+    opt, error = out["no_optimizer"]
+    assert opt is None and "needs an optimizer" in error and "optimizer" in error
+    assert "stage 3" in out["stage3"] and "zero_optimization.stage" in out["stage3"]
+    assert "zero_allow_untested_optimizer" in out["lamb_stage1"] and "Lamb" in out["lamb_stage1"]
+    assert out["lamb_stage0_steps"] == 1
+    assert tuple(out["set_tbs"]) == (8, 2, 4)
+    assert tuple(out["set_mbs"]) == (4, 1, 4)
+    assert "multiple of micro batch" in out["bad_tbs"]
+    assert out["getattr"] == (0, True)
