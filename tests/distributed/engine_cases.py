@@ -201,7 +201,7 @@ def client_optimizer_and_schedulers(rank: int, world: int, stage: int) -> dict[s
     cfg = _cfg(stage)
     cfg.pop("optimizer")
     cfg["scheduler"] = {"type": "StepLR", "params": {"step_size": 1, "gamma": 0.5}}
-    engine, opt, _, sched = shardwise.initialize(model=model, optimizer=client, config=cfg)
+    engine, opt, _, _sched = shardwise.initialize(model=model, optimizer=client, config=cfg)
     _train(engine, rank, 3)
     out["client_lrs"] = engine.get_lr()
     out["client_type"] = type(opt.optimizer).__name__
@@ -255,8 +255,8 @@ def amp_and_autocast_train(rank: int, world: int, stage: int) -> dict[str, Any]:
     }.items():
         model = make_model()
         engine, _, _, _ = shardwise.initialize(model=model, config=_cfg(stage, **extra))
-        seen = []
-        hook = model.blocks[0].mlp[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        seen: list[torch.dtype] = []
+        hook = model.blocks[0].mlp[0].register_forward_hook(lambda m, i, o, seen=seen: seen.append(o.dtype))
         losses = _train(engine, rank, 4)
         hook.remove()
         out[name] = {

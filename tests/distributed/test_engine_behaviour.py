@@ -50,7 +50,7 @@ def test_no_sync_then_synced_backward_equals_accumulation():
 
 
 def test_averaging_options_and_wire_dtypes_give_the_same_mean():
-    for stage, ranks in _run_grid(cases.communication_options_keep_the_mean).items():
+    for _stage, ranks in _run_grid(cases.communication_options_keep_the_mean).items():
         result = ranks[0]
         default = torch.tensor(result["default"])
         scale = default.abs().max()
@@ -74,7 +74,7 @@ def test_client_optimizer_callable_and_torch_scheduler():
 
 
 def test_training_data_loader_reshuffles_each_epoch_and_counters_follow_deepspeed():
-    for stage, ranks in _run_grid(cases.data_loader_and_counters).items():
+    for _stage, ranks in _run_grid(cases.data_loader_and_counters).items():
         a, b = ranks
         assert a["len"] == 4  # 16 samples / 2 ranks / micro batch 2
         assert a["orders"][0] != a["orders"][1], "set_epoch must change the order"
@@ -85,7 +85,7 @@ def test_training_data_loader_reshuffles_each_epoch_and_counters_follow_deepspee
 
 
 def test_amp_and_torch_autocast_run_the_forward_in_16_bit_with_fp32_params():
-    for stage, ranks in _run_grid(cases.amp_and_autocast_train, stages=(1,)).items():
+    for _stage, ranks in _run_grid(cases.amp_and_autocast_train, stages=(1,)).items():
         result = ranks[0]
         assert result["amp"] == {
             "param_dtype": "torch.float32",
