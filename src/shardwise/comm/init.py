@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.comm import diagnostics
 from shardwise.comm.env import DistEnv, discover_environment, timeout_from_env
 from shardwise.utils.logging import logger
 
@@ -144,6 +145,10 @@ def init_distributed(
         verbose: log one INFO line on rank 0 describing the group.
         timeout: collective timeout; default from ``SHARDWISE_TIMEOUT_SECONDS``,
             ``SHARDWISE_TIMEOUT`` or ``DEEPSPEED_TIMEOUT`` (minutes), else 10 minutes.
+            A collective that does not complete in time fails on the ranks waiting in
+            it, with a report naming the ranks that did not arrive and where they are
+            (:mod:`shardwise.comm.diagnostics`; torch's flight recorder is switched on
+            unless ``SHARDWISE_FLIGHT_RECORDER=0``).
         init_method: torch rendezvous URL; default ``env://`` from the discovered variables.
         dist_init_required: False skips initialisation entirely (DeepSpeed's meaning);
             None or True initialise unless a group already exists.
@@ -169,6 +174,7 @@ def init_distributed(
     if dist.is_initialized():
         if _joined is None:
             _joined = _adopted()
+        diagnostics.install()
         logger.debug("init_distributed: adopting the existing %s process group", dist.get_backend())
         return
 
@@ -187,6 +193,8 @@ def init_distributed(
     if "nccl" in backend and torch.cuda.is_available():
         _select_cuda_device(job.local_rank)
     timeout = timeout if timeout is not None else timeout_from_env(os.environ)
+    # Before the group exists: the flight recorder is configured when the group is created.
+    diagnostics.enable_flight_recorder(os.environ)
     dist.init_process_group(
         backend=backend,
         init_method=init_method or "env://",
@@ -195,6 +203,8 @@ def init_distributed(
         rank=job.rank,
     )
     _joined = job
+    # Every rank answers "where are you?" so a timeout names the ranks that did not arrive.
+    diagnostics.install()
     if verbose:
         where = f"{job.master_addr}:{job.master_port}" if env_rendezvous else init_method
         logger.info(
@@ -279,6 +289,7 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
 def destroy_process_group() -> None:
     """Tear down the default group (if any), so a later init starts afresh."""
     global _joined
+    diagnostics.uninstall()  # its thread holds a connection to the group's store
     if is_initialized():
         dist.destroy_process_group()
     _joined = None

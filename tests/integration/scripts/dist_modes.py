@@ -1,0 +1,72 @@
+"""A tiny distributed script for the launcher's integration tests: one mode per behaviour.
+
+Run by the tests through ``shardwise``, ``python -m shardwise.launcher`` or ``torchrun``:
+
+* ``env``: print every variable of the launch contract and the ``--local_rank`` argument,
+  then check that an all-reduce over all ranks works (and, with ``--deepspeed_config``, the
+  batch sizes the elastic config gives for this world size);
+* ``raise``: rank 1 raises while rank 0 waits in a barrier;
+* ``skip``: rank 1 skips an all-reduce and goes to a barrier (a collective mismatch);
+* ``subset``: only rank 0 enters a sync point (``check_all_ranks_arrive``) while rank 1
+  goes on to its next all-reduce, as with ``if rank == 0: save_checkpoint()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import shardwise
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["env", "raise", "skip", "subset"])
+    parser.add_argument("--local_rank", type=int, default=None)
+    parser.add_argument("--deepspeed_config", default=None)
+    args = parser.parse_args()
+
+    shardwise.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+
+    if args.mode == "env":
+        names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "SW_TEST_FROM_ENV_FILE"]  # fmt: skip
+        info = {name: os.environ.get(name) for name in names}
+        info["local_rank_arg"] = args.local_rank
+        info["allreduce"] = total.item()
+        if args.deepspeed_config:
+            from shardwise.config import load_config
+
+            cfg = load_config(args.deepspeed_config, world_size=world)
+            info["batch"] = [
+                cfg.train_batch_size,
+                cfg.train_micro_batch_size_per_gpu,
+                cfg.gradient_accumulation_steps,
+            ]
+        print("ENV " + json.dumps(info, sort_keys=True), flush=True)
+    elif args.mode == "raise":
+        if rank == 1:
+            raise ValueError("rank 1 exploded on purpose")
+        dist.barrier()
+    elif args.mode == "skip":
+        if rank != 1:
+            dist.all_reduce(torch.ones(4))
+        dist.barrier()
+    elif args.mode == "subset":
+        from shardwise.comm.diagnostics import check_all_ranks_arrive
+
+        if rank == 0:
+            check_all_ranks_arrive("save_checkpoint")
+        dist.all_reduce(torch.ones(4))
+    shardwise.comm.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
