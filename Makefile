@@ -28,6 +28,10 @@ check-configs: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+## bench: the engine-core benchmark, side by side with DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed
+bench: $(STAMP)
+	$(BIN)/python benchmarks/engine_core.py --out bench-results.json
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
