@@ -17,9 +17,11 @@ import time
 
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import shardwise as deepspeed
 from shardwise.testing.models import GPTConfig, TinyGPT
+from shardwise.utils.logging import get_logger
 
 
 class ProgressionDataset(torch.utils.data.Dataset):
@@ -62,27 +64,41 @@ def main() -> None:
             f"{time.perf_counter() - start:.1f}s"
         )
     interactive = sys.stderr.isatty()
+    # with "steps_per_print" the engine logs a progress line itself; print our own only without it
+    engine_prints = bool(engine.config.steps_per_print)
     bar = tqdm(total=args.steps, disable=not (rank0 and interactive), desc="train", unit="step")
     first = last = None
     batches = deepspeed.RepeatingLoader(loader)
-    for x, y in batches:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        if engine.micro_steps % engine.gradient_accumulation_steps() == 0:  # an optimizer step ended
-            value = loss.item()
-            first = value if first is None else first
-            last = value
-            bar.set_postfix(loss=f"{value:.3f}", lr=f"{engine.get_lr()[0]:.2e}")
-            bar.update(1)
-            if rank0 and not interactive and engine.global_steps % 5 == 0:
-                print(
-                    f"step {engine.global_steps:4d}  loss {value:.3f}  lr {engine.get_lr()[0]:.2e}  "
-                    f"grad_norm {engine.get_global_grad_norm():.3f}",
-                    flush=True,
-                )
-        if engine.global_steps >= args.steps:
-            break
+    # the engine's log lines go through tqdm.write, so they do not tear the bar
+    with logging_redirect_tqdm(loggers=[get_logger()]):
+        for x, y in batches:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            if engine.micro_steps % engine.gradient_accumulation_steps() == 0:  # an optimizer step ended
+                value = loss.item()
+                first = value if first is None else first
+                last = value
+                stats = engine.telemetry.last_stats  # what the engine reported for this step
+                postfix = {
+                    "loss": f"{value:.3f}",
+                    "lr": f"{engine.get_lr()[0]:.2e}",
+                    "gnorm": f"{engine.get_global_grad_norm():.2f}",
+                    "clipped": f"{engine.get_global_grad_norm_post_clip() or 0.0:.2f}",
+                }
+                if stats is not None and stats.samples_per_sec is not None:
+                    postfix["samples/s"] = f"{stats.samples_per_sec:.0f}"
+                bar.set_postfix(postfix)
+                bar.update(1)
+                if rank0 and not interactive and not engine_prints and engine.global_steps % 5 == 0:
+                    print(
+                        f"step {engine.global_steps:4d}  loss {value:.3f}  lr {engine.get_lr()[0]:.2e}  "
+                        f"grad_norm_pre_clip {engine.get_global_grad_norm():.3f}  "
+                        f"grad_norm_post_clip {engine.get_global_grad_norm_post_clip() or 0.0:.3f}",
+                        flush=True,
+                    )
+            if engine.global_steps >= args.steps:
+                break
     bar.close()
     if rank0:
         print(

@@ -49,6 +49,14 @@ _LAZY: dict[str, tuple[str, str]] = {
     "all_reduce_max_flag": ("shardwise.comm.collectives", "all_reduce_max_flag"),
     "choose_algorithm": ("shardwise.comm.collectives", "choose_algorithm"),
     "ReduceOp": ("torch.distributed", "ReduceOp"),
+    # comms logger (``comms_logger`` section)
+    "configure": ("shardwise.comm.comms_logger", "configure"),
+    "configure_comms_logger": ("shardwise.comm.comms_logger", "configure_comms_logger"),
+    "log_summary": ("shardwise.comm.comms_logger", "log_summary"),
+    "reset_log": ("shardwise.comm.comms_logger", "reset_log"),
+    "has_comm_data": ("shardwise.comm.comms_logger", "has_comm_data"),
+    "get_comm_operation_count": ("shardwise.comm.comms_logger", "get_comm_operation_count"),
+    "get_logged_comm_ops": ("shardwise.comm.comms_logger", "get_logged_comm_ops"),
 }
 
 __all__ = sorted(_LAZY)

@@ -68,6 +68,13 @@ default "postscale" order). The division runs after the communication: on the wh
 tensor for :func:`all_reduce`, on the output shard only for :func:`reduce_scatter_flat`
 (1/world of the work), and for asynchronous calls inside ``CommHandle.wait()``.
 
+Comms logging
+-------------
+When the ``comms_logger`` is enabled, every call here is timed and recorded under
+DeepSpeed's op names (``all_reduce``, ``reduce_scatter_tensor``,
+``all_gather_into_tensor``, ``broadcast``) whatever algorithm ran; see
+:mod:`shardwise.comm.comms_logger`. Disabled, it costs one attribute check per call.
+
 Example:
     >>> import torch
     >>> from shardwise.comm.collectives import all_gather_flat, reduce_scatter_flat
@@ -85,6 +92,9 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from shardwise.comm.comms_logger import COMMS_LOGGER as _COMMS
+from shardwise.comm.comms_logger import PendingComm
 
 __all__ = [
     "GLOO_ALL_GATHER_VIA_ALL_REDUCE_MIN_BYTES",
@@ -132,9 +142,15 @@ class CommHandle:
     the collective must not be read or written.
     """
 
-    def __init__(self, work: dist.Work | None, finish: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self,
+        work: dist.Work | None,
+        finish: Callable[[], object] | None = None,
+        record: PendingComm | None = None,
+    ) -> None:
         self._work = work
         self._finish = finish
+        self._record = record
         self._done = False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -148,6 +164,8 @@ class CommHandle:
             if self._finish is not None:
                 self._finish()
             self._done = True
+            if self._record is not None:  # the comms logger is on
+                self._record.complete()
         return True
 
     def is_completed(self) -> bool:
@@ -251,8 +269,20 @@ def _check_flat_pair(what: str, full: torch.Tensor, shard: torch.Tensor, world: 
         )
 
 
-def _run(work: dist.Work | None, async_op: bool, finish: Callable[[], object] | None) -> CommHandle | None:
-    handle = CommHandle(work, finish)
+def _record(op: str, tensor: torch.Tensor, world: int) -> PendingComm | None:
+    """Start timing a collective for the comms logger (called only while it is enabled)."""
+    return _COMMS.start(op, tensor.numel() * tensor.element_size(), world, tensor.is_cuda)
+
+
+def _run(
+    work: dist.Work | None,
+    async_op: bool,
+    finish: Callable[[], object] | None,
+    record: PendingComm | None = None,
+) -> CommHandle | None:
+    if record is not None and async_op:
+        record.watch(work)
+    handle = CommHandle(work, finish, record)
     if async_op:
         return handle
     handle.wait()
@@ -283,9 +313,10 @@ def all_reduce(
     if name == "avg" and not tensor.is_floating_point():
         raise ValueError(f"all_reduce(op='avg') needs a floating-point tensor, got {tensor.dtype}; use 'sum'")
     world, _ = _group_size_and_rank(group)
+    record = _record("all_reduce", tensor, world) if _COMMS.enabled else None
     work = dist.all_reduce(tensor, op=_OPS[name], group=group, async_op=async_op)
     finish = (lambda: tensor.div_(world)) if name == "avg" and world > 1 else None
-    return _run(work, async_op, finish)
+    return _run(work, async_op, finish, record)
 
 
 def reduce_scatter_flat(
@@ -329,9 +360,10 @@ def reduce_scatter_flat(
     out, inp = output.view(-1), input.view(-1)
     n = out.numel()
     average = name == "avg" and world > 1
+    record = _record("reduce_scatter_tensor", out, world) if _COMMS.enabled else None
     if _resolve(algorithm, "reduce_scatter", group, inp, input_is_scratch) == "native":
         work = _reduce_scatter_native(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-        return _run(work, async_op, (lambda: out.div_(world)) if average else None)
+        return _run(work, async_op, (lambda: out.div_(world)) if average else None, record)
 
     buffer = inp if input_is_scratch else inp.clone()
     work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -343,7 +375,7 @@ def reduce_scatter_flat(
         if average:
             out.div_(world)
 
-    return _run(work, async_op, finish)
+    return _run(work, async_op, finish, record)
 
 
 def all_gather_flat(
@@ -369,9 +401,10 @@ def all_gather_flat(
     world, rank = _group_size_and_rank(group)
     _check_flat_pair("all_gather_flat", output, input_shard, world)
     out, shard = output.view(-1), input_shard.view(-1)
+    record = _record("all_gather_into_tensor", shard, world) if _COMMS.enabled else None
     if _resolve(algorithm, "all_gather", group, out, False) == "native":
         work = _all_gather_native(out, shard, group=group, async_op=async_op)
-        return _run(work, async_op, None)
+        return _run(work, async_op, None, record)
 
     n = shard.numel()
     lo, hi = rank * n, (rank + 1) * n
@@ -381,7 +414,7 @@ def all_gather_flat(
     out[:lo].zero_()
     out[hi:].zero_()
     work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return _run(work, async_op, None)
+    return _run(work, async_op, None, record)
 
 
 def broadcast(
@@ -391,9 +424,10 @@ def broadcast(
     async_op: bool = False,
 ) -> CommHandle | None:
     """Copy ``tensor`` from the rank with global rank ``src`` to every rank of ``group``."""
-    _group_size_and_rank(group)
+    world, _ = _group_size_and_rank(group)
+    record = _record("broadcast", tensor, world) if _COMMS.enabled else None
     work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
-    return _run(work, async_op, None)
+    return _run(work, async_op, None, record)
 
 
 def _flag_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -409,9 +443,12 @@ def all_reduce_max_flag(flag: bool, group: dist.ProcessGroup | None = None) -> b
         >>> all_reduce_max_flag(rank == 1)  # doctest: +SKIP
         True
     """
-    _group_size_and_rank(group)
+    world, _ = _group_size_and_rank(group)
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_flag_device(group))
+    record = _record("all_reduce", t, world) if _COMMS.enabled else None
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if record is not None:
+        record.complete()
     return bool(t.item())
 
 

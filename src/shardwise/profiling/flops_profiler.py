@@ -1,0 +1,542 @@
+"""The flops profiler: params, FLOPs, MACs and forward latency per module (spec 3.10, 11.5).
+
+FLOPs come from ``torch.utils.flop_counter.FlopCounterMode``, which counts the
+operations that dominate a model's cost (matrix multiplies, convolutions, attention)
+from their shapes: ``2 * m * n * k`` for an ``(m, k) @ (k, n)`` product, so a
+``Linear(i, o)`` on ``b`` rows costs ``2 * b * i * o``. Element-wise work (bias adds,
+activations, norms, softmax) is not counted. Every counted op does one multiply and one
+add per MAC, so ``MACs = flops / 2``. The CPU flash-attention kernel that
+``scaled_dot_product_attention`` uses on CPU is added to torch's table.
+
+Per-module numbers come from forward hooks: a module's flops are the counter's
+increase between its pre-hook and its hook, its latency the wall-clock time between
+them (with a device synchronisation on accelerators), summed over calls. Only the
+forward is counted; the summary derives the backward as ``2 x`` forward (plus
+``recompute_fwd_factor`` x forward for activation recomputation), as DeepSpeed does.
+
+Two ways to use it:
+
+* from the config: ``"flops_profiler": {"enabled": true, "profile_step": 1}`` profiles the
+  forwards of the optimizer step taken while ``engine.global_steps == profile_step`` on
+  rank 0 and logs (or writes to ``output_file``) the report at its boundary;
+* standalone: :func:`get_model_profile`, or :class:`FlopsProfiler` with
+  ``start_profile()`` / ``stop_profile()`` around forwards.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    >>> flops, macs, params = get_model_profile(model, args=[torch.randn(3, 4)], print_profile=False,
+    ...                                         as_string=False)
+    >>> flops == 2 * 3 * (4 * 8 + 8 * 2), macs == flops // 2, params == 4 * 8 + 8 + 8 * 2 + 2
+    (True, True, True)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.hooks import RemovableHandle
+
+from shardwise.profiling.report import report_logger
+
+__all__ = [
+    "FlopsProfiler",
+    "ModuleStats",
+    "format_count",
+    "format_time",
+    "get_model_profile",
+]
+
+
+def _cpu_flash_attention_flop(
+    query_shape: Sequence[int],
+    key_shape: Sequence[int],
+    value_shape: Sequence[int],
+    *args: Any,
+    **kwargs: Any,
+) -> int:
+    """FLOPs of the CPU flash-attention kernel: the same two batched products as on GPU."""
+    return int(sdpa_flop_count(query_shape, key_shape, value_shape))
+
+
+_EXTRA_FORMULAS: dict[Any, Callable[..., int]] = {}
+if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    _EXTRA_FORMULAS[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_attention_flop
+
+
+def format_count(value: float, unit: str = "", precision: int = 2) -> str:
+    """A number with an SI prefix: ``format_count(1.5e9, "FLOPS")`` -> ``"1.5 GFLOPS"``.
+
+    Example:
+        >>> format_count(212), format_count(1536), format_count(2.5e6, "MACs"), format_count(3e12, "FLOPS")
+        ('212', '1.54 K', '2.5 MMACs', '3.0 TFLOPS')
+    """
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= factor:
+            return f"{round(value / factor, precision)} {prefix}{unit}"
+    if float(value).is_integer():
+        return f"{int(value)} {unit}".rstrip()
+    return f"{round(float(value), precision)} {unit}".rstrip()
+
+
+def format_time(seconds: float, precision: int = 2) -> str:
+    """Seconds with a readable unit: ``format_time(0.0123)`` -> ``"12.3 ms"``.
+
+    Example:
+        >>> format_time(2.5), format_time(0.0123), format_time(4.2e-5)
+        ('2.5 s', '12.3 ms', '42.0 us')
+    """
+    if seconds >= 1:
+        return f"{round(seconds, precision)} s"
+    if seconds >= 1e-3:
+        return f"{round(seconds * 1e3, precision)} ms"
+    return f"{round(seconds * 1e6, precision)} us"
+
+
+@dataclass
+class ModuleStats:
+    """What the profiler measured for one module (summed over its calls)."""
+
+    name: str
+    type_name: str
+    depth: int
+    params: int
+    flops: int = 0
+    latency_s: float = 0.0
+    calls: int = 0
+    _starts: list[tuple[int, float]] = field(default_factory=list, repr=False)
+
+    @property
+    def macs(self) -> int:
+        """Multiply-accumulates: every counted op is one multiply plus one add per MAC."""
+        return self.flops // 2
+
+
+class FlopsProfiler:
+    """Profile the forward passes of a model, module by module.
+
+    Args:
+        model: the module to profile (its submodules are reported by their names).
+        recompute_fwd_factor: extra forward cost of activation recomputation, as a
+            fraction of the forward (0.0: none; 1.0: every activation recomputed).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> prof = FlopsProfiler(nn.Linear(4, 2))
+        >>> prof.start_profile()
+        >>> _ = prof.model(torch.randn(3, 4))
+        >>> prof.stop_profile()
+        >>> prof.get_total_flops(), prof.get_total_params()
+        (48, 10)
+        >>> prof.end_profile()
+    """
+
+    def __init__(self, model: nn.Module, recompute_fwd_factor: float = 0.0) -> None:
+        self.model = model
+        self.recompute_fwd_factor = recompute_fwd_factor
+        self.stats: dict[str, ModuleStats] = {}
+        self._handles: list[RemovableHandle] = []
+        self._counter: FlopCounterMode | None = None
+        self._excluded = 0  # flops inside ignored modules
+        self._ignore_depth = 0
+        self._ignore_start = 0
+        self._sync: Callable[[], None] | None = None
+        self.active = False
+
+    # ------------------------------------------------------------------ counting
+    def _raw(self) -> int:
+        counter = self._counter
+        return 0 if counter is None else int(counter.get_total_flops())
+
+    def _effective(self) -> int:
+        """Flops so far in this root call, without those inside ignored modules."""
+        return self._raw() - self._excluded
+
+    def _clock(self) -> float:
+        if self._sync is not None:
+            self._sync()
+        return time.perf_counter()
+
+    def _enter_root(self, module: nn.Module, args: Any) -> None:
+        # A fresh counter per root call: FlopCounterMode resets on entry, so the
+        # module totals below are accumulated in ModuleStats, not in the counter.
+        self._counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FORMULAS)
+        self._counter.__enter__()
+        self._excluded = 0
+
+    def _exit_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self._counter = None
+
+    def _pre(self, stats: ModuleStats) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            stats._starts.append((self._effective(), self._clock()))
+
+        return hook
+
+    def _post(self, stats: ModuleStats) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not stats._starts:
+                return
+            flops0, t0 = stats._starts.pop()
+            stats.flops += self._effective() - flops0
+            stats.latency_s += self._clock() - t0
+            stats.calls += 1
+
+        return hook
+
+    def _ignored_pre(self, module: nn.Module, args: Any) -> None:
+        if self._ignore_depth == 0:
+            self._ignore_start = self._raw()
+        self._ignore_depth += 1
+
+    def _ignored_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._ignore_depth -= 1
+        if self._ignore_depth == 0:
+            self._excluded += self._raw() - self._ignore_start
+
+    # ------------------------------------------------------------------ control
+    def start_profile(self, ignore_list: Sequence[type[nn.Module]] | None = None) -> None:
+        """Attach the hooks; every later forward of the model is profiled until :meth:`stop_profile`.
+
+        Args:
+            ignore_list: module types whose work is left out (their flops do not count
+                towards their parents either; their time does, being inside them).
+        """
+        if self.active:
+            return
+        ignored = tuple(ignore_list or ())
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        module = getattr(torch, device.type, None) if device.type != "cpu" else None
+        self._sync = getattr(module, "synchronize", None) if module is not None else None
+        self.stats = {}
+        root = self.model
+        # root counter hooks first, so the per-module hooks of the root run inside the counter
+        self._handles.append(root.register_forward_pre_hook(self._enter_root))
+        for name, module in root.named_modules():
+            if ignored and isinstance(module, ignored):
+                self._handles.append(module.register_forward_pre_hook(self._ignored_pre))
+                self._handles.append(module.register_forward_hook(self._ignored_post, always_call=True))
+                continue
+            key = name or "(model)"
+            stats = ModuleStats(
+                name=key,
+                type_name=type(module).__name__,
+                depth=0 if not name else name.count(".") + 1,
+                params=sum(p.numel() for p in module.parameters()),
+            )
+            self.stats[key] = stats
+            self._handles.append(module.register_forward_pre_hook(self._pre(stats)))
+            self._handles.append(module.register_forward_hook(self._post(stats), always_call=True))
+        self._handles.append(root.register_forward_hook(self._exit_root, always_call=True))
+        self.active = True
+
+    def stop_profile(self) -> None:
+        """Detach the hooks; the measurements stay readable."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._counter is not None:  # a forward raised before its exit hook ran
+            self._counter.__exit__(None, None, None)
+            self._counter = None
+        self.active = False
+
+    def reset_profile(self) -> None:
+        """Zero the measurements (hooks stay attached)."""
+        for stats in self.stats.values():
+            stats.flops = 0
+            stats.latency_s = 0.0
+            stats.calls = 0
+            stats._starts.clear()
+
+    def end_profile(self) -> None:
+        """Detach the hooks and forget the measurements."""
+        self.stop_profile()
+        self.stats = {}
+
+    # ------------------------------------------------------------------ totals
+    def _root(self) -> ModuleStats | None:
+        return self.stats.get("(model)")
+
+    def get_total_flops(self, as_string: bool = False) -> int | str:
+        """Forward FLOPs of every profiled call of the model."""
+        root = self._root()
+        flops = 0 if root is None else root.flops
+        return format_count(flops) if as_string else flops
+
+    def get_total_macs(self, as_string: bool = False) -> int | str:
+        """Forward MACs (``flops / 2``)."""
+        root = self._root()
+        macs = 0 if root is None else root.macs
+        return format_count(macs, "MACs") if as_string else macs
+
+    def get_total_params(self, as_string: bool = False) -> int | str:
+        """Parameters of the model (shared parameters once)."""
+        params = sum(p.numel() for p in self.model.parameters())
+        return format_count(params) if as_string else params
+
+    def get_total_duration(self, as_string: bool = False) -> float | str:
+        """Seconds spent in the profiled forwards."""
+        root = self._root()
+        seconds = 0.0 if root is None else root.latency_s
+        return format_time(seconds) if as_string else seconds
+
+    # ------------------------------------------------------------------ report
+    def module_table(self, module_depth: int = -1) -> list[ModuleStats]:
+        """Per-module stats in model order, down to ``module_depth`` (-1: every depth)."""
+        return [s for s in self.stats.values() if module_depth < 0 or s.depth <= module_depth]
+
+    def top_modules(self, top: int, module_depth: int = -1) -> dict[int, dict[str, list[ModuleStats]]]:
+        """Per depth, the ``top`` modules by params, MACs and latency."""
+        by_depth: dict[int, list[ModuleStats]] = {}
+        for stats in self.module_table(module_depth):
+            by_depth.setdefault(stats.depth, []).append(stats)
+        out: dict[int, dict[str, list[ModuleStats]]] = {}
+        for depth, items in sorted(by_depth.items()):
+            out[depth] = {
+                "params": sorted(items, key=lambda s: -s.params)[:top],
+                "MACs": sorted(items, key=lambda s: -s.macs)[:top],
+                "fwd latency": sorted(items, key=lambda s: -s.latency_s)[:top],
+            }
+        return out
+
+    def format_profile(
+        self,
+        profile_step: int | None = None,
+        module_depth: int = -1,
+        top_modules: int = 1,
+        detailed: bool = True,
+        context: dict[str, Any] | None = None,
+    ) -> str:
+        """The report as text: summary, top modules per depth, and (``detailed``) the per-module table.
+
+        Args:
+            profile_step: the step named in the title (None for a standalone profile).
+            module_depth: deepest level shown (-1: all).
+            top_modules: how many modules per depth in the aggregated part.
+            detailed: include the per-module table.
+            context: run facts from the engine: ``world_size``, ``dp_size``, ``mp_size``,
+                ``batch_size`` (samples per rank in the profiled forwards), and the
+                ``bwd_latency_s`` / ``step_latency_s`` measured by the timers.
+        """
+        ctx = dict(context or {})
+        flops = int(self.get_total_flops())
+        params = int(self.get_total_params())
+        fwd_s = float(self.get_total_duration())
+        mp = int(ctx.get("mp_size", 1))
+        bwd_factor = 2.0 + self.recompute_fwd_factor
+        lines = ["-" * 30 + " shardwise flops profiler " + "-" * 30]
+        lines.append(
+            f"Profile summary at step {profile_step}:" if profile_step is not None else "Profile summary:"
+        )
+        lines.append(
+            "notation: params = parameters, MACs = multiply-accumulates, flops = floating-point operations "
+            "(2 per MAC), FLOPS = flops per second; bwd flops = "
+            f"{bwd_factor:g} x fwd flops (recompute_fwd_factor {self.recompute_fwd_factor:g})"
+        )
+        rows: list[tuple[str, str]] = []
+        for key, label in (
+            ("world_size", "world size"),
+            ("dp_size", "data parallel size"),
+            ("mp_size", "model parallel size"),
+        ):
+            if key in ctx:
+                rows.append((label, str(ctx[key])))
+        if "batch_size" in ctx:
+            rows.append(("samples per rank (profiled forwards)", str(ctx["batch_size"])))
+        rows += [
+            ("params per rank", format_count(params)),
+            ("params of model = params per rank x mp_size", format_count(params * mp)),
+            ("fwd MACs per rank", format_count(flops // 2, "MACs")),
+            ("fwd flops per rank", format_count(flops)),
+            ("fwd flops of model = fwd flops per rank x mp_size", format_count(flops * mp)),
+            ("fwd latency", format_time(fwd_s)),
+            ("fwd FLOPS per rank", _rate(flops, fwd_s)),
+        ]
+        bwd_s = ctx.get("bwd_latency_s")
+        step_s = ctx.get("step_latency_s")
+        if bwd_s is not None:
+            rows.append(("bwd latency", format_time(bwd_s)))
+            rows.append(
+                (
+                    f"bwd FLOPS per rank = {bwd_factor:g} x fwd flops / bwd latency",
+                    _rate(bwd_factor * flops, bwd_s),
+                )
+            )
+            rows.append(
+                (
+                    f"fwd+bwd FLOPS per rank = {1 + bwd_factor:g} x fwd flops / (fwd+bwd latency)",
+                    _rate((1 + bwd_factor) * flops, fwd_s + bwd_s),
+                )
+            )
+        if bwd_s is not None and step_s is not None:
+            iter_s = fwd_s + bwd_s + step_s
+            rows.append(("step latency", format_time(step_s)))
+            rows.append(("iter latency", format_time(iter_s)))
+            rows.append(
+                (
+                    f"FLOPS per rank = {1 + bwd_factor:g} x fwd flops / iter latency",
+                    _rate((1 + bwd_factor) * flops, iter_s),
+                )
+            )
+            if "batch_size" in ctx and iter_s > 0:
+                rows.append(("samples/second (this rank)", f"{ctx['batch_size'] / iter_s:.2f}"))
+        width = max(len(label) for label, _ in rows) + 2
+        lines += [f"{label + ':':<{width}} {value}" for label, value in rows]
+
+        lines.append("-" * 30 + " top modules per depth " + "-" * 30)
+        for depth, tops in self.top_modules(top_modules, module_depth).items():
+            lines.append(f"depth {depth}:")
+            lines.append("    params      - " + str({s.name: format_count(s.params) for s in tops["params"]}))
+            lines.append(
+                "    MACs        - " + str({s.name: format_count(s.macs, "MACs") for s in tops["MACs"]})
+            )
+            lines.append(
+                "    fwd latency - " + str({s.name: format_time(s.latency_s) for s in tops["fwd latency"]})
+            )
+        if detailed:
+            lines.append("-" * 30 + " per-module profile " + "-" * 30)
+            lines.append(_table(self.module_table(module_depth), params, flops, fwd_s))
+        return "\n".join(lines)
+
+    def print_model_profile(
+        self,
+        profile_step: int | None = 1,
+        module_depth: int = -1,
+        top_modules: int = 1,
+        detailed: bool = True,
+        output_file: str | None = None,
+        context: dict[str, Any] | None = None,
+    ) -> str:
+        """Log the report (or write it to ``output_file``) and return it."""
+        text = self.format_profile(profile_step, module_depth, top_modules, detailed, context)
+        if output_file:
+            with open(output_file, "w") as handle:
+                handle.write(text + "\n")
+        else:
+            report_logger().info("\n%s", text)
+        return text
+
+
+def _rate(flops: float, seconds: float) -> str:
+    return format_count(flops / seconds, "FLOPS") if seconds > 0 else "n/a"
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.2f}%" if whole else "0.00%"
+
+
+def _table(rows: list[ModuleStats], total_params: int, total_flops: int, total_s: float) -> str:
+    header = ("module", "params", "%params", "MACs", "flops", "%flops", "fwd latency", "%latency", "FLOPS")
+    cells = [header]
+    for s in rows:
+        label = "  " * s.depth + (f"{s.name} ({s.type_name})" if s.depth else f"{s.type_name}")
+        cells.append(
+            (
+                label,
+                format_count(s.params),
+                _share(s.params, total_params),
+                format_count(s.macs, "MACs"),
+                format_count(s.flops),
+                _share(s.flops, total_flops),
+                format_time(s.latency_s),
+                _share(s.latency_s, total_s),
+                _rate(s.flops, s.latency_s),
+            )
+        )
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)
+        ).rstrip()
+        for row in cells
+    )
+
+
+def get_model_profile(
+    model: nn.Module,
+    input_shape: Sequence[int] | None = None,
+    args: Sequence[Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    print_profile: bool = True,
+    detailed: bool = True,
+    module_depth: int = -1,
+    top_modules: int = 1,
+    warm_up: int = 1,
+    as_string: bool = True,
+    output_file: str | None = None,
+    ignore_modules: Sequence[type[nn.Module]] | None = None,
+    mode: str = "forward",
+) -> tuple[int | str, int | str, int | str]:
+    """Profile one forward of ``model`` outside training; returns ``(flops, macs, params)``.
+
+    Args:
+        model: the model (left in its current mode and device).
+        input_shape: build one input ``torch.ones(input_shape)`` in the model's dtype and
+            device (for models taking a single float tensor); else use ``args``/``kwargs``.
+        args, kwargs: the forward's arguments.
+        print_profile: log the report (or write it to ``output_file``).
+        detailed: include the per-module table.
+        module_depth: deepest level reported (-1: all).
+        top_modules: modules per depth in the aggregated part.
+        warm_up: unprofiled forwards first (allocator and kernel warm-up).
+        as_string: return formatted strings (``"1.2 G"``) instead of ints.
+        output_file: write the report to this file instead of the log.
+        ignore_modules: module types whose work is left out.
+        mode: ``"forward"`` calls ``model(*args, **kwargs)``; ``"generate"`` calls
+            ``model.generate(*args, **kwargs)``.
+
+    Raises:
+        ValueError: neither ``input_shape`` nor ``args``/``kwargs``, or an unknown ``mode``.
+
+    Example:
+        >>> from torch import nn
+        >>> get_model_profile(nn.Linear(10, 10), input_shape=(4, 10), print_profile=False)
+        ('800', '400 MACs', '110')
+    """
+    if mode not in ("forward", "generate"):
+        raise ValueError(f"mode={mode!r} is not supported: use 'forward' or 'generate'")
+    call_args = list(args or [])
+    call_kwargs = dict(kwargs or {})
+    if input_shape is not None:
+        param = next(model.parameters(), None)
+        dtype = param.dtype if param is not None else torch.float32
+        device = param.device if param is not None else torch.device("cpu")
+        call_args = [torch.ones(tuple(input_shape), dtype=dtype, device=device), *call_args]
+    if not call_args and not call_kwargs:
+        raise ValueError("get_model_profile needs input_shape=... or args=/kwargs= for the model's forward")
+    run: Callable[..., Any] = getattr(model, "generate") if mode == "generate" else model  # noqa: B009 - not every module has it
+
+    with torch.no_grad():
+        for _ in range(warm_up):
+            run(*call_args, **call_kwargs)
+        profiler = FlopsProfiler(model)
+        profiler.start_profile(ignore_list=ignore_modules)
+        try:
+            run(*call_args, **call_kwargs)
+        finally:
+            profiler.stop_profile()
+    if print_profile:
+        profiler.print_model_profile(
+            profile_step=None,
+            module_depth=module_depth,
+            top_modules=top_modules,
+            detailed=detailed,
+            output_file=output_file,
+        )
+    flops, macs, params = (
+        profiler.get_total_flops(as_string),
+        profiler.get_total_macs(as_string),
+        profiler.get_total_params(as_string),
+    )
+    profiler.end_profile()
+    return flops, macs, params
