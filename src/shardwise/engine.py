@@ -17,8 +17,10 @@ from torch import nn
 
 from shardwise.comm.topology import Topology
 from shardwise.config.resolve import ResolvedConfig
+from shardwise.monitor.master import MonitorMaster
 from shardwise.precision.policy import PrecisionPolicy
-from shardwise.utils.logging import logger
+from shardwise.profiling.telemetry import Telemetry, build_telemetry
+from shardwise.profiling.timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, STEP
 from shardwise.zero.sharded_optimizer import StepResult, ZeroOptimizer
 
 
@@ -41,6 +43,7 @@ class ShardwiseEngine(nn.Module):
         lr_scheduler: Any,
         device: torch.device,
         collate_fn: Any = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -60,6 +63,18 @@ class ShardwiseEngine(nn.Module):
         self._last_step: StepResult | None = None
         self._step_applied = False
         self.training_dataloader: Any = None
+        # timers, progress lines, monitors, flops profiler: built by initialize (or here from the config)
+        self.telemetry = telemetry or build_telemetry(
+            config,
+            module,
+            device,
+            topology.world_rank,
+            topology.world_size,
+            dp_size=topology.dp_size,
+            mp_size=topology.mp_size,
+            precision=precision,
+        )
+        self.telemetry.on_start(module, optimizer)
 
     # ------------------------------------------------------------------ config accessors
     @property
@@ -115,7 +130,8 @@ class ShardwiseEngine(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Call the wrapped module (inputs cast under ``fp16.auto_cast``, autocast if configured)."""
         args, kwargs = self.precision.cast_forward_inputs(args, kwargs)
-        with self.precision.forward_context(self.device.type):
+        timed = self.telemetry.forward(self.global_steps, self.module.training)
+        with timed, self.precision.forward_context(self.device.type):
             return self.module(*args, **kwargs)
 
     def _require_optimizer(self, what: str) -> ZeroOptimizer:
@@ -152,8 +168,13 @@ class ShardwiseEngine(nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         optimizer.prepare_backward(self.is_gradient_accumulation_boundary())
-        self.scale(loss.float()).backward(retain_graph=retain_graph)
-        optimizer.after_backward()
+        telemetry = self.telemetry
+        with telemetry.phase(BACKWARD):
+            with telemetry.phase(BACKWARD_INNER):
+                self.scale(loss.float()).backward(retain_graph=retain_graph)
+            with telemetry.phase(BACKWARD_REDUCE):
+                optimizer.after_backward()
+        telemetry.record_loss(loss)
         return loss.detach()
 
     @contextlib.contextmanager
@@ -184,18 +205,22 @@ class ShardwiseEngine(nn.Module):
                 "engine.step() inside no_sync(): leave the context and run a final backward first"
             )
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
-            result = optimizer.step(loss_scale=self.loss_scale)
-            self.precision.loss_scaler.update_scale(result.overflow)
-            self._last_step = result
-            if result.applied:
-                self._step_applied = True
-                if self.lr_scheduler is not None:
-                    self._step_scheduler(lr_kwargs)
-            else:
-                self.skipped_steps += 1
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+        boundary = self.is_gradient_accumulation_boundary()
+        with self.telemetry.phase(STEP):
+            if boundary:
+                result = optimizer.step(loss_scale=self.loss_scale)
+                self.precision.loss_scaler.update_scale(result.overflow)
+                self._last_step = result
+                if result.applied:
+                    self._step_applied = True
+                    if self.lr_scheduler is not None:
+                        self._step_scheduler(lr_kwargs)
+                else:
+                    self.skipped_steps += 1
+                self.global_steps += 1
+                self.global_samples += self.train_batch_size()
+        self.telemetry.after_step(boundary)
+        if boundary:
             self._report_progress()
         self.micro_steps += 1
 
@@ -207,16 +232,25 @@ class ShardwiseEngine(nn.Module):
             self.lr_scheduler.step(self.train_batch_size())
 
     def _report_progress(self) -> None:
-        every = self._config.steps_per_print
-        if every and self.global_steps % every == 0:
-            logger.info(
-                "step=%d, skipped=%d, lr=%s, grad_norm=%s, loss_scale=%s",
-                self.global_steps,
-                self.skipped_steps,
-                self.get_lr(),
-                self.get_global_grad_norm(),
-                self.loss_scale,
-            )
+        """Progress line, timers and monitor events of the step that just ended (every rank)."""
+        self.telemetry.on_boundary(
+            step=self.global_steps,
+            samples=self.global_samples,
+            lr=self.get_lr(),
+            grad_norm=self.get_global_grad_norm(),
+            applied=self._step_applied,
+            loss_scale=self.loss_scale,
+            skipped=self.skipped_steps,
+        )
+
+    @property
+    def monitor(self) -> MonitorMaster:
+        """The monitors (``engine.monitor.write_events([(name, value, engine.global_samples)])``)."""
+        return self.telemetry.monitor
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """Last micro step's and window's phase times in ms (empty without ``wall_clock_breakdown``)."""
+        return self.telemetry.wall_clock_timers()
 
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` updated the parameters."""
@@ -225,6 +259,11 @@ class ShardwiseEngine(nn.Module):
     def get_global_grad_norm(self) -> float | None:
         """Gradient norm of the last step, unscaled and before clipping (inf after an overflow)."""
         return None if self._last_step is None else self._last_step.grad_norm
+
+    def get_global_grad_norm_post_clip(self) -> float | None:
+        """Gradient norm of the last applied step after clipping (None after a skipped step)."""
+        stats = self.telemetry.last_stats
+        return None if stats is None else stats.grad_norm_post_clip
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (the engine already does after each optimizer step).
@@ -302,6 +341,43 @@ class ShardwiseEngine(nn.Module):
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
+
+    # ------------------------------------------------------------------ checkpoints (logic in checkpoint/)
+    def save_checkpoint(
+        self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Save a topology-free checkpoint under ``save_dir/tag`` (every rank must call it)."""
+        from shardwise.checkpoint.engine_io import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(
+        self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False, custom_load_fn: Any = None,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Load a checkpoint saved on any world size and stage; returns ``(path, client_state)``."""
+        from shardwise.checkpoint.engine_io import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """Rank 0 writes the module's 16-bit (or fp32) state dict to ``save_dir/save_filename``."""
+        from shardwise.checkpoint.engine_io import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    save_fp16_model = save_16bit_model
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save has finished writing (re-raising its error)."""
+        from shardwise.checkpoint.engine_io import wait_for_checkpoint
+
+        wait_for_checkpoint(self)
 
     def __getattr__(self, name: str) -> Any:
         try:

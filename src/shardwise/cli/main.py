@@ -1,29 +1,50 @@
 """Entry point of the ``shardwise`` command.
 
-Sub-commands: ``config`` (check / explain). Each sub-command lives in its own module
-and registers itself with ``add_parser``; this file only dispatches.
+``shardwise config|report|elastic|checkpoint ...`` run a sub-command (each in its own module, which
+registers itself with ``add_parser``); anything else is a launch, parsed exactly like
+DeepSpeed's ``deepspeed`` command: ``shardwise [launcher options] script.py [script args]``.
+This file only dispatches.
+
+Example:
+    shardwise config check ds_config.json
+    shardwise report
+    shardwise elastic ds_config.json --world-size 64
+    shardwise checkpoint info checkpoints/
+    shardwise --num_gpus 2 train.py --deepspeed --deepspeed_config ds.json
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
-from shardwise.cli import config_cmd
+from shardwise.cli import checkpoint_cmd, config_cmd, elastic_cmd, report_cmd
+
+SUBCOMMANDS = ("config", "report", "elastic", "checkpoint")
+"""First words that select a sub-command; any other first word starts a launch."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser (sub-commands registered by their modules)."""
+    """The sub-command parser (the launch parser is :func:`shardwise.cli.launch_cmd.build_parser`)."""
     parser = argparse.ArgumentParser(prog="shardwise", description="DeepSpeed-config training on PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
     config_cmd.add_parser(sub)
+    report_cmd.add_parser(sub)
+    elastic_cmd.add_parser(sub)
+    checkpoint_cmd.add_parser(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return int(args.func(args))
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in SUBCOMMANDS:
+        parsed = build_parser().parse_args(args)
+        return int(parsed.func(parsed))
+    from shardwise.cli import launch_cmd
+
+    return launch_cmd.main(args)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,23 @@ class FlatGroup:
         slot = self.layout.slots[index]
         return slot.offset, slot.offset + slot.numel
 
+    def master_pieces(self, index: int) -> list[tuple[int, int, int, int]]:
+        """Where parameter ``index``'s fp32 values live among ``master`` (for checkpoints).
+
+        Returns ``(start, stop, bucket_master, offset)`` tuples: flattened elements
+        ``[start, stop)`` of the parameter are ``master[bucket_master][offset : offset + stop - start]``
+        (viewed 1-D). Unsharded groups hold every parameter whole; sharded groups hold the part
+        of it inside this rank's shard of its bucket, possibly nothing.
+        """
+        slot = self.layout.slots[index]
+        if not self.shard:
+            return [(0, slot.numel, index, 0)]
+        lo, hi = self.owned[slot.bucket]
+        start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start >= stop:
+            return []
+        return [(start - slot.offset, stop - slot.offset, slot.bucket, start - lo)]
+
     # ------------------------------------------------------------------ gradients
     def attach_grad_views(self) -> None:
         """Point ``param.grad`` at the flat gradient buffer (no-op unless views are used)."""

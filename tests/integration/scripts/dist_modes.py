@@ -50,7 +50,8 @@ def main() -> None:
                 cfg.train_micro_batch_size_per_gpu,
                 cfg.gradient_accumulation_steps,
             ]
-        print("ENV " + json.dumps(info, sort_keys=True), flush=True)
+        # one write() of under PIPE_BUF bytes is atomic: ranks sharing the pipe never interleave
+        os.write(1, ("ENV " + json.dumps(info, sort_keys=True) + "\n").encode())
     elif args.mode == "raise":
         if rank == 1:
             raise ValueError("rank 1 exploded on purpose")

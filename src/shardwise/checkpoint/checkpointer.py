@@ -1,0 +1,550 @@
+"""Saving and loading a training state: collectives, DCP, atomic publication, async writes.
+
+:class:`TrainingState` names the parts a checkpoint covers (each part keeps its own
+``state_dict``), :class:`Checkpointer` does the work. The engine-facing functions with
+DeepSpeed's signatures are in :mod:`shardwise.checkpoint.engine_io`.
+
+What a save does (every rank calls it):
+
+1. wait for the previous asynchronous save (its error, if any, is raised here);
+2. check the tag is the same on every rank (``checkpoint.tag_validation``);
+3. collect the state: module entries, the optimizer's topology-free pieces, counters,
+   scheduler, loss scaler, client state, and per rank the RNG states and loader position;
+4. write it with DCP into ``.<tag>.partial`` (every rank its own shards, in parallel,
+   fsynced); with ``checkpoint.async_save`` the state is first copied and steps 4-5 run in a
+   background thread while training continues;
+5. the publishing rank adds the summary, renames the directory to ``<tag>``, then moves
+   ``latest``. A failure anywhere is raised on every rank and publishes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise import comm
+from shardwise.checkpoint import dcp_io, keys, layout, rng
+from shardwise.utils.logging import logger
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """The ``checkpoint`` config section, as the checkpointer uses it."""
+
+    tag_validation: str = "Warn"
+    use_node_local_storage: bool = False
+    load_universal: bool = False
+    async_save: bool = False
+    thread_count: int = 1
+
+
+@dataclass
+class TrainingState:
+    """The parts of a run a checkpoint covers.
+
+    Attributes:
+        module: the model (parameters, frozen parameters and buffers).
+        optimizer: an object with the checkpoint-state methods (``sharded_state_dict``,
+            ``sharded_load``, ``full_state_dict``, ``load_full_state_dict``,
+            ``refresh_masters_from_params``), e.g. ZeRO's optimizer or
+            :class:`~shardwise.checkpoint.param_state.ParamOptimizerState`; None for none.
+        lr_scheduler: anything with ``state_dict``/``load_state_dict``, or None.
+        loss_scaler: the precision policy's scaler, or None.
+        data_loader: a Stateful loader, or None.
+        counters: ``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``.
+        zero_stage, dp_world_size, mp_rank, mp_world_size: the layout, recorded in the summary.
+        ds_config: the resolved config, saved for reference.
+        process_group: group for DCP and the collectives (None: the world).
+    """
+
+    module: nn.Module
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    loss_scaler: Any = None
+    data_loader: Any = None
+    counters: dict[str, int] = field(default_factory=dict)
+    zero_stage: int = 0
+    dp_world_size: int = 1
+    mp_rank: int = 0
+    mp_world_size: int = 1
+    gradient_accumulation_steps: int = 1
+    ds_config: dict[str, Any] = field(default_factory=dict)
+    process_group: Any = None
+
+
+@dataclass
+class LoadResult:
+    """What a load restored: where from, the client state, and the counters to apply."""
+
+    path: Path
+    client_state: dict[str, Any]
+    counters: dict[str, int]
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    """``id(param) -> name`` (tied parameters get their first name)."""
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def _aliases(module: nn.Module, params: set[int]) -> set[str]:
+    """Every state-dict name of the given parameters, tied aliases included."""
+    return {name for name, p in module.named_parameters(remove_duplicate=False) if id(p) in params}
+
+
+class Checkpointer:
+    """Saves and loads :class:`TrainingState` s; holds the in-flight asynchronous save.
+
+    Example:
+        >>> # ckpt = Checkpointer(CheckpointOptions())
+        >>> # ckpt.save(state, "ckpts", tag="global_step10")
+        >>> # result = ckpt.load(state, "ckpts")   # any world size, any ZeRO stage
+    """
+
+    def __init__(self, options: CheckpointOptions) -> None:
+        self.options = options
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._async_group: Any = None
+
+    # ------------------------------------------------------------------ async bookkeeping
+    def wait(self) -> None:
+        """Block until the in-flight asynchronous save is published; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the previous asynchronous checkpoint save failed: {error}") from error
+
+    def _group_for_async(self, base: Any) -> Any:
+        # A background thread must not issue collectives on the group training uses (gloo and
+        # nccl both require one issuing order per group), so async saves get their own gloo group.
+        if self._async_group is None and comm.get_world_size(base) > 1:
+            ranks = None if base is None else torch.distributed.get_process_group_ranks(base)
+            self._async_group = comm.new_group(ranks, backend="gloo")
+        return self._async_group
+
+    # ------------------------------------------------------------------ save
+    def save(
+        self,
+        state: TrainingState,
+        save_dir: str | Path,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> Path:
+        """Save ``state`` as ``save_dir/<tag>`` (collective); returns the tag directory."""
+        self.wait()
+        if not str(save_dir):
+            raise ValueError("save_checkpoint needs a save_dir (got an empty path)")
+        client_state = dict(client_state or {})
+        if "checkpoint_parallel_dimensions" in client_state:
+            raise KeyError("client_state may not use the reserved key 'checkpoint_parallel_dimensions'")
+        tag = layout.check_tag(
+            tag if tag is not None else f"global_step{state.counters.get('global_steps', 0)}"
+        )
+        self._validate_tag(tag, state.process_group)
+        steps, gas = state.counters.get("micro_steps", 0), state.gradient_accumulation_steps
+        if gas > 1 and steps % gas:
+            logger.warning(
+                "checkpoint %s is saved in the middle of a gradient-accumulation window (micro step %d of %d): "
+                "the gradients accumulated so far are not saved",
+                tag,
+                steps % gas,
+                gas,
+            )
+        root = Path(save_dir)
+        items = self._collect(state, client_state, exclude_frozen_parameters, tag)
+        summary = _summary(state, tag, exclude_frozen_parameters, items)
+        if self._is_publisher():
+            layout.prepare_staging(root, tag)
+        comm.barrier(state.process_group)
+        if self.options.async_save:
+            items = _snapshot(items)
+            group = self._group_for_async(state.process_group)
+            self._thread = threading.Thread(
+                target=self._background, args=(items, root, tag, summary, save_latest, group), daemon=False
+            )
+            self._thread.start()
+        else:
+            self._write_and_publish(items, root, tag, summary, save_latest, state.process_group)
+        return root / tag
+
+    def _background(self, *args: Any) -> None:
+        try:
+            self._write_and_publish(*args)
+        except BaseException as error:  # handed to the next wait()
+            self._error = error
+
+    def _write_and_publish(
+        self,
+        items: dict[str, Any],
+        root: Path,
+        tag: str,
+        summary: dict[str, Any],
+        save_latest: bool,
+        group: Any,
+    ) -> None:
+        staging = layout.staging_dir(root, tag)
+        start = time.perf_counter()
+        alone = comm.get_world_size(group) == 1  # no collectives at all (also safe from a background thread)
+        try:
+            dcp_io.save(
+                items, staging, process_group=group, no_dist=alone, thread_count=self.options.thread_count
+            )
+        except RuntimeError:
+            if self._is_publisher():  # leave nothing half-written behind (latest was never moved)
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if self.options.use_node_local_storage and not alone:
+            self._share_metadata(staging, group)
+        failure = None
+        if self._is_publisher():
+            try:
+                summary["bytes"] = layout.dir_bytes(staging)
+                layout.write_summary(staging, summary)
+                layout.publish(root, tag)
+                if save_latest:
+                    layout.write_latest(root, tag)
+            except OSError as error:
+                failure = error
+        if failure is not None if alone else comm.all_reduce_max_flag(failure is not None, group=group):
+            raise RuntimeError(f"publishing checkpoint {root / tag} failed: {failure or 'on another rank'}")
+        logger.info("saved checkpoint %s in %.2fs", root / tag, time.perf_counter() - start)
+
+    def _is_publisher(self) -> bool:
+        if self.options.use_node_local_storage:
+            return comm.get_local_rank() == 0
+        return comm.get_rank() == 0
+
+    def _share_metadata(self, staging: Path, group: Any) -> None:
+        """Node-local storage: every node's publisher needs DCP's index next to its files."""
+        if comm.get_world_size(group) == 1:
+            return
+        data = (staging / layout.DCP_METADATA).read_bytes() if comm.get_rank() == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        comm.broadcast(size, src=0, group=group)
+        payload = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if comm.get_rank() == 0:
+            payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        comm.broadcast(payload, src=0, group=group)
+        if comm.get_rank() != 0 and comm.get_local_rank() == 0:
+            layout.atomic_write_bytes(staging / layout.DCP_METADATA, payload.numpy().tobytes())
+
+    def _validate_tag(self, tag: str, group: Any) -> None:
+        mode = self.options.tag_validation.lower()
+        if mode == "ignore" or comm.get_world_size(group) == 1:
+            return
+        digest = int.from_bytes(hashlib.sha1(tag.encode()).digest()[:7], "big")
+        low, high = torch.tensor([digest]), torch.tensor([digest])
+        comm.all_reduce(low, op="min", group=group)
+        comm.all_reduce(high, op="max", group=group)
+        if int(low) != int(high):
+            message = f"The checkpoint tag name '{tag}' is not consistent across all ranks"
+            if mode == "fail":
+                raise ValueError(
+                    f"{message} (checkpoint.tag_validation is 'Fail'); pass the same tag on every rank"
+                )
+            logger.warning("%s; every rank must pass the same tag", message)
+
+    def _collect(
+        self, state: TrainingState, client_state: dict[str, Any], exclude_frozen: bool, tag: str
+    ) -> dict[str, Any]:
+        names = param_names(state.module)
+        frozen = {n for n, p in state.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        prefix = _mp_prefix(state)
+        items: dict[str, Any] = {}
+        for key, value in state.module.state_dict().items():
+            if exclude_frozen and key in frozen:
+                continue
+            items[prefix + keys.model_key(key)] = value
+        if state.optimizer is not None:
+            for key, value in state.optimizer.sharded_state_dict(names).items():
+                items[prefix + key] = value
+        items[keys.COMMON] = {
+            "counters": dict(state.counters),
+            "lr_scheduler": state.lr_scheduler.state_dict() if _stateful(state.lr_scheduler) else None,
+            "loss_scaler": state.loss_scaler.state_dict() if _stateful(state.loss_scaler) else None,
+            "client_state": client_state,
+            "ds_config": state.ds_config,
+            "exclude_frozen_parameters": exclude_frozen,
+            "tag": tag,
+        }
+        items[keys.rank_key(comm.get_rank(state.process_group))] = {
+            "rng": rng.capture(),
+            "data_loader": state.data_loader.state_dict() if _stateful(state.data_loader) else None,
+        }
+        return items
+
+    # ------------------------------------------------------------------ load
+    def load(
+        self,
+        state: TrainingState,
+        load_dir: str | Path,
+        tag: str | None = None,
+        *,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Callable[..., Any] | None = None,
+    ) -> LoadResult | None:
+        """Restore ``state`` from a checkpoint of any world size and stage (collective).
+
+        Returns None (with a warning) when ``tag`` is None and there is no ``latest`` file.
+        """
+        self.wait()
+        root = Path(load_dir)
+        if tag is None:
+            names = (
+                [layout.LATEST_UNIVERSAL, layout.LATEST] if self.options.load_universal else [layout.LATEST]
+            )
+            tag = next((t for t in (layout.read_latest(root, n) for n in names) if t is not None), None)
+            if tag is None:
+                logger.warning(
+                    "Unable to find latest file at %s, if trying to load latest checkpoint please ensure this file "
+                    "exists or pass an explicit checkpoint tag when loading a checkpoint.",
+                    root / layout.LATEST,
+                )
+                return None
+        path = layout.tag_path(root, layout.check_tag(tag))
+        kind = layout.detect_kind(path)
+        if kind == "deepspeed":
+            from shardwise.checkpoint.deepspeed_import import load_deepspeed_checkpoint
+
+            return load_deepspeed_checkpoint(
+                state,
+                path,
+                load_module_strict=load_module_strict,
+                load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states,
+                load_module_only=load_module_only,
+            )
+        if kind is None:
+            raise FileNotFoundError(f"{path} is not a checkpoint (no DCP .metadata, no *_model_states.pt)")
+        return self._load_dcp(
+            state,
+            path,
+            strict=load_module_strict,
+            with_optimizer=load_optimizer_states and not load_module_only,
+            with_scheduler=load_lr_scheduler_states and not load_module_only,
+            module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
+        )
+
+    def _load_dcp(
+        self,
+        state: TrainingState,
+        path: Path,
+        *,
+        strict: bool,
+        with_optimizer: bool,
+        with_scheduler: bool,
+        module_only: bool,
+        custom_load_fn: Callable[..., Any] | None,
+    ) -> LoadResult:
+        summary = layout.read_summary(path)
+        prefix = _mp_prefix(state)
+        saved_mp = int(summary.get("mp_world_size", 1))
+        if saved_mp != state.mp_world_size:
+            raise ValueError(
+                f"{path} was saved with model-parallel size {saved_mp} but this run has {state.mp_world_size}; "
+                "tensor-parallel shards cannot be re-split on load"
+            )
+        all_saved = dcp_io.saved_entries(dcp_io.read_metadata(path))
+        saved = (
+            {k[len(prefix) :]: v for k, v in all_saved.items() if k.startswith(prefix)}
+            if prefix
+            else all_saved
+        )
+        names = param_names(state.module)
+        targets: dict[str, Any] = {}
+        finish: Callable[[dict[str, Any]], None] | None = None
+        covered: set[str] = set()
+        if state.optimizer is not None and not module_only:
+            opt_targets, finish = state.optimizer.sharded_load(names, saved, with_state=with_optimizer)
+            targets.update(opt_targets)
+            # the optimizer restores these parameters from their fp32 values; the module must not
+            filled = {k.split("/", 1)[1] for k in opt_targets if k.startswith((keys.MASTER, keys.MODEL))}
+            covered = _aliases(state.module, {pid for pid, name in names.items() if name in filled})
+        module_sd = state.module.state_dict()
+        saved_model = {k[len(keys.MODEL) :]: v for k, v in saved.items() if k.startswith(keys.MODEL)}
+        frozen = {n for n, p in state.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        excluded = bool(summary.get("exclude_frozen_parameters", False))
+        missing = [k for k in module_sd if k not in saved_model and k not in covered]
+        if excluded:
+            missing = [k for k in missing if k not in frozen]
+        unexpected = [k for k in saved_model if k not in module_sd]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(state.module).__name__} from {path}: "
+                f"missing keys {missing}, unexpected keys {unexpected}. "
+                "Load with load_module_strict=False to load the matching entries only."
+            )
+        module_targets: dict[str, torch.Tensor] = {}
+        for key, value in module_sd.items():
+            if key in covered or key not in saved_model:
+                continue
+            entry = saved_model[key]
+            shape = tuple(entry.shape or ())
+            if shape != tuple(value.shape):
+                raise ValueError(
+                    f"{key}: shape {tuple(value.shape)} in the model but {shape} in the checkpoint {path}"
+                )
+            module_targets[keys.model_key(key)] = (
+                torch.empty(shape, dtype=value.dtype) if custom_load_fn is not None else value
+            )
+        targets.update(module_targets)
+        rank = comm.get_rank(state.process_group)
+        own = keys.rank_key(rank) in saved
+        rank_key = keys.rank_key(rank) if own else keys.rank_key(0)
+        extra = {keys.COMMON: None}
+        if rank_key in saved:
+            extra[rank_key] = None
+        load_targets = {prefix + k: v for k, v in targets.items()} if prefix else dict(targets)
+        load_targets.update(extra)
+        alone = comm.get_world_size(state.process_group) == 1
+        dcp_io.load(load_targets, path, process_group=state.process_group, no_dist=alone)
+        loaded = {k[len(prefix) :]: v for k, v in load_targets.items()} if prefix else load_targets
+        if custom_load_fn is not None:
+            custom_load_fn(
+                src={k[len(keys.MODEL) :]: loaded[k] for k in module_targets},
+                dst=state.module,
+            )
+        if finish is not None:
+            finish(loaded)
+        elif state.optimizer is not None:
+            state.optimizer.refresh_masters_from_params()
+        common = load_targets[keys.COMMON]
+        per_rank = load_targets.get(rank_key)
+        counters = {} if module_only else dict(common.get("counters", {}))
+        if not module_only:
+            self._restore_components(state, common, per_rank, own, with_optimizer, with_scheduler, counters)
+        client_state = dict(common.get("client_state", {}))
+        client_state.setdefault("ds_config", common.get("ds_config"))
+        client_state.setdefault("global_samples", common.get("counters", {}).get("global_samples"))
+        if not with_scheduler:
+            client_state.setdefault("lr_scheduler", common.get("lr_scheduler"))
+        logger.info("loaded checkpoint %s", path)
+        return LoadResult(path, client_state, counters)
+
+    def _restore_components(
+        self,
+        state: TrainingState,
+        common: dict[str, Any],
+        per_rank: dict[str, Any] | None,
+        own: bool,
+        with_optimizer: bool,
+        with_scheduler: bool,
+        counters: dict[str, int],
+    ) -> None:
+        if with_scheduler and _stateful(state.lr_scheduler) and common.get("lr_scheduler") is not None:
+            state.lr_scheduler.load_state_dict(common["lr_scheduler"])
+        if with_optimizer and _stateful(state.loss_scaler) and common.get("loss_scaler") is not None:
+            state.loss_scaler.load_state_dict(common["loss_scaler"])
+        if per_rank is None:
+            return
+        if _stateful(state.data_loader) and per_rank.get("data_loader") is not None:
+            state.data_loader.load_state_dict(per_rank["data_loader"])
+        if own and per_rank.get("rng") is not None:
+            rng.restore(per_rank["rng"])
+        else:
+            # A rank the saving run did not have: no state to continue, so a fixed, rank-distinct seed.
+            seed = (counters.get("global_steps", 0) * 1_000_003 + comm.get_rank(state.process_group)) % 2**63
+            logger.info(
+                "rank %d has no saved RNG state (world size changed): seeding %d", comm.get_rank(), seed
+            )
+            rng.reseed(seed)
+
+
+def _stateful(obj: Any) -> bool:
+    return (
+        obj is not None
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def _mp_prefix(state: TrainingState) -> str:
+    # Tensor-parallel ranks hold different tensors under the same names.
+    return f"mp{state.mp_rank}/" if state.mp_world_size > 1 else ""
+
+
+def _snapshot(items: dict[str, Any]) -> dict[str, Any]:
+    """Copies that training cannot change while a background thread writes them."""
+    out: dict[str, Any] = {}
+    for key, value in items.items():
+        if isinstance(value, dcp_io.FlatShards):
+            out[key] = value.snapshot()
+        elif torch.is_tensor(value):
+            is_dtensor = type(value).__name__ == "DTensor"
+            out[key] = value.detach().clone() if is_dtensor else value.detach().to("cpu", copy=True)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _summary(
+    state: TrainingState, tag: str, exclude_frozen: bool, items: Mapping[str, Any]
+) -> dict[str, Any]:
+    from shardwise import __version__
+
+    seen: set[int] = set()
+    trainable = frozen = 0
+    dtypes: set[str] = set()
+    for _, p in state.module.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        dtypes.add(str(p.dtype).removeprefix("torch."))
+        if p.requires_grad:
+            trainable += math.prod(p.shape)
+        else:
+            frozen += math.prod(p.shape)
+    module_keys = list(state.module.state_dict().keys())
+    frozen_names = [
+        n for n, p in state.module.named_parameters(remove_duplicate=False) if not p.requires_grad
+    ]
+    if exclude_frozen:
+        module_keys = [k for k in module_keys if k not in set(frozen_names)]
+    first = param_names(state.module)
+    aliases = {
+        n: first[id(p)] for n, p in state.module.named_parameters(remove_duplicate=False) if first[id(p)] != n
+    }
+    return {
+        "module_keys": module_keys,
+        "frozen": frozen_names,
+        "aliases": aliases,
+        "format": keys.FORMAT,
+        "format_version": keys.FORMAT_VERSION,
+        "shardwise_version": __version__,
+        "tag": tag,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "counters": dict(state.counters),
+        "zero_stage": state.zero_stage,
+        "world_size": comm.get_world_size(state.process_group),
+        "dp_world_size": state.dp_world_size,
+        "mp_world_size": state.mp_world_size,
+        "param_dtypes": sorted(dtypes),
+        "trainable_parameters": trainable,
+        "frozen_parameters": frozen,
+        "exclude_frozen_parameters": exclude_frozen,
+        "fp32_masters_saved": any(k.startswith(keys.MASTER) or f"/{keys.MASTER}" in k for k in items),
+        "optimizer": None if state.optimizer is None else type(_inner(state.optimizer)).__name__,
+    }
+
+
+def _inner(optimizer: Any) -> Any:
+    return getattr(optimizer, "optimizer", optimizer)

@@ -1,0 +1,440 @@
+"""Read checkpoints written by DeepSpeed (stages 0-3; layout in the spec, section 8) to migrate mid-run.
+
+DeepSpeed writes ``torch.save`` pickles that name a few of its own classes (the ZeRO stage
+enum, ``fragment_address``, loss scalers). They are read here with ``weights_only=True``
+and a small stand-in class per DeepSpeed name, so neither DeepSpeed nor arbitrary pickle
+code is needed, and memory-mapped, so only the pages used are read.
+
+What is reconstructed, as full tensors by parameter name (the keys of
+``ZeroOptimizer.full_state_dict``):
+
+* stages 1-2 (and the bf16 optimizer): each rank's fp32 partition and flat optimizer state,
+  cut by ``param_slice_mappings`` (name -> fragment of this rank's partition) and
+  concatenated over ranks; without those mappings, by ``param_shapes`` order;
+* stage 3: every parameter is split on its own into ``ceil(numel / world)`` elements per rank;
+  frozen parameters likewise from ``frozen_param_fragments``;
+* stage 0: the module weights and the torch optimizer's per-parameter state (fp32).
+
+Example:
+    >>> # engine.load_checkpoint("deepspeed_ckpts")   # detected and imported automatically
+"""
+
+from __future__ import annotations
+
+import math
+import pickletools
+import zipfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint import keys
+from shardwise.utils.logging import logger
+
+
+class ForeignObject:
+    """Stands in for a DeepSpeed class while unpickling: keeps constructor args and state."""
+
+    args: tuple[Any, ...] = ()
+    state: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def get(self, name: str, position: int | None = None) -> Any:
+        """An attribute from the pickled state, or a positional constructor argument."""
+        if isinstance(self.state, dict) and name in self.state:
+            return self.state[name]
+        if position is not None and position < len(self.args):
+            return self.args[position]
+        raise KeyError(f"{type(self).__name__} has no {name!r}")
+
+
+def _foreign_globals(path: Path) -> set[str]:
+    """``module.Name`` of every DeepSpeed global a ``torch.save`` file's pickle refers to."""
+    with zipfile.ZipFile(path) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+        data = archive.read(name)
+    found: set[str] = set()
+    strings: list[str] = []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL":
+            found.add(str(arg).replace(" ", "."))
+        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+            found.add(f"{strings[-2]}.{strings[-1]}")
+        if isinstance(arg, str):
+            strings.append(arg)
+    return {g for g in found if g.startswith("deepspeed.")}
+
+
+def load_file(path: Path) -> Any:
+    """``torch.load`` a DeepSpeed file safely (weights-only, stand-ins for DeepSpeed classes, mmap)."""
+    stubs = [
+        (type(qual.rsplit(".", 1)[1], (ForeignObject,), {"__module__": "shardwise.foreign"}), qual)
+        for qual in sorted(_foreign_globals(path))
+    ]
+    with torch.serialization.safe_globals(stubs):  # type: ignore[arg-type]
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _plain(value: Any) -> Any:
+    """The number behind a stand-in enum (``ZeroStageEnum(2)`` -> 2)."""
+    if isinstance(value, ForeignObject) and value.args:
+        return value.args[0]
+    return value
+
+
+def _fragment(value: Any) -> tuple[int, int]:
+    """``(start, numel)`` of a ``fragment_address`` (a namedtuple ``(numel, start)``)."""
+    if isinstance(value, ForeignObject):
+        return int(value.get("start", 1)), int(value.get("numel", 0))
+    numel, start = value
+    return int(start), int(numel)
+
+
+def _elementwise_keys(state: Mapping[str, Any], numel: int) -> list[str]:
+    return [k for k, v in state.items() if k != "step" and torch.is_tensor(v) and v.numel() == numel]
+
+
+class DeepSpeedCheckpoint:
+    """One DeepSpeed tag directory, readable by parameter name."""
+
+    def __init__(self, tag_dir: Path) -> None:
+        self.tag_dir = Path(tag_dir)
+        model_files = sorted(self.tag_dir.glob("*model_states.pt"))
+        if not model_files:
+            raise FileNotFoundError(f"{tag_dir} has no DeepSpeed *_model_states.pt file")
+        stage3_files = sorted(self.tag_dir.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=_rank_of)
+        self.model_file = stage3_files[0] if stage3_files else self.tag_dir / "mp_rank_00_model_states.pt"
+        if not self.model_file.is_file():
+            raise FileNotFoundError(f"{tag_dir}: expected mp_rank_00_model_states.pt (model-parallel rank 0)")
+        self.model = load_file(self.model_file)
+        if int(self.model.get("mp_world_size", 1) or 1) > 1:
+            raise ValueError(
+                f"{tag_dir} is a tensor-parallel DeepSpeed checkpoint; only mp size 1 is imported"
+            )
+        optim_files = [
+            f
+            for f in self.tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt")
+            if not f.name.startswith("exp")
+        ]
+        self.optim_files = sorted(optim_files, key=_rank_of)
+        self._optim: list[Any] | None = None
+        config_stage = (self.model.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0)
+        self.stage = 3 if stage3_files else (int(_plain(config_stage)) if self.optim_files else 0)
+        self.world_size = int(self.model.get("dp_world_size", len(self.optim_files) or 1))
+        self.buffer_names = list(self.model.get("buffer_names") or [])
+        self._params: dict[str, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ files
+    def optim_states(self) -> list[dict[str, Any]]:
+        """Every rank's ``optimizer_state_dict``, in rank order (memory-mapped)."""
+        if self._optim is None:
+            self._optim = [load_file(f)["optimizer_state_dict"] for f in self.optim_files]
+        return self._optim
+
+    def describe(self) -> dict[str, Any]:
+        """A short summary for ``shardwise checkpoint info``."""
+        return {
+            "zero_stage": self.stage,
+            "world_size": self.world_size,
+            "global_steps": self.model.get("global_steps"),
+            "ds_version": self.model.get("ds_version"),
+            "files": len(list(self.tag_dir.glob("*.pt"))),
+        }
+
+    # ------------------------------------------------------------------ parameter layout
+    def _param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        groups = self.model.get("param_shapes") or []
+        if isinstance(groups, dict):
+            groups = [groups]
+        return [{name: tuple(shape) for name, shape in group.items()} for group in groups]
+
+    def _flat_groups(self, field: str) -> list[list[torch.Tensor]]:
+        """Per rank, per group: a flat fp32 tensor (``field``) or the inner optimizer's state."""
+        return [list(state[field]) for state in self.optim_states()]
+
+    def _assemble(
+        self, per_rank: Sequence[Sequence[torch.Tensor]], group: int, shapes: Mapping[str, Any]
+    ) -> dict[str, torch.Tensor]:
+        """Cut per-rank flat tensors of one group into full parameters."""
+        out: dict[str, torch.Tensor] = {}
+        if self.stage == 3:
+            offsets = [0] * len(per_rank)
+            for name, shape in shapes.items():
+                numel = math.prod(shape)
+                part = math.ceil(numel / self.world_size)
+                pieces = [flat[group][offsets[r] : offsets[r] + part] for r, flat in enumerate(per_rank)]
+                offsets = [o + part for o in offsets]
+                out[name] = torch.cat(pieces)[:numel].view(shape)
+            return out
+        mappings: list[Any] = [state.get("param_slice_mappings") for state in self.optim_states()]
+        if all(m is not None for m in mappings):
+            fragments: dict[str, list[torch.Tensor]] = {name: [] for name in shapes}
+            for r, flat in enumerate(per_rank):
+                for name, address in mappings[r][group].items():
+                    start, numel = _fragment(address)
+                    fragments.setdefault(name, []).append(flat[group][start : start + numel])
+            for name, shape in shapes.items():
+                out[name] = torch.cat(fragments[name]).view(shape)
+            return out
+        whole = torch.cat([flat[group] for flat in per_rank])  # no mappings: params back to back
+        offset = 0
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            out[name] = whole[offset : offset + numel].view(shape)
+            offset += numel
+        return out
+
+    def fp32_params(self) -> dict[str, torch.Tensor]:
+        """Full fp32 master weights of the trainable parameters ({} when not saved separately)."""
+        if self._params is not None:
+            return self._params
+        out: dict[str, torch.Tensor] = {}
+        if self.stage >= 1 and self.optim_states():
+            field = "fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"
+            per_rank = self._flat_groups(field)
+            for g, shapes in enumerate(self._param_shapes()):
+                out.update(self._assemble(per_rank, g, shapes))
+        self._params = out
+        return out
+
+    def _stage3_frozen(self, name: str) -> torch.Tensor:
+        shape = tuple(self.model["frozen_param_shapes"][name])
+        files = sorted(self.tag_dir.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=_rank_of)
+        pieces = [load_file(f)["frozen_param_fragments"][name].reshape(-1) for f in files]
+        return torch.cat(pieces)[: math.prod(shape)].view(shape)
+
+    # ------------------------------------------------------------------ module tensors
+    def module_specs(self, *, exclude_frozen: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``name -> (shape, dtype)`` of the module's state dict, in its order."""
+        frozen = dict(self.model.get("frozen_param_shapes") or {})
+        trainable = {n: s for group in self._param_shapes() for n, s in group.items()}
+        specs = {}
+        for name, tensor in self.model["module"].items():
+            if exclude_frozen and name in frozen:
+                continue
+            shape = tuple(tensor.shape)
+            if self.stage == 3 and name not in self.buffer_names:
+                shape = tuple(trainable.get(name) or frozen.get(name) or shape)
+            specs[name] = (shape, tensor.dtype)
+        return specs
+
+    def best_dtype(self, name: str) -> torch.dtype:
+        """fp32 where a master exists, else the saved dtype."""
+        return torch.float32 if name in self.fp32_params() else self.model["module"][name].dtype
+
+    def read_module_tensor(self, name: str) -> torch.Tensor:
+        """A full module tensor: the fp32 master for trainable parameters when saved."""
+        masters = self.fp32_params()
+        if name in masters:
+            return masters[name]
+        if self.stage == 3 and name in (self.model.get("frozen_param_shapes") or {}):
+            return self._stage3_frozen(name)
+        return self.model["module"][name]
+
+    def module_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every module entry, full size, in the module's dtype."""
+        return {
+            name: self.read_module_tensor(name).to(dtype) for name, (_, dtype) in self.module_specs().items()
+        }
+
+    # ------------------------------------------------------------------ optimizer state
+    def optimizer_state(self, trainable_names: Sequence[str]) -> dict[str, Any] | None:
+        """Masters, optimizer state and param groups in ``full_state_dict`` form, or None if absent."""
+        if self.stage == 0:
+            return self._stage0_optimizer(trainable_names)
+        inner_field = "optimizer_state_dict" if self.stage == 3 else "base_optimizer_state"
+        inners = [state[inner_field] for state in self.optim_states()]
+        out: dict[str, Any] = {f"master/{n}": t for n, t in self.fp32_params().items()}
+        groups = []
+        for g, shapes in enumerate(self._param_shapes()):
+            state0 = inners[0]["state"].get(g, {})
+            flat_numel = self._flat_groups(
+                "fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"
+            )[0][g].numel()
+            for key in _elementwise_keys(state0, flat_numel):
+                per_rank = [[inner["state"][gg][key] for gg in sorted(inner["state"])] for inner in inners]
+                for name, tensor in self._assemble(per_rank, g, shapes).items():
+                    out[f"optim/{name}/{key}"] = tensor
+            for key, value in state0.items():
+                if key not in _elementwise_keys(state0, flat_numel):
+                    for name in shapes:
+                        out[f"optim/{name}/{key}"] = value
+            hyper = {k: v for k, v in inners[0]["param_groups"][g].items() if k != "params"}
+            groups.append({**hyper, keys.PARAM_NAMES: list(shapes)})
+        out[keys.PARAM_GROUPS] = groups
+        return out
+
+    def _stage0_optimizer(self, trainable_names: Sequence[str]) -> dict[str, Any] | None:
+        saved = self.model.get("optimizer")
+        if not isinstance(saved, dict) or "state" not in saved or "param_groups" not in saved:
+            logger.warning(
+                "%s: the stage-0 optimizer state is not a plain torch optimizer state dict (a 16-bit wrapper); "
+                "only the weights are imported",
+                self.tag_dir,
+            )
+            return None
+        ids = [i for group in saved["param_groups"] for i in group["params"]]
+        params = [n for n in self.model["module"] if n not in self.buffer_names]
+        names = (
+            list(trainable_names)
+            if len(ids) == len(trainable_names)
+            else params
+            if len(ids) == len(params)
+            else None
+        )
+        if names is None:
+            logger.warning(
+                "%s: the optimizer has %d parameters, which matches neither the %d trainable nor all %d parameters; "
+                "only the weights are imported",
+                self.tag_dir,
+                len(ids),
+                len(trainable_names),
+                len(params),
+            )
+            return None
+        module = self.model["module"]
+        out: dict[str, Any] = {f"master/{n}": module[n].float() for n in names}
+        for index, name in zip(ids, names):
+            for key, value in saved["state"].get(index, {}).items():
+                if (
+                    torch.is_tensor(value)
+                    and key != "step"
+                    and tuple(value.shape) != tuple(module[name].shape)
+                ):
+                    raise ValueError(f"{self.tag_dir}: optimizer state {key} of {name} has the wrong shape")
+                out[f"optim/{name}/{key}"] = value
+        position = 0
+        groups = []
+        for group in saved["param_groups"]:
+            members = names[position : position + len(group["params"])]
+            position += len(group["params"])
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, keys.PARAM_NAMES: members})
+        out[keys.PARAM_GROUPS] = groups
+        return out
+
+
+def _rank_of(path: Path) -> int:
+    parts = path.name.split("_")
+    return int(parts[parts.index("rank") + 1]) if "rank" in parts else 0
+
+
+def read_deepspeed_checkpoint(path: str | Path, tag: str | None = None) -> DeepSpeedCheckpoint:
+    """Open a DeepSpeed checkpoint (a save directory with ``latest``, or a tag directory).
+
+    Example:
+        >>> # ckpt = read_deepspeed_checkpoint("ds_ckpts"); ckpt.module_state_dict()
+    """
+    from shardwise.checkpoint import layout
+
+    return DeepSpeedCheckpoint(layout.resolve(path, tag))
+
+
+_CLIENT_EXCLUDED = (
+    "module",
+    "skipped_steps",
+    "global_steps",
+    "dp_world_size",
+    "mp_world_size",
+    "data_sampler",
+    "random_ltd",
+)
+
+
+def load_deepspeed_checkpoint(
+    state: Any,
+    path: Path,
+    *,
+    load_module_strict: bool,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> Any:
+    """Load a DeepSpeed tag directory into a :class:`~shardwise.checkpoint.checkpointer.TrainingState`."""
+    from shardwise.checkpoint.checkpointer import LoadResult, param_names
+    from shardwise.checkpoint.param_state import _copy_full_into
+
+    ckpt = DeepSpeedCheckpoint(path)
+    logger.info(
+        "importing DeepSpeed %s checkpoint %s (ZeRO stage %d, %d ranks)",
+        ckpt.model.get("ds_version"),
+        path,
+        ckpt.stage,
+        ckpt.world_size,
+    )
+    saved = ckpt.module_state_dict()
+    module_sd = state.module.state_dict()
+    missing = [k for k in module_sd if k not in saved]
+    unexpected = [k for k in saved if k not in module_sd]
+    if load_module_strict and (missing or unexpected):
+        raise RuntimeError(
+            f"Error(s) in loading the DeepSpeed checkpoint {path}: missing keys {missing}, unexpected keys "
+            f"{unexpected}. Load with load_module_strict=False to load the matching entries only."
+        )
+    with torch.no_grad():
+        for key, target in module_sd.items():
+            if key in saved:
+                _copy_full_into(target, saved[key])
+    names = param_names(state.module)
+    optimizer = state.optimizer
+    if optimizer is not None and not load_module_only:
+        trainable = [n for n, p in state.module.named_parameters() if p.requires_grad]
+        full = ckpt.optimizer_state(trainable)
+        if full is not None:
+            if not load_optimizer_states:
+                full = {k: v for k, v in full.items() if k.startswith(keys.MASTER)}
+            optimizer.load_full_state_dict(full, names, with_state=load_optimizer_states)
+        else:
+            optimizer.refresh_masters_from_params()
+    elif optimizer is not None:
+        optimizer.refresh_masters_from_params()
+    counters: dict[str, int] = {}
+    if not load_module_only:
+        steps = int(ckpt.model.get("global_steps", 0))
+        counters = {
+            "global_steps": steps,
+            "skipped_steps": int(ckpt.model.get("skipped_steps", 0)),
+            "micro_steps": steps * max(1, state.gradient_accumulation_steps),
+        }
+        if ckpt.model.get("global_samples") is not None:
+            counters["global_samples"] = int(ckpt.model["global_samples"])
+        scheduler_state = ckpt.model.get("lr_scheduler")
+        if load_lr_scheduler_states and scheduler_state is not None and state.lr_scheduler is not None:
+            state.lr_scheduler.load_state_dict(scheduler_state)
+        if load_optimizer_states and state.loss_scaler is not None and ckpt.optim_files:
+            _import_loss_scaler(state.loss_scaler, ckpt.optim_states()[0].get("loss_scaler"))
+    excluded = set(_CLIENT_EXCLUDED)
+    if load_optimizer_states and not load_module_only:
+        excluded.add("optimizer")
+    if load_lr_scheduler_states and not load_module_only:
+        excluded.add("lr_scheduler")
+    client_state = {k: v for k, v in ckpt.model.items() if k not in excluded}
+    return LoadResult(ckpt.model_file, client_state, counters)
+
+
+def _import_loss_scaler(scaler: Any, saved: Any) -> None:
+    """Carry DeepSpeed's fp16 scale and counters over when both sides use the same kind of scaling."""
+    if not isinstance(saved, ForeignObject) or not isinstance(saved.state, dict):
+        return
+    values = saved.state
+    if (
+        bool(values.get("dynamic", False)) != bool(getattr(scaler, "dynamic", False))
+        or "cur_scale" not in values
+    ):
+        return
+    mine = scaler.state_dict()
+    mine.update(
+        {
+            "cur_scale": float(values["cur_scale"]),
+            "cur_iter": int(values.get("cur_iter", mine["cur_iter"])),
+            "last_overflow_iter": int(values.get("last_overflow_iter", mine["last_overflow_iter"])),
+            "cur_hysteresis": int(values.get("cur_hysteresis", mine["cur_hysteresis"])),
+        }
+    )
+    scaler.load_state_dict(mine)

@@ -1,0 +1,206 @@
+"""DeepSpeed's engine checkpoint methods, as functions of the engine.
+
+``ShardwiseEngine.save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model`` delegate
+here, so the engine stays free of checkpoint logic. Each call builds a
+:class:`~shardwise.checkpoint.checkpointer.TrainingState` from the engine's parts and hands
+it to the engine's :class:`~shardwise.checkpoint.checkpointer.Checkpointer` (one per engine,
+so an asynchronous save can be waited for).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise import comm
+from shardwise.checkpoint.checkpointer import Checkpointer, CheckpointOptions, TrainingState
+from shardwise.checkpoint.param_state import ParamOptimizerState
+from shardwise.comm.diagnostics import check_all_ranks_arrive
+from shardwise.utils.logging import logger
+
+_CHECKPOINTERS: weakref.WeakKeyDictionary[Any, Checkpointer] = weakref.WeakKeyDictionary()
+
+
+def checkpointer_for(engine: Any) -> Checkpointer:
+    """The engine's checkpointer (created on first use from its ``checkpoint`` section)."""
+    found = _CHECKPOINTERS.get(engine)
+    if found is None:
+        section = engine.config.config.checkpoint
+        found = Checkpointer(
+            CheckpointOptions(
+                tag_validation=section.tag_validation,
+                use_node_local_storage=section.use_node_local_storage,
+                load_universal=section.load_universal,
+                async_save=section.async_save,
+            )
+        )
+        _CHECKPOINTERS[engine] = found
+    return found
+
+
+def _optimizer_state(optimizer: Any) -> Any:
+    if optimizer is None or hasattr(optimizer, "sharded_state_dict"):
+        return optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return ParamOptimizerState(optimizer)
+    raise TypeError(
+        f"cannot checkpoint an optimizer of type {type(optimizer).__name__}: it needs the checkpoint-state "
+        "methods (sharded_state_dict, sharded_load, ...) or must be a torch.optim.Optimizer"
+    )
+
+
+def training_state(engine: Any) -> TrainingState:
+    """The parts of ``engine`` a checkpoint covers."""
+    topology = engine.topology
+    return TrainingState(
+        module=engine.module,
+        optimizer=_optimizer_state(engine.optimizer),
+        lr_scheduler=engine.lr_scheduler,
+        loss_scaler=engine.precision.loss_scaler,
+        data_loader=engine.training_dataloader,
+        counters={
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps,
+            "micro_steps": engine.micro_steps,
+        },
+        zero_stage=engine.zero_optimization_stage(),
+        dp_world_size=topology.dp_size,
+        mp_rank=topology.mp_rank,
+        mp_world_size=topology.mp_size,
+        gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+        ds_config=engine.config.to_ds_dict(),
+        process_group=None,
+    )
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: str | Path,
+    tag: Any = None,
+    client_state: Mapping[str, Any] | None = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+) -> bool:
+    """``engine.save_checkpoint``: every rank calls it; returns True.
+
+    Writes ``save_dir/<tag>`` (default tag ``global_step{N}``) atomically and then moves
+    ``save_dir/latest``. With ``"checkpoint": {"async_save": true}`` it returns once the state
+    is copied and the files are written in the background (see :func:`wait_for_checkpoint`).
+
+    Example:
+        >>> # engine.save_checkpoint("ckpts", client_state={"epoch": 3})
+    """
+    # A save called on only some ranks would hang in its first collective: fail fast instead,
+    # naming the ranks that did not come and where they are.
+    check_all_ranks_arrive("save_checkpoint")
+    checkpointer_for(engine).save(
+        training_state(engine),
+        save_dir,
+        tag=tag,
+        client_state=client_state,
+        save_latest=save_latest,
+        exclude_frozen_parameters=exclude_frozen_parameters,
+    )
+    return True
+
+
+def load_checkpoint(
+    engine: Any,
+    load_dir: str | Path,
+    tag: Any = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    custom_load_fn: Callable[..., Any] | None = None,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """``engine.load_checkpoint``: returns ``(path, client_state)``, or ``(None, None)`` without ``latest``.
+
+    Loads a checkpoint saved at any world size and ZeRO stage, or one written by DeepSpeed.
+    ``path`` is the tag directory.
+
+    Example:
+        >>> # path, client_state = engine.load_checkpoint("ckpts")
+    """
+    check_all_ranks_arrive("load_checkpoint")
+    state = training_state(engine)
+    result = checkpointer_for(engine).load(
+        state,
+        load_dir,
+        tag=None if tag is None else str(tag),
+        load_module_strict=load_module_strict,
+        load_optimizer_states=load_optimizer_states,
+        load_lr_scheduler_states=load_lr_scheduler_states,
+        load_module_only=load_module_only,
+        custom_load_fn=custom_load_fn,
+    )
+    if result is None:
+        return None, None
+    for name, value in result.counters.items():
+        if hasattr(engine, name):
+            setattr(engine, name, int(value))
+    if "global_samples" not in result.counters and "global_steps" in result.counters:
+        engine.global_samples = engine.global_steps * engine.train_batch_size()
+    return str(result.path), result.client_state
+
+
+def wait_for_checkpoint(engine: Any) -> None:
+    """Block until the engine's asynchronous save (if any) is published; raises its error."""
+    checkpointer_for(engine).wait()
+
+
+def save_16bit_model(
+    engine: Any,
+    save_dir: str | Path,
+    save_filename: str = "pytorch_model.bin",
+    exclude_frozen_parameters: bool = False,
+) -> bool:
+    """``engine.save_16bit_model``: the module's weights in their training dtype, one file.
+
+    ``.safetensors`` file names write safetensors, anything else a ``torch.load``-able file;
+    both are written tensor by tensor and atomically, by rank 0. Sharded (ZeRO-3) parameters
+    are gathered one at a time when ``stage3_gather_16bit_weights_on_model_save`` is true;
+    otherwise, instead of DeepSpeed's silent skip, a full sharded checkpoint is saved under
+    ``save_dir`` and the log names the one command that exports it. Returns False then.
+
+    Example:
+        >>> # engine.save_16bit_model("export", "model.safetensors")
+    """
+    from shardwise.checkpoint.writers import write_state_dict
+
+    state = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+    sharded = [k for k, v in state.items() if type(v).__name__ == "DTensor"]
+    if sharded and not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        save_checkpoint(engine, save_dir, exclude_frozen_parameters=exclude_frozen_parameters)
+        wait_for_checkpoint(engine)
+        logger.warning(
+            "Did not save the 16-bit model %s: stage3_gather_16bit_weights_on_model_save is false. A sharded "
+            "checkpoint was saved there instead; export it with: shardwise checkpoint export %s %s",
+            Path(save_dir) / save_filename,
+            save_dir,
+            Path(save_dir) / save_filename,
+        )
+        return False
+    rank0 = comm.get_rank() == 0
+
+    def tensors() -> Any:
+        for key, value in state.items():
+            full = value.full_tensor() if type(value).__name__ == "DTensor" else value  # collective
+            if rank0:
+                yield key, full.detach().cpu()
+
+    out = Path(save_dir) / save_filename
+    if rank0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        fmt = "safetensors" if save_filename.endswith(".safetensors") else "pt"
+        write_state_dict(out, shapes, tensors(), fmt=fmt)
+    else:
+        for _ in tensors():  # take part in the gathers
+            pass
+    return True
