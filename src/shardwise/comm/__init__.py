@@ -34,6 +34,9 @@ _LAZY: dict[str, tuple[str, str]] = {
     "get_world_group": ("shardwise.comm.init", "get_world_group"),
     "new_group": ("shardwise.comm.init", "new_group"),
     "barrier": ("shardwise.comm.init", "barrier"),
+    # hang diagnosis
+    "check_all_ranks_arrive": ("shardwise.comm.diagnostics", "check_all_ranks_arrive"),
+    "RanksDidNotArriveError": ("shardwise.comm.diagnostics", "RanksDidNotArriveError"),
     "destroy_process_group": ("shardwise.comm.init", "destroy_process_group"),
     # topology
     "Topology": ("shardwise.comm.topology", "Topology"),

@@ -91,8 +91,10 @@ def global_norm(local_sq_sum: Tensor, group: object | Sequence[object] | None = 
     total = local_sq_sum.detach().to(torch.float32).clone()
     if dist.is_available() and dist.is_initialized():
         groups = list(group) if isinstance(group, (list, tuple)) else [group]
+        from shardwise.comm import collectives  # the one door to torch.distributed (and its logger)
+
         for g in groups:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=g)
+            collectives.all_reduce(total, op="sum", group=g)
     return total.sqrt()
 
 

@@ -121,5 +121,7 @@ def all_reduce_overflow(
             flag = flag.clone()  # never reduce into the caller's tensor
     else:
         flag = torch.tensor(1.0 if overflow else 0.0, dtype=torch.float32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    from shardwise.comm import collectives  # the one door to torch.distributed (and its logger)
+
+    collectives.all_reduce(flag, op="max", group=group)
     return bool(flag.item() > 0)
