@@ -3,8 +3,9 @@
 (The module is not called ``initialize.py`` because importing a submodule of that name
 would shadow the ``shardwise.initialize`` function on the package.)
 
-topology -> config (with the objects handed in resolving "auto") -> precision ->
-module placement and dtype -> optimizer (ZeRO) -> scheduler -> data loader -> engine.
+topology -> config (with the objects handed in resolving "auto") -> comms logger ->
+precision -> module placement and dtype -> optimizer (ZeRO) -> scheduler -> telemetry
+(monitors, timers, flops profiler) -> engine -> data loader.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.comm.comms_logger import configure_comms_logger
 from shardwise.comm.topology import build_topology
 from shardwise.config import ConfigError, ResolutionContext, load_config
 from shardwise.config.resolve import ResolvedConfig
 from shardwise.engine import ShardwiseEngine
 from shardwise.precision.policy import build_precision
+from shardwise.profiling.telemetry import build_telemetry
 from shardwise.utils.logging import logger, set_log_level
 from shardwise.zero.sharded_optimizer import group_source_rank
 
@@ -181,11 +184,13 @@ def initialize(
     cfg = load_config(source, context=context)
     if cfg.log_level:
         set_log_level(cfg.log_level)
+    if cfg.comms_logger is not None:  # before the first broadcast, so start-up traffic is recorded too
+        configure_comms_logger(cfg.comms_logger)
     precision = build_precision(cfg.config)
     device = _device()
-    model.to(device=device)
-    if precision.param_dtype != torch.float32:
-        model.to(dtype=precision.param_dtype)
+    from shardwise.zero.factory import prepare_module
+
+    model = prepare_module(cfg.config, precision, topology, model, device)  # stage 3: sharded in place
 
     zero_optimizer = None
     factory = _optimizer_factory(cfg, optimizer)
@@ -205,7 +210,19 @@ def initialize(
         comm.broadcast(buffer, src=source, group=topology.dp_group)
 
     scheduler = _build_scheduler(cfg, lr_scheduler, zero_optimizer)
-    engine = ShardwiseEngine(model, cfg, topology, precision, zero_optimizer, scheduler, device, collate_fn)
+    telemetry = build_telemetry(
+        cfg,
+        model,
+        device,
+        topology.world_rank,
+        topology.world_size,
+        dp_size=topology.dp_size,
+        mp_size=topology.mp_size,
+        precision=precision,
+    )
+    engine = ShardwiseEngine(
+        model, cfg, topology, precision, zero_optimizer, scheduler, device, collate_fn, telemetry=telemetry
+    )
     loader = None
     if training_data is not None:
         loader = engine.deepspeed_io(training_data)

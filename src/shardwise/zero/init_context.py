@@ -1,0 +1,509 @@
+"""``zero.Init``, ``zero.GatheredParameters`` and ``register_external_parameter``.
+
+``Init`` builds a model without ever holding it whole: as each submodule is attached to
+its parent (its own ``__init__`` has run, so its parameters hold their initial values),
+each parameter is broadcast from the first data-parallel rank, the rank keeps only its
+dim-0 chunk (FSDP2's chunking, so the chunk is exactly the shard ``initialize`` will
+need), and the module gets a **meta-device** placeholder with the full shape. Peak memory
+is one submodule's parameters. ``initialize`` then materialises the model sharded: each
+shard unit gets real storage for its own chunk only, filled from the kept chunk.
+
+As in DeepSpeed, code in a parent's ``__init__`` that touches a child's parameters after
+the child is attached (a custom ``self.apply(init_fn)``) sees placeholders, and its
+in-place initialisers do nothing: wrap such code in ``GatheredParameters(...,
+modifier_rank=0)``. Unlike DeepSpeed, placeholders keep their real shape
+(``p.shape``, ``p.numel()`` work), and ``p.ds_shape``/``ds_numel``/``ds_tensor`` are
+provided for code written against DeepSpeed. Calling ``model.to(device)`` on a model
+with placeholders fails (there is no data to move); ``initialize`` places the model.
+
+``GatheredParameters`` works on placeholders (before ``initialize``), on FSDP2's sharded
+parameters (after) and on ordinary parameters (a no-op, as in DeepSpeed, except stage 3's
+unsharded small parameters, which are broadcast from ``modifier_rank``). Inside the
+block, the modules that own the parameters hold full, ordinary tensors.
+
+``register_external_parameter(module, param)``: FSDP2 needs no hooks for a parameter
+used by a module that does not own it, as long as the parameter is gathered when that
+module runs. Registering it before ``initialize`` keeps it in the root shard unit, which
+stays gathered through forward and backward. After ``initialize`` it is a no-op when
+that already holds, and an error otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+from shardwise.utils.logging import logger
+
+_IDS = itertools.count()
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's parameter states (``param.ds_status``)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+@dataclass
+class Stash:
+    """The rank's chunk of a parameter built under :class:`Init`."""
+
+    shard: torch.Tensor  # this rank's dim-0 chunk (may be empty), stash dtype
+    shape: torch.Size
+    dtype: torch.dtype
+    group: Any
+    world: int
+    rank: int
+
+
+def stash_of(param: torch.Tensor) -> Stash | None:
+    """The stash of a placeholder parameter built under ``Init``, else None."""
+    return getattr(param, "_shardwise_stash", None)
+
+
+def _chunk(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """FSDP2's dim-0 chunk of ``full`` for ``rank`` (``torch.chunk``, empty past the end)."""
+    chunks = torch.chunk(full, world, dim=0)
+    if rank < len(chunks):
+        return chunks[rank]
+    return full.new_empty((0, *full.shape[1:]))
+
+
+def _padded_rows(shape: torch.Size, world: int) -> int:
+    return -(-shape[0] // world) if shape[0] else 0
+
+
+def gather_stash(stash: Stash) -> torch.Tensor:
+    """All-gather a stash into the full tensor (collective over the stash's group)."""
+    if stash.world == 1:
+        return stash.shard.clone().reshape(stash.shape)
+    rows = _padded_rows(stash.shape, stash.world)
+    tail = tuple(stash.shape[1:])
+    padded = stash.shard.new_zeros((rows, *tail))
+    padded[: stash.shard.shape[0]].copy_(stash.shard)
+    out = stash.shard.new_empty((rows * stash.world, *tail))
+    dist.all_gather_into_tensor(out, padded.contiguous(), group=stash.group)
+    return out[: stash.shape[0]].contiguous()
+
+
+# --------------------------------------------------------------------------- owners
+# Which modules register a placeholder: kept on the parameter itself (weak references to
+# the modules), up to date through a global hook installed with the first Init, so ties
+# made after construction (``tie_weights()``) are seen too.
+_owner_hook: Any = None
+
+
+def _record_owner(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    if param is None or not (stash_of(param) is not None or hasattr(param, "_shardwise_owners")):
+        return
+    owners = param.__dict__.setdefault("_shardwise_owner_refs", [])
+    if not any(ref() is module and n == name for ref, n in owners):
+        owners.append((weakref.ref(module), name))
+
+
+def _ensure_owner_hook() -> None:
+    global _owner_hook
+    if _owner_hook is None:
+
+        def hook(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            _record_owner(module, name, param)
+
+        _owner_hook = register_module_parameter_registration_hook(hook)
+
+
+def owners_of(param: nn.Parameter) -> list[tuple[nn.Module, str]]:
+    """Modules (and attribute names) that currently register ``param``."""
+    out = []
+    recorded = list(getattr(param, "_shardwise_owner_refs", []))
+    recorded += list(getattr(param, "_shardwise_owners", []))
+    seen = set()
+    for ref, name in recorded:
+        module = ref()
+        if module is None or (id(module), name) in seen:
+            continue
+        if module._parameters.get(name) is param:
+            seen.add((id(module), name))
+            out.append((module, name))
+    return out
+
+
+def _set_on_owners(owners: list[tuple[nn.Module, str]], value: nn.Parameter) -> None:
+    for module, name in owners:
+        module._parameters[name] = value
+
+
+# --------------------------------------------------------------------------- Init
+
+
+def _data_parallel_group(data_parallel_group: Any, mpu: Any) -> Any:
+    if data_parallel_group is not None:
+        return data_parallel_group
+    if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
+        return mpu.get_data_parallel_group()
+    return None
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The parameter dtype a config trains in: fp16, bf16, else fp32 (None without a config).
+
+    Only the precision flags are read, not the whole config: batch keys may need the
+    world size and ``"auto"`` values the model, neither of which exists yet.
+    """
+    if config is None:
+        return None
+    from shardwise.config.loading import read_config_source
+
+    raw, _ = read_config_source(config)
+
+    def enabled(*names: str) -> bool:
+        for name in names:
+            block = raw.get(name)
+            if isinstance(block, dict) and block.get("enabled") in (True, "true", "True", 1):
+                return True
+        return False
+
+    if enabled("fp16"):
+        return torch.float16
+    if enabled("bf16", "bfloat16"):
+        return torch.bfloat16
+    return torch.float32
+
+
+class Init:
+    """Build a model partitioned from the start (DeepSpeed's ``deepspeed.zero.Init``).
+
+    Example:
+        >>> # with shardwise.zero.Init(config_dict_or_path="ds_config.json"):
+        >>> #     model = MyModel()          # parameters are meta placeholders + local chunks
+        >>> # engine, *_ = shardwise.initialize(model=model, config="ds_config.json")
+    """
+
+    _active: list[Init] = []
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: Any = None,
+        zero_param_parallel_group: Any = None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group: Any = None,
+        param_swapper: Any = None,
+    ) -> None:
+        self.enabled = enabled
+        if remote_device not in (None, "cpu", "nvme", "none"):
+            raise ValueError(f"zero.Init(remote_device={remote_device!r}): use None, 'cpu' or 'nvme'")
+        if zero_quantized_weights or zero_quantized_nontrainable_weights:
+            raise ValueError("zero.Init: quantized weights (ZeRO++) are not supported; drop the flag")
+        if not enabled:
+            return
+        if not dist.is_initialized():
+            from shardwise.comm import init_distributed
+
+            init_distributed()
+        self.group = _data_parallel_group(data_parallel_group or sequence_data_parallel_group, mpu)
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self.dtype = dtype or _config_dtype(
+            config_dict_or_path if config_dict_or_path is not None else config
+        )
+        self._replacements: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+        self._modules: list[weakref.ref[nn.Module]] = []
+        self._handles: list[Any] = []
+        _ensure_owner_hook()
+        if module is not None:
+            self.partition_module(module)
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        self._handles = [
+            register_module_module_registration_hook(self._on_child),
+            register_module_parameter_registration_hook(self._on_param),  # type: ignore[arg-type]
+        ]
+        Init._active.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self in Init._active:
+            Init._active.remove(self)
+        if exc[0] is None:
+            for ref in self._modules:
+                module = ref()
+                if module is not None:
+                    self._partition_direct(module)
+        self._replacements.clear()
+        self._modules = []
+
+    @classmethod
+    @contextlib.contextmanager
+    def paused(cls) -> Iterator[None]:
+        """Suspend every active Init (``initialize`` builds its own objects in here)."""
+        active = list(cls._active)
+        for ctx in active:
+            for handle in ctx._handles:
+                handle.remove()
+            ctx._handles = []
+        try:
+            yield
+        finally:
+            for ctx in active:
+                ctx._handles = [
+                    register_module_module_registration_hook(ctx._on_child),
+                    register_module_parameter_registration_hook(ctx._on_param),  # type: ignore[arg-type]
+                ]
+
+    # ------------------------------------------------------------------ hooks
+    def _on_child(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
+        if child is not None:
+            self.partition_module(child)
+
+    def _on_param(self, module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None:
+            return None
+        self._modules.append(weakref.ref(module))
+        pair = self._replacements.get(id(param))
+        if pair is not None and pair[0] is param:
+            _record_owner(module, name, pair[1])
+            return pair[1]  # an already-partitioned parameter tied to one more module
+        return None
+
+    # ------------------------------------------------------------------ partitioning
+    def partition_module(self, module: nn.Module) -> None:
+        """Partition every parameter under ``module`` that is still whole."""
+        for sub in module.modules():
+            self._partition_direct(sub)
+
+    def _partition_direct(self, module: nn.Module) -> None:
+        for name, param in list(module._parameters.items()):
+            if param is None or stash_of(param) is not None or param.dim() == 0:
+                continue  # scalars cannot be sharded (FSDP2 refuses them): kept whole
+            pair = self._replacements.get(id(param))
+            placeholder = pair[1] if pair is not None and pair[0] is param else self._partition(param)
+            module._parameters[name] = placeholder
+            _record_owner(module, name, placeholder)
+
+    def _partition(self, param: nn.Parameter) -> nn.Parameter:
+        with torch.no_grad():
+            full = param.detach()
+            if self.dtype is not None and full.is_floating_point() and full.dtype != self.dtype:
+                full = full.to(self.dtype)
+            full = full.contiguous()
+            if self.world > 1:
+                dist.broadcast(full, src=self.source, group=self.group)
+            shard = _chunk(full, self.world, self.rank).clone()
+        placeholder = nn.Parameter(
+            torch.empty(full.shape, dtype=full.dtype, device="meta"), requires_grad=param.requires_grad
+        )
+        for key, value in vars(param).items():
+            if not key.startswith("_shardwise"):
+                setattr(placeholder, key, value)
+        stash = Stash(shard, full.shape, full.dtype, self.group, self.world, self.rank)
+        placeholder._shardwise_stash = stash  # type: ignore[attr-defined]
+        placeholder.ds_id = next(_IDS)  # type: ignore[attr-defined]
+        placeholder.ds_shape = full.shape  # type: ignore[attr-defined]
+        placeholder.ds_numel = full.numel()  # type: ignore[attr-defined]
+        placeholder.ds_tensor = shard  # type: ignore[attr-defined]
+        placeholder.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
+        self._replacements[id(param)] = (param, placeholder)
+        return placeholder
+
+
+# --------------------------------------------------------------------------- GatheredParameters
+
+
+def _as_list(params: Any) -> list[nn.Parameter]:
+    if params is None:
+        return []
+    if isinstance(params, torch.Tensor):
+        return [params]  # type: ignore[list-item]
+    return [p for p in params if p is not None]
+
+
+def _group_of(param: torch.Tensor) -> Any:
+    stash = stash_of(param)
+    if stash is not None:
+        return stash.group
+    if _is_sharded(param):
+        return param.device_mesh.get_group()  # type: ignore[attr-defined]
+    record = getattr(param, "_shardwise_record", None)
+    return None if record is None else record.process_group
+
+
+def _is_sharded(param: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
+
+
+class GatheredParameters:
+    """Gather full parameters for the block; optionally keep one rank's edits.
+
+    Args:
+        params: a parameter or an iterable of them (placeholders, sharded or ordinary).
+        modifier_rank: global rank whose in-block changes are broadcast and kept;
+            None discards changes.
+        fwd_module: registers the parameters as external parameters of this module.
+        enabled: False makes the block a no-op.
+
+    Collective: every rank of the data-parallel group must enter it.
+
+    Example:
+        >>> # with shardwise.zero.GatheredParameters(model.embed.weight, modifier_rank=0):
+        >>> #     if torch.distributed.get_rank() == 0:
+        >>> #         model.embed.weight[:10].zero_()
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        modifier_rank: int | None = None,
+        fwd_module: nn.Module | None = None,
+        enabled: bool = True,
+    ) -> None:
+        self.params = _as_list(params)
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._swapped: list[tuple[nn.Parameter, nn.Parameter, list[tuple[nn.Module, str]]]] = []
+        if fwd_module is not None:
+            for p in self.params:
+                register_external_parameter(fwd_module, p)
+
+    def __enter__(self) -> GatheredParameters:
+        if not self.enabled:
+            return self
+        seen: set[int] = set()
+        for param in self.params:
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            full = self._gather(param)
+            if full is None:
+                continue
+            owners = owners_of(param)
+            gathered = nn.Parameter(full, requires_grad=param.requires_grad)
+            _set_on_owners(owners, gathered)
+            self._swapped.append((param, gathered, owners))
+        return self
+
+    @staticmethod
+    def _gather(param: nn.Parameter) -> torch.Tensor | None:
+        stash = stash_of(param)
+        if stash is not None:
+            return gather_stash(stash)
+        if _is_sharded(param):
+            record = getattr(param, "_shardwise_record", None)
+            if record is not None:
+                record.ensure_resident()
+            with torch.no_grad():
+                return param.detach().full_tensor().clone()  # type: ignore[attr-defined]
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        keep = self.modifier_rank is not None and exc[0] is None
+        try:
+            for param, gathered, owners in self._swapped:
+                if keep:
+                    full = gathered.detach()
+                    if dist.is_initialized() and dist.get_world_size() > 1:
+                        dist.broadcast(full, src=int(self.modifier_rank), group=_group_of(param))  # type: ignore[arg-type]
+                    self._scatter_back(param, full)
+                _set_on_owners(owners, param)
+            if keep:
+                self._broadcast_replicated()
+        finally:
+            self._swapped = []
+
+    @staticmethod
+    def _scatter_back(param: nn.Parameter, full: torch.Tensor) -> None:
+        stash = stash_of(param)
+        with torch.no_grad():
+            if stash is not None:
+                stash.shard.copy_(_chunk(full.to(stash.dtype), stash.world, stash.rank))
+                return
+            local = param.to_local()  # type: ignore[attr-defined]
+            mesh = param.device_mesh  # type: ignore[attr-defined]
+            rank = mesh.get_local_rank()
+            local.copy_(_chunk(full.to(local.dtype), mesh.size(), rank))
+
+    def _broadcast_replicated(self) -> None:
+        """Stage 3's unsharded small parameters: keep the modifier's values everywhere."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        for param in self.params:
+            record = getattr(param, "_shardwise_record", None)
+            if record is None or _is_sharded(param) or stash_of(param) is not None:
+                continue
+            with torch.no_grad():
+                dist.broadcast(param.data, src=int(self.modifier_rank), group=_group_of(param))  # type: ignore[arg-type]
+            record.refresh_replicated(param)
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Declare that ``module`` uses ``parameter`` though another module registers it.
+
+    Before ``initialize`` the parameter is kept in the root shard unit (gathered through
+    the whole forward and backward); afterwards this is a no-op if it already is, and an
+    error otherwise (FSDP2 needs no per-module hooks, only the right unit).
+
+    Example:
+        >>> import torch
+        >>> head = torch.nn.Linear(4, 4)
+        >>> register_external_parameter(head, head.weight)
+    """
+    record = getattr(parameter, "_shardwise_record", None)
+    if record is not None and not record.in_root_unit(parameter):
+        raise ValueError(
+            "register_external_parameter after initialize: the parameter is sharded in a unit of its own "
+            "and would not be gathered when the using module runs; call it before shardwise.initialize"
+        )
+    parameter._shardwise_external = True  # type: ignore[attr-defined]
+    logger.debug("external parameter registered on %s", type(module).__name__)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Undo :func:`register_external_parameter` (before ``initialize``)."""
+    if hasattr(parameter, "_shardwise_external"):
+        del parameter._shardwise_external
+
+
+def is_external(parameter: nn.Parameter) -> bool:
+    """Whether the parameter was registered as external."""
+    return bool(getattr(parameter, "_shardwise_external", False))
+
+
+def partitioned_parameters(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """The placeholders among ``params``."""
+    return [p for p in params if stash_of(p) is not None]

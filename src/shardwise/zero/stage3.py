@@ -1,0 +1,392 @@
+"""ZeRO stage 3 on FSDP2: the optimizer side, with the same interface as ``ZeroOptimizer``.
+
+The model was wrapped by :func:`shardwise.zero.fsdp_wrap.shard_model` (called from
+``initialize`` through ``factory.prepare_module``): FSDP2 gathers parameters per shard
+unit, and reduce-scatters every micro step's gradients into fp32 shards (a plain sum;
+accumulation across micro steps adds into the shard). ``Stage3Optimizer`` then does what
+``ZeroOptimizer`` does at its step, on those shards:
+
+- the inner torch optimizer steps plain tensors that *are* this rank's fp32 shards
+  (views of FSDP2's sharded storage: no DTensor dispatch in the step, no copies), plus
+  the fp32 masters of the unsharded small parameters;
+- one all-reduce of the squared norm of the local shards (inf/NaN = fp16 overflow: skip);
+- one multiply that averages over ranks, unscales and clips;
+- the step (through an :class:`~shardwise.zero.offload.OffloadStore` with
+  ``offload_optimizer``), then the unsharded parameters are refreshed from their masters.
+
+There is no all-gather after the step: FSDP2 gathers the updated shards at the next
+forward. ``no_sync`` maps to FSDP2's ``set_requires_gradient_sync`` (the engine refuses
+it from stage 2 on, as DeepSpeed does).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.comm import collectives
+from shardwise.utils.logging import logger
+from shardwise.zero.fsdp_wrap import ShardedModel
+from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore
+from shardwise.zero.replicated import ReplicatedParams
+from shardwise.zero.sharded_optimizer import OptimizerFactory, StepResult, group_source_rank
+
+
+@dataclass(frozen=True)
+class Stage3Policy:
+    """What the stage-3 optimizer needs from the config, decided once."""
+
+    rank: int
+    world_size: int
+    pre_multiplier: float
+    post_divisor: float
+    check_overflow: bool
+    gradient_clipping: float
+    process_group: Any = None
+    comm_dtype: torch.dtype | None = None
+    reduce_bucket_numel: int = 500_000_000
+    optimizer_offload: OffloadSpec | None = None
+    gather_16bit_on_save: bool = False
+    compute_dtype: torch.dtype = torch.float32
+
+
+class _SyncSwitch:
+    """``reducer.sync_enabled``: FSDP2's gradient sync, and the unsharded group's all-reduce."""
+
+    def __init__(self, record: ShardedModel) -> None:
+        self._record = record
+        self._enabled = True
+
+    @property
+    def sync_enabled(self) -> bool:
+        """False inside ``no_sync``: gradients accumulate unreduced."""
+        return self._enabled
+
+    @sync_enabled.setter
+    def sync_enabled(self, value: bool) -> None:
+        self._enabled = bool(value)
+        self._record.module.set_requires_gradient_sync(self._enabled)  # type: ignore[operator]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The plain local tensor of a DTensor (or the tensor itself)."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+class Stage3Optimizer:
+    """ZeRO stage 3 over an FSDP2-wrapped module (same interface as ``ZeroOptimizer``).
+
+    Args:
+        record: what wrapping produced (``factory.prepare_module``).
+        param_groups: the user's parameter groups (original or wrapped parameter objects).
+        optimizer_factory: builds the inner torch optimizer over plain tensors.
+        policy: the stage-3 policy.
+
+    Example:
+        >>> # engine, optimizer, _, _ = shardwise.initialize(model=m, config={"zero_optimization": {"stage": 3}, ...})
+        >>> # type(optimizer).__name__ -> 'Stage3Optimizer'
+    """
+
+    def __init__(
+        self,
+        record: ShardedModel,
+        param_groups: Sequence[dict[str, Any]],
+        optimizer_factory: OptimizerFactory,
+        policy: Stage3Policy,
+    ) -> None:
+        self.record = record
+        self.policy = policy
+        self.sharded: list[nn.Parameter] = []  # trainable sharded params, optimizer order
+        self.masters: list[torch.Tensor] = []  # their local fp32 shards (views)
+        replicated_params: list[nn.Parameter] = []
+        seen: set[int] = set()
+        known = {id(p) for p in record.sharded} | {id(p) for p in record.replicated}
+        group_members: list[list[tuple[str, nn.Parameter]]] = []
+        for group in param_groups:
+            members = []
+            for param in group["params"]:
+                current = record.resolve(param)
+                if id(current) not in known:
+                    raise ValueError(
+                        "an optimizer parameter group holds a tensor that is not a parameter of the model given "
+                        "to shardwise.initialize; at stage 3 only the model's own parameters can be optimised"
+                    )
+                if not current.requires_grad or id(current) in seen:
+                    continue
+                seen.add(id(current))
+                kind = "sharded" if hasattr(current, "device_mesh") else "replicated"
+                members.append((kind, current))
+                if kind == "replicated":
+                    replicated_params.append(current)
+            group_members.append(members)
+        self.replicated = ReplicatedParams(
+            replicated_params,
+            policy.process_group,
+            policy.world_size,
+            policy.reduce_bucket_numel,
+            policy.comm_dtype,
+        )
+        inner_groups: list[dict[str, Any]] = []
+        for group, members in zip(param_groups, group_members):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            tensors = []
+            for kind, param in members:
+                if kind == "sharded":
+                    master = _local(param).detach()
+                    self.sharded.append(param)
+                    self.masters.append(master)
+                    tensors.append(master)
+                else:
+                    found = self.replicated.master_of(param)
+                    assert found is not None, "a replicated parameter lost its master"
+                    tensors.append(found)
+            inner_groups.append({**hyper, "params": tensors})
+        self.store: OffloadStore | None = None
+        spec = policy.optimizer_offload
+        if spec is not None and not (spec.masters_on_host and spec.device == "cpu"):
+            self.store = OffloadStore(inner_groups, spec, rank=policy.rank)
+            self.optimizer: torch.optim.Optimizer = OffloadedOptimizer(
+                optimizer_factory(self.store.host_groups), self.store
+            )
+        else:
+            self.optimizer = optimizer_factory(inner_groups)
+        self.reducer = _SyncSwitch(record)
+        self._kept_units = [u for u, r in zip(record.units, record.reshard) if r is False] + [record.module]
+        self._resharding_after_backward = True
+        record.replicated_listener = self._on_replicated_edit
+
+    # ------------------------------------------------------------------ wiring
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's param groups (schedulers write ``lr`` here)."""
+        return self.optimizer.param_groups
+
+    def _on_replicated_edit(self, param: nn.Parameter) -> None:
+        master = self.replicated.master_of(param)
+        if master is not None and master.data_ptr() != param.data_ptr():
+            with torch.no_grad():
+                master.copy_(param)
+
+    def broadcast_parameters(self) -> None:
+        """Make every rank hold the first data-parallel rank's unsharded parameters.
+
+        Sharded parameters were broadcast whole before they were sharded
+        (``fsdp_wrap.shard_model``), so only the unsharded ones need it here.
+        """
+        if self.policy.world_size == 1:
+            return
+        src = group_source_rank(self.policy.process_group)
+        for param in self.record.replicated:
+            collectives.broadcast(param.data, src=src, group=self.policy.process_group)
+        self.replicated.refresh_masters()
+
+    def _rebind_masters(self) -> None:
+        """Follow FSDP2 if it replaced a shard's storage (``module.to``, ``load_state_dict(assign=True)``)."""
+        for param, master in zip(self.sharded, self.masters):
+            local = _local(param)
+            if (
+                local.untyped_storage().data_ptr() != master.untyped_storage().data_ptr()
+                or local.shape != master.shape
+            ):
+                master.data = local.detach()
+
+    # ------------------------------------------------------------------ micro steps
+    def prepare_backward(self, is_boundary: bool) -> None:
+        """Gradients are reduced every micro step (DeepSpeed's stage-3 behaviour); what the
+        boundary decides is whether units kept gathered through forward and backward
+        (``reshard_after_forward=False``) are also kept until the next micro step's forward:
+        they are, inside an accumulation window, since the weights cannot change before the
+        optimizer step, which saves one all-gather per unit and micro step."""
+        if is_boundary != self._resharding_after_backward:
+            for module in self._kept_units:
+                module.set_reshard_after_backward(is_boundary, recurse=False)  # type: ignore[operator]
+            self._resharding_after_backward = is_boundary
+
+    def after_backward(self) -> None:
+        """All-reduce the unsharded parameters' gradients of this backward (FSDP2 already
+        reduce-scattered the sharded ones in its post-backward)."""
+        if self.reducer.sync_enabled:
+            self.replicated.reduce_micro_step()
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (sharded and unsharded)."""
+        for param, master in zip(self.sharded, self.masters):
+            param.grad = None
+            master.grad = None
+        self.replicated.zero_grad()
+
+    # ------------------------------------------------------------------ the step
+    def _bind_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for param, master in zip(self.sharded, self.masters):
+            grad = param.grad
+            local = _local(grad) if grad is not None else torch.zeros_like(master)
+            if local.dtype != master.dtype:
+                local = local.to(master.dtype)
+            master.grad = local
+            grads.append(local)
+        self.replicated.bind_grads()
+        return grads
+
+    def _squared_norm(self, sharded_grads: list[torch.Tensor]) -> float:
+        device = self.masters[0].device if self.masters else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        if sharded_grads:
+            total += torch.stack(torch._foreach_norm(sharded_grads, 2.0)).float().pow(2).sum()
+        if self.policy.world_size > 1:
+            collectives.all_reduce(total, op="sum", group=self.policy.process_group)
+        replicated = self.replicated.grads()
+        if replicated:
+            # identical on every rank after the all-reduce: counted once, locally
+            total += torch.stack(torch._foreach_norm(replicated, 2.0)).float().pow(2).sum().to(total.device)
+        return float(total)
+
+    def step(self, loss_scale: float = 1.0) -> StepResult:
+        """One optimizer step at an accumulation boundary (every rank must call it)."""
+        policy = self.policy
+        self.record.ensure_resident()
+        self._rebind_masters()
+        sharded_grads = self._bind_grads()
+        divisor = policy.post_divisor / policy.pre_multiplier * loss_scale
+        norm = math.sqrt(self._squared_norm(sharded_grads)) / divisor
+        if not math.isfinite(norm) and policy.check_overflow:
+            self.zero_grad()
+            return StepResult(applied=False, grad_norm=math.inf, overflow=True)
+        multiplier = 1.0 / divisor
+        if policy.gradient_clipping > 0:
+            clip = (norm + 1e-6) / policy.gradient_clipping
+            if clip > 1.0:
+                multiplier /= clip
+        if multiplier != 1.0:
+            grads = sharded_grads + self.replicated.grads()
+            if grads:
+                torch._foreach_mul_(grads, multiplier)
+        self.optimizer.step()
+        self.replicated.publish()
+        self.zero_grad()
+        self.record.evict()
+        return StepResult(applied=True, grad_norm=norm, overflow=False)
+
+    # ------------------------------------------------------------------ saving
+    def gather_16bit_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full weights in the compute dtype on the first rank (``save_16bit_model``).
+
+        Honours ``stage3_gather_16bit_weights_on_model_save``: when false nothing is
+        gathered and None is returned (DeepSpeed then saves nothing and returns False).
+        Collective: every rank must call it; ranks other than the first get ``{}``.
+        """
+        if not self.policy.gather_16bit_on_save:
+            logger.warning(
+                "Did not save the model: stage3_gather_16bit_weights_on_model_save is False "
+                "(set it to true, or save a checkpoint and consolidate it)"
+            )
+            return None
+        self.record.ensure_resident()
+        first = self.policy.rank == 0
+        out: dict[str, torch.Tensor] = {}
+        for key, value in self.record.module.state_dict().items():
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            if first:
+                if full.is_floating_point():
+                    full = full.to(self.policy.compute_dtype)
+                out[key] = full.detach().cpu().clone()
+        return out
+
+    def full_fp32_parameters(self) -> list[torch.Tensor]:
+        """Every parameter's full fp32 value (the masters where there are), in
+        ``module.parameters()`` order. Collective: every rank must call it."""
+        self.record.ensure_resident()
+        out = []
+        for param in self.record.module.parameters():
+            if hasattr(param, "full_tensor"):
+                out.append(param.detach().full_tensor().float().clone())  # type: ignore[attr-defined]
+                continue
+            master = self.replicated.master_of(param)
+            out.append((master if master is not None else param.detach()).float().clone())
+        return out
+
+    # ------------------------------------------------------------------ introspection
+    def memory_breakdown(self) -> dict[str, int]:
+        """Model-state bytes held by this rank, by role.
+
+        ``params``/``grads``/``optimizer`` are on the compute device; ``offloaded_host``
+        and ``offloaded_nvme`` are what offload moved away. Each storage is counted once.
+        """
+        seen: set[int] = set()
+
+        def size(t: torch.Tensor | None) -> int:
+            if t is None:
+                return 0
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if storage.nbytes() == 0 or key in seen:
+                return 0
+            seen.add(key)
+            return int(storage.nbytes())
+
+        out = {"params": 0, "grads": 0, "optimizer": 0, "offloaded_host": 0, "offloaded_nvme": 0}
+        params_away = self.record.policy.param_offload is not None
+        for param in self.record.sharded:
+            nbytes = size(_local(param))
+            grad = param.grad
+            gbytes = size(_local(grad)) if grad is not None else 0
+            if params_away:
+                out["offloaded_host"] += nbytes + gbytes
+            else:
+                out["params"] += nbytes
+                out["grads"] += gbytes
+        for param in self.record.replicated:
+            out["params"] += size(param)
+        for master in self.replicated.masters:
+            out["optimizer"] += size(master)
+        for acc in self.replicated.accumulators:
+            out["grads"] += size(acc)
+        if self.record.swapper is not None:
+            out["offloaded_nvme"] += self.record.swapper.file_bytes
+        inner = self.optimizer.inner if isinstance(self.optimizer, OffloadedOptimizer) else self.optimizer
+        offloaded_ids: set[int] = set()
+        if self.store is not None:
+            store_bytes = self.store.state_bytes(inner)
+            out["offloaded_host"] += store_bytes["host"]
+            out["offloaded_nvme"] += store_bytes["nvme"]
+            offloaded_ids = {id(t) for t in self.store.host[: self.store.offloaded]}
+            for t in self.store.host[: self.store.offloaded]:
+                size(t)  # counted by the store already
+                for value in inner.state.get(t, {}).values():
+                    if torch.is_tensor(value):
+                        size(value)
+        # with offload_param the masters, hence the optimizer state, live on the host
+        state_on_host = params_away and self.store is None
+        for param_key, state in inner.state.items():
+            if id(param_key) in offloaded_ids:
+                continue
+            for value in state.values():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    nbytes = size(value)
+                    out["offloaded_host" if state_on_host else "optimizer"] += nbytes
+        return out
+
+    def model_state_bytes(self) -> int:
+        """Bytes of parameters, gradients, masters and optimizer state this rank holds in
+        memory (device and host; NVMe files excluded)."""
+        parts = self.memory_breakdown()
+        return parts["params"] + parts["grads"] + parts["optimizer"] + parts["offloaded_host"]
+
+    def close(self) -> None:
+        """Delete offload swap files."""
+        if self.store is not None:
+            self.store.close()
+        if self.record.swapper is not None:
+            self.record.swapper.close()
+            self.record.swapper = None
+
+
+def world_of(group: Any) -> int:
+    """Size of a process group (1 without a process group)."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1

@@ -1,0 +1,275 @@
+"""What each ``zero_optimization`` key means on shardwise's stage 3 (FSDP2), decided once.
+
+Stage 3 runs on PyTorch's ``fully_shard`` (FSDP2). DeepSpeed's knobs are mapped onto it
+key by key; :data:`KEY_NOTES` is that mapping as data, so ``config explain`` and
+``config plan`` can show it next to a user's file, and :class:`Stage3Settings` is the
+frozen policy the wrapping code reads (it never sees the config).
+
+| key | on shardwise stage 3 |
+|---|---|
+| grouping (automatic) | repeated blocks (children of ModuleList/Sequential sharing a class) are shard units; ``leaf_module`` matches and leaves with >= ``LEAF_UNIT_MIN_NUMEL`` elements outside blocks too; the root holds the rest |
+| ``stage3_param_persistence_threshold`` | parameters with fewer elements stay unsharded (replicated, fp32 masters, gradients all-reduced every micro step) |
+| ``stage3_model_persistence_threshold`` | cap on the total elements kept unsharded (smallest first) |
+| ``stage3_prefetch_bucket_size`` | FSDP2 explicit prefetch: each unit prefetches the next units whose sizes fit in the bucket |
+| ``stage3_allgather_sequential`` | true: no prefetch at all (not even FSDP2's implicit backward prefetch) |
+| ``stage3_max_live_parameters`` / ``stage3_max_reuse_distance`` | per unit ``reshard_after_forward``: a unit stays gathered from forward to backward when its reuse distance and the live total allow |
+| ``stage3_module_granularity_threshold`` | modules with fewer elements per descendant are one unit (not split) |
+| ``leaf_module`` | matching modules are one unit each |
+| ``reduce_bucket_size`` | bucket size of the unsharded parameters' all-reduce (sharded gradients are reduce-scattered once per unit) |
+| ``zero_hpz_partition_size`` | > 1: units reshard after forward to groups of this size (FSDP2's ``reshard_after_forward=int``, ZeRO++ hpZ) |
+| mixed precision | bf16/fp16 compute (``MixedPrecisionPolicy.param_dtype``), fp32 sharded masters, fp32 reduction (or ``communication_data_type``) |
+| ``stage3_gather_16bit_weights_on_model_save`` | ``Stage3Optimizer.gather_16bit_state_dict`` gathers full weights only when true |
+| ``offload_param`` / ``offload_optimizer`` / ``sub_group_size`` / ``aio`` | see :mod:`shardwise.zero.offload` |
+
+No torch import here: the mapping is tested in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Leaf modules outside repeated blocks become their own shard unit from this many elements
+# on: below it, one more collective per step costs more than holding the weights does.
+LEAF_UNIT_MIN_NUMEL = 1 << 20
+
+_MAPPED = "mapped"
+_INERT = "no effect"
+_STAGES_12 = "stages 1-2 key"
+
+# key (relative to zero_optimization, or a top-level section key) -> (kind, text)
+KEY_NOTES: dict[str, tuple[str, str]] = {
+    "stage": (_MAPPED, "3 = parameters, gradients and optimizer state sharded with FSDP2 fully_shard"),
+    "stage3_param_persistence_threshold": (
+        _MAPPED,
+        "params with fewer elements stay unsharded (replicated; gradients all-reduced every micro step)",
+    ),
+    "stage3_model_persistence_threshold": (
+        _MAPPED,
+        "cap on the total elements kept unsharded, smallest first",
+    ),
+    "stage3_prefetch_bucket_size": (
+        _MAPPED,
+        "FSDP2 explicit prefetch: each unit prefetches the following units that fit in this many elements",
+    ),
+    "stage3_allgather_sequential": (_MAPPED, "true disables prefetching (FSDP2's implicit one included)"),
+    "stage3_max_live_parameters": (
+        _MAPPED,
+        "units kept gathered between forward and backward may hold at most this many elements",
+    ),
+    "stage3_max_reuse_distance": (
+        _MAPPED,
+        "a unit stays gathered after forward (reshard_after_forward=False) if it is reused within this many elements",
+    ),
+    "stage3_module_granularity_threshold": (
+        _MAPPED,
+        "modules with fewer elements per descendant form one shard unit",
+    ),
+    "leaf_module": (_MAPPED, "matching modules (class path, name or suffix) form one shard unit each"),
+    "reduce_bucket_size": (
+        _MAPPED,
+        "stage 3: bucket of the unsharded parameters' all-reduce; sharded gradients go one reduce-scatter per unit",
+    ),
+    "zero_hpz_partition_size": (
+        _MAPPED,
+        "> 1: units reshard after forward to groups of this size (FSDP2 reshard_after_forward=int)",
+    ),
+    "stage3_gather_16bit_weights_on_model_save": (
+        _MAPPED,
+        "16-bit model saves gather full weights only when true",
+    ),
+    "sub_group_size": (_MAPPED, "offload: elements stepped (and streamed from NVMe) per optimizer sub-group"),
+    "offload_param": (_MAPPED, "stage 3: sharded params and grads on the host (cpu) or in files (nvme)"),
+    "offload_optimizer": (
+        _MAPPED,
+        "optimizer state (and its fp32 masters) on the host (cpu) or in files (nvme)",
+    ),
+    "overlap_comm": (_INERT, "FSDP2 always overlaps its collectives with compute"),
+    "contiguous_gradients": (_INERT, "FSDP2's reduce-scatter output is already one contiguous shard"),
+    "stage3_use_all_reduce_for_fetch_params": (_INERT, "FSDP2 gathers with all-gather"),
+    "memory_efficient_linear": (_INERT, "no custom linear is needed: FSDP2 frees gathered weights itself"),
+    "override_module_apply": (_INERT, "module.apply works on the sharded module without an override"),
+    "pipeline_loading_checkpoint": (_INERT, "checkpoints load shard-wise through DCP"),
+    "log_trace_cache_warnings": (_INERT, "there is no trace cache: prefetch order is fixed at wrapping"),
+    "enable_sanity_checks": (_INERT, "no DeepSpeed sanity checks to enable"),
+    "zero_quantized_weights": (_INERT, "quantized all-gather (ZeRO++ qwZ) is not implemented"),
+    "zero_quantized_nontrainable_weights": (_INERT, "quantized frozen weights are not implemented"),
+    "zero_quantized_gradients": (_INERT, "quantized gradient reduction (ZeRO++ qgZ) is not implemented"),
+    "allgather_bucket_size": (_STAGES_12, "no effect at stage 3: FSDP2 gathers one unit per collective"),
+    "allgather_partitions": (_STAGES_12, "no effect at stage 3"),
+    "reduce_scatter": (_STAGES_12, "no effect at stage 3: gradients are always reduce-scattered"),
+    "use_multi_rank_bucket_allreduce": (_STAGES_12, "no effect at stage 3"),
+    "round_robin_gradients": (_STAGES_12, "no effect at stage 3"),
+    "ignore_unused_parameters": (
+        _STAGES_12,
+        "stage 3 always accepts unused parameters (their gradient is zero)",
+    ),
+    "offload_param.max_in_cpu": (_INERT, "there is no separate CPU parameter cache"),
+    "offload_param.buffer_size": (_MAPPED, "nvme: bytes per read/write request for parameter files"),
+    "offload_param.buffer_count": (_MAPPED, "nvme: parameter file requests in flight"),
+    "offload_optimizer.buffer_count": (
+        _MAPPED,
+        "sub-groups resident at once while streaming (>= 2 overlaps I/O)",
+    ),
+    "offload_optimizer.ratio": (
+        _MAPPED,
+        "stage 3: fraction of optimizer state offloaded (first tensors first)",
+    ),
+    "offload_optimizer.pipeline_read": (_MAPPED, "nvme: read the next sub-group while stepping this one"),
+    "offload_optimizer.pipeline_write": (_MAPPED, "nvme: write a sub-group back while stepping the next"),
+    "offload_optimizer.fast_init": (_INERT, "state files are created at the first step"),
+    "offload_optimizer.super_offload": (_INERT, "SuperOffload is not implemented"),
+    "offload_optimizer.cpuadam_cores_perc": (_INERT, "the CPU step uses torch's kernels and thread setting"),
+    "offload_param.pin_memory": (
+        _MAPPED,
+        "pinned host buffers when a GPU exists (ignored on CPU-only machines)",
+    ),
+    "offload_optimizer.pin_memory": (
+        _MAPPED,
+        "pinned host buffers when a GPU exists (ignored on CPU-only machines)",
+    ),
+}
+
+# aio section keys (top level): how the NVMe store uses them.
+AIO_NOTES: dict[str, tuple[str, str]] = {
+    "block_size": (_MAPPED, "bytes per file read/write request"),
+    "queue_depth": (_MAPPED, "requests in flight per I/O thread"),
+    "intra_op_parallelism": (_MAPPED, "I/O threads"),
+    "single_submit": (_MAPPED, "true: one request at a time"),
+    "overlap_events": (_MAPPED, "overlap file I/O with the optimizer step"),
+    "use_gds": (_INERT, "GPUDirect Storage is not used; reads go through host memory"),
+}
+
+
+@dataclass(frozen=True)
+class Stage3Settings:
+    """The stage-3 knobs, as the wrapping code reads them.
+
+    Attributes:
+        persistence_threshold: params with fewer elements stay unsharded.
+        model_persistence_threshold: at most this many elements stay unsharded in total.
+        prefetch_bucket_numel: elements a unit may prefetch ahead (0: no explicit prefetch).
+        prefetch_disabled: ``stage3_allgather_sequential``: no prefetching at all.
+        max_live_numel: cap on elements kept gathered between forward and backward.
+        max_reuse_distance: a unit reused within this many elements stays gathered.
+        granularity_threshold: modules with fewer elements per descendant are one unit.
+        leaf_classes: class paths (or bare class names) that form one unit each.
+        leaf_names: module names (FQNs) that form one unit each.
+        leaf_suffixes: module-name suffixes that form one unit each.
+        hpz_partition_size: > 1: reshard after forward to groups of this size.
+        reduce_bucket_numel: bucket of the replicated (unsharded) gradients' all-reduce.
+        gather_16bit_on_save: ``stage3_gather_16bit_weights_on_model_save``.
+        leaf_unit_min_numel: leaves outside blocks with at least this many elements are units.
+    """
+
+    persistence_threshold: int = 100_000
+    model_persistence_threshold: int = 2**63 - 1
+    prefetch_bucket_numel: int = 50_000_000
+    prefetch_disabled: bool = False
+    max_live_numel: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    granularity_threshold: int = 0
+    leaf_classes: tuple[str, ...] = ()
+    leaf_names: tuple[str, ...] = ()
+    leaf_suffixes: tuple[str, ...] = ()
+    hpz_partition_size: int = 1
+    reduce_bucket_numel: int = 500_000_000
+    gather_16bit_on_save: bool = False
+    leaf_unit_min_numel: int = LEAF_UNIT_MIN_NUMEL
+
+
+def settings_from_zero(zero: Any) -> Stage3Settings:
+    """:class:`Stage3Settings` from a validated ``zero_optimization`` section.
+
+    Example:
+        >>> from shardwise.config.sections.zero import ZeroConfig
+        >>> s = settings_from_zero(ZeroConfig(stage=3, stage3_param_persistence_threshold=0))
+        >>> s.persistence_threshold, s.prefetch_disabled
+        (0, False)
+    """
+    leaf = zero.leaf_module
+    return Stage3Settings(
+        persistence_threshold=int(zero.stage3_param_persistence_threshold),
+        model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
+        prefetch_bucket_numel=int(zero.stage3_prefetch_bucket_size),
+        prefetch_disabled=bool(zero.stage3_allgather_sequential),
+        max_live_numel=int(zero.stage3_max_live_parameters),
+        max_reuse_distance=int(zero.stage3_max_reuse_distance),
+        granularity_threshold=int(zero.stage3_module_granularity_threshold),
+        leaf_classes=tuple(leaf.classes),
+        leaf_names=tuple(leaf.names),
+        leaf_suffixes=tuple(leaf.name_suffixes),
+        hpz_partition_size=int(zero.zero_hpz_partition_size),
+        reduce_bucket_numel=int(zero.reduce_bucket_size),
+        gather_16bit_on_save=bool(zero.stage3_gather_16bit_weights_on_model_save),
+    )
+
+
+def key_note(path: str, stage: int) -> str | None:
+    """The engine note for one dotted key path of a resolved config, or None.
+
+    Notes are given for ``zero_optimization.*`` and ``aio.*`` keys; keys of stages 1-2
+    are only annotated at stage 3 (where they have no effect).
+
+    Example:
+        >>> key_note("zero_optimization.overlap_comm", 3)
+        'accepted, no effect on this engine: FSDP2 always overlaps its collectives with compute'
+    """
+    head, _, rest = path.partition(".")
+    if head == "aio" and rest in AIO_NOTES:
+        kind, text = AIO_NOTES[rest]
+        return _render(kind, text)
+    if head != "zero_optimization" or not rest:
+        return None
+    entry = KEY_NOTES.get(rest)
+    if entry is None and "." in rest:
+        block = rest.split(".", 1)[0]
+        if block in ("offload_param", "offload_optimizer") and rest.endswith(".device"):
+            entry = KEY_NOTES[block]
+        elif rest.startswith("leaf_module."):
+            entry = KEY_NOTES["leaf_module"]
+    if entry is None:
+        return None
+    kind, text = entry
+    if kind == _STAGES_12 and stage != 3:
+        return None
+    if kind == _MAPPED and stage != 3 and rest.startswith("stage3_"):
+        return "stage-3 key: no effect at stage " + str(stage)
+    return _render(kind, text)
+
+
+def _render(kind: str, text: str) -> str:
+    if kind == _MAPPED:
+        return text
+    return "accepted, no effect on this engine: " + text
+
+
+def engine_notes(flat_keys: Mapping[str, Any], stage: int, only: set[str] | None = None) -> dict[str, str]:
+    """Notes for every key of a flattened config (``ResolvedConfig.flat()``) that has one.
+
+    Args:
+        flat_keys: dotted key path -> value.
+        stage: the config's ZeRO stage.
+        only: restrict to these paths (for example, the keys set in the file).
+
+    Example:
+        >>> notes = engine_notes({"zero_optimization.zero_quantized_weights": True}, 3)
+        >>> notes["zero_optimization.zero_quantized_weights"].startswith("accepted, no effect")
+        True
+    """
+    out: dict[str, str] = {}
+    for path in flat_keys:
+        if only is not None and path not in only:
+            continue
+        note = key_note(path, stage)
+        if note is not None:
+            out[path] = note
+    return out
+
+
+def inert_keys(flat_keys: Mapping[str, Any], stage: int, only: set[str] | None = None) -> dict[str, str]:
+    """The subset of :func:`engine_notes` for keys that have no effect on this engine."""
+    return {
+        k: v for k, v in engine_notes(flat_keys, stage, only).items() if v.startswith("accepted, no effect")
+    }
