@@ -344,8 +344,12 @@ class ShardwiseEngine(nn.Module):
 
     # ------------------------------------------------------------------ checkpoints (logic in checkpoint/)
     def save_checkpoint(
-        self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
-        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> bool:
         """Save a topology-free checkpoint under ``save_dir/tag`` (every rank must call it)."""
         from shardwise.checkpoint.engine_io import save_checkpoint
@@ -353,15 +357,28 @@ class ShardwiseEngine(nn.Module):
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
-        self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
-        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False, custom_load_fn: Any = None,
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint saved on any world size and stage; returns ``(path, client_state)``."""
         from shardwise.checkpoint.engine_io import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only, custom_load_fn)
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+            custom_load_fn,
+        )
 
     def save_16bit_model(
         self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False

@@ -6,17 +6,20 @@ import time
 from typing import Any
 
 import torch
+from zero_reference import make_model
 
 import shardwise
-from zero_reference import make_model
 
 
 def save_on_rank0_only(rank: int, world: int, path: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     engine, _, _, _ = shardwise.initialize(
         model=make_model(),
-        config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                "zero_optimization": {"stage": 2}},
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2},
+        },
     )
     start = time.monotonic()
     if rank == 0:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import pytest
+import subset_save_cases
 
 from shardwise.testing import run_distributed
-
-import subset_save_cases
 
 pytestmark = pytest.mark.distributed
 
 
 def test_save_on_one_rank_fails_fast_naming_the_missing_rank(tmp_path):
     results = run_distributed(
-        subset_save_cases.save_on_rank0_only, 2, args=(str(tmp_path / "ckpt"),), timeout=240,
+        subset_save_cases.save_on_rank0_only,
+        2,
+        args=(str(tmp_path / "ckpt"),),
+        timeout=240,
         env={"SHARDWISE_TIMEOUT_SECONDS": "120"},
     )
     error = results[0]["error"]

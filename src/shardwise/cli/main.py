@@ -19,7 +19,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from shardwise.cli import checkpoint_cmd, config_cmd, elastic_cmd, report_cmd
+from shardwise.cli import checkpoint_cmd, config_cmd, elastic_cmd, plan_cmd, report_cmd
 
 SUBCOMMANDS = ("config", "report", "elastic", "checkpoint")
 """First words that select a sub-command; any other first word starts a launch."""
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description="DeepSpeed-config training on PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
     config_cmd.add_parser(sub)
+    plan_cmd.add_parser(sub)  # "config plan": registers under the config parser
     report_cmd.add_parser(sub)
     elastic_cmd.add_parser(sub)
     checkpoint_cmd.add_parser(sub)
