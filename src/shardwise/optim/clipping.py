@@ -94,7 +94,7 @@ def global_norm(local_sq_sum: Tensor, group: object | Sequence[object] | None = 
         from shardwise.comm import collectives  # the one door to torch.distributed (and its logger)
 
         for g in groups:
-            collectives.all_reduce(total, op="sum", group=g)
+            collectives.all_reduce(total, op="sum", group=g)  # type: ignore[arg-type]
     return total.sqrt()
 
 
