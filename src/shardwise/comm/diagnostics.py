@@ -562,12 +562,21 @@ def _mark_exit() -> None:
     state = _state
     if state is None or os.getpid() != state.pid:
         return  # a forked child (data-loader worker) is not this rank
-    try:
-        quick = state.store.clone()
-        quick.set_timeout(timedelta(seconds=2))
-        quick.set(f"{_KEY}/exited/{state.rank}", "1")
-    except Exception:
-        pass  # the store is gone: nobody is left to ask
+
+    def mark() -> None:
+        try:
+            quick = state.store.clone()
+            quick.set_timeout(timedelta(seconds=2))
+            quick.set(f"{_KEY}/exited/{state.rank}", "1")
+        except Exception:
+            pass  # the store is gone: nobody is left to ask
+
+    # Connecting to a store whose host rank already exited blocks for the store's whole
+    # connect timeout: mark from a daemon thread and give it two seconds at most, so a
+    # finished rank can never hang at exit.
+    marker = threading.Thread(target=mark, name="shardwise-exit-mark", daemon=True)
+    marker.start()
+    marker.join(timeout=2.0)
 
 
 def _excepthook(exc_type: Any, exc: BaseException, tb: Any) -> None:
