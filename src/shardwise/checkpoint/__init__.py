@@ -11,8 +11,7 @@ package does not import ``torch.distributed.checkpoint``.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from shardwise.utils.lazy import lazy_exports
 
 _LAZY: dict[str, tuple[str, str]] = {
     "save_checkpoint": ("shardwise.checkpoint.engine_io", "save_checkpoint"),
@@ -31,14 +30,4 @@ _LAZY: dict[str, tuple[str, str]] = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        module_name, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module_name), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'shardwise.checkpoint' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports("shardwise.checkpoint", _LAZY, globals())

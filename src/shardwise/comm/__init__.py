@@ -14,8 +14,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from shardwise.utils.lazy import lazy_exports
 
 # public name -> (module, attribute)
 _LAZY: dict[str, tuple[str, str]] = {
@@ -65,14 +64,4 @@ _LAZY: dict[str, tuple[str, str]] = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        module_name, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module_name), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'shardwise.comm' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports("shardwise.comm", _LAZY, globals())

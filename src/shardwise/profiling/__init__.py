@@ -12,8 +12,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from shardwise.utils.lazy import lazy_exports
 
 _LAZY: dict[str, tuple[str, str]] = {
     "FlopsProfiler": ("shardwise.profiling.flops_profiler", "FlopsProfiler"),
@@ -30,14 +29,4 @@ _LAZY: dict[str, tuple[str, str]] = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        module_name, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module_name), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'shardwise.profiling' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports("shardwise.profiling", _LAZY, globals())
