@@ -366,6 +366,83 @@ def external_parameter(rank: int, world: int, case: dict[str, Any]) -> dict[str,
     return out
 
 
+# --------------------------------------------------------------------------- step semantics
+def overflow(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """fp16: an inf gradient on rank 1 only makes every rank skip (hysteresis 2: 16, 16, 8)."""
+    torch.set_num_threads(1)
+    model = make_model()
+    cfg = config(3, "fp16", 1, 2, world, stage3_param_persistence_threshold=100)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 4, "hysteresis": 2}
+    engine, optimizer, _, _ = shardwise.initialize(model=model, config=cfg)
+    record = []
+    for step in range(4):
+        x, y = batch(step, 0, rank, 2)
+        before = optimizer.full_fp32_parameters()
+        loss = engine(x, y)
+        if step in (1, 2) and rank == 1:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        engine.step()
+        after = optimizer.full_fp32_parameters()
+        record.append(
+            {
+                "applied": engine.was_step_applied(),
+                "changed": any(not torch.equal(a, b) for a, b in zip(before, after)),
+                "scale": engine.loss_scale,
+                "norm": engine.get_global_grad_norm(),
+            }
+        )
+    optimizer.close()
+    return {"record": record}
+
+
+class _Sometimes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen = nn.Linear(8, 8)
+        self.used = nn.Linear(8, 4)
+        self.sometimes = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, use_all: bool) -> torch.Tensor:
+        h = self.frozen(x)
+        out = self.used(h)
+        if use_all:
+            out = out + self.sometimes(h)
+        return out.pow(2).mean()
+
+
+def unused_and_averaging(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Frozen params stay; a param without gradient in a step still steps (grad 0); every
+    averaging recipe gives the same update (sum doubles it at W=2)."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    variants = {
+        "default": {},
+        "prescale": {"prescale_gradients": True},
+        "predivide": {"gradient_predivide_factor": 2.0},
+        "comm_bf16": {"communication_data_type": "bf16"},
+    }
+    for name, extra in variants.items():
+        net = _Sometimes()
+        net.frozen.requires_grad_(False)
+        cfg = {**config(3, "fp32", 1, 2, world, stage3_param_persistence_threshold=0), **extra}
+        cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.5}}
+        cfg["zero_allow_untested_optimizer"] = True
+        engine, optimizer, _, _ = shardwise.initialize(model=net, config=cfg)
+        names = [n for n, _ in engine.module.named_parameters()]
+        start = dict(zip(names, optimizer.full_fp32_parameters()))
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(2):
+            loss = engine(torch.randn(4, 8, generator=gen), step == 0)
+            engine.backward(loss)
+            engine.step()
+        end = dict(zip(names, optimizer.full_fp32_parameters()))
+        out[name] = {n: (end[n] - start[n]).reshape(-1).tolist() for n in names}
+        optimizer.close()
+    return out
+
+
 # --------------------------------------------------------------------------- memory
 def memory(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     """Model-state bytes measured after the second step's backward (state, grads and params all
@@ -424,6 +501,8 @@ SCENARIOS = {
     "save_16bit": save_16bit,
     "external_parameter": external_parameter,
     "memory": memory,
+    "overflow": overflow,
+    "unused_and_averaging": unused_and_averaging,
 }
 
 

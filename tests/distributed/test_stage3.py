@@ -22,6 +22,8 @@ on the norm and 1e-5 on parameters after two steps, as for stages 0-2.
 from __future__ import annotations
 
 import copy
+import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -135,6 +137,8 @@ SCENARIOS = [
     {"kind": "gathered_after_initialize"},
     {"kind": "save_16bit"},
     {"kind": "external_parameter"},
+    {"kind": "overflow"},
+    {"kind": "unused_and_averaging"},
 ]
 CASES = GRID + PERSISTENT + OFFLOAD + STAGE12_OFFLOAD + CLIP + MEMORY + SCENARIOS
 
@@ -156,7 +160,9 @@ def results(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("nvme"))
     cases = [_with_path(copy.deepcopy(c), path) for c in CASES]
     out = run_distributed_cases(run_case, cases, world_size=WORLD, timeout=900)
-    return dict(zip(map(_id, CASES), out))
+    found = dict(zip(map(_id, CASES), out))
+    found["leftover_swap_files"] = [str(f) for f in Path(path).rglob("*") if f.is_file()]
+    return found
 
 
 def _assert_matches(ranks: list[dict[str, Any]], ref: dict[str, Any], steps: int = STEPS) -> None:
@@ -313,3 +319,33 @@ def test_external_parameter_keeps_the_weight_gathered(results):
     for r in results[_id(SCENARIOS[7])]:
         assert r[False]["units"] == ["embed"] and not r[False]["ok"]
         assert r[True]["units"] == [] and r[True]["ok"]
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(results):
+    for r in results[_id(SCENARIOS[8])]:
+        rec = r["record"]
+        assert [x["applied"] for x in rec] == [True, False, False, True]
+        assert [x["changed"] for x in rec] == [True, False, False, True]
+        assert [x["scale"] for x in rec] == [16.0, 16.0, 8.0, 8.0]  # hysteresis 2, as at stages 0-2
+        assert math.isinf(rec[1]["norm"]) and math.isfinite(rec[3]["norm"])
+
+
+def test_frozen_unused_and_averaging_options(results):
+    for r in results[_id(SCENARIOS[9])]:
+        default = r["default"]
+        assert all(v == 0.0 for v in default["frozen.weight"] + default["frozen.bias"])  # frozen: untouched
+        assert any(v != 0.0 for v in default["sometimes.weight"])  # stepped at step 0 (zero grad at step 1)
+        scale = max(abs(v) for values in default.values() for v in values)
+        for name in ("prescale", "predivide", "comm_bf16"):
+            # the same mean, rounded differently (1e-6); bf16 on the wire rounds every
+            # gradient to 8 bits of mantissa (relative 2**-8), judged against the largest update
+            tol = 1e-2 if name == "comm_bf16" else 1e-6
+            for key, delta in r[name].items():
+                torch.testing.assert_close(
+                    torch.tensor(delta), torch.tensor(default[key]), rtol=tol, atol=tol * scale
+                )
+
+
+def test_swap_files_are_removed(results):
+    """Every NVMe store deletes its files (explicit close, or when it is collected / at exit)."""
+    assert results["leftover_swap_files"] == []

@@ -177,10 +177,16 @@ def swap_directory(nvme_path: Path, kind: str, rank: int) -> Path:
 
 
 def remove_directory(path: Path) -> None:
-    """Delete a swap directory (used when a store is closed)."""
+    """Delete a swap directory, then its ``shardwise/<kind>`` parents if they are left empty."""
     try:
         shutil.rmtree(path)
     except FileNotFoundError:
         pass
     except OSError as exc:
         logger.warning("could not remove the swap directory %s: %s", path, exc)
+        return
+    for parent in (path.parent, path.parent.parent):  # <kind>, then shardwise
+        try:
+            parent.rmdir()  # only succeeds when empty: other ranks' files stay
+        except OSError:
+            break

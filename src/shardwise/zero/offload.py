@@ -465,10 +465,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     Example:
         >>> import torch
         >>> w = torch.zeros(4); w.grad = torch.ones(4)
-        >>> store = OffloadStore([{"params": [w], "lr": 0.1}], OffloadSpec(device="cpu"))
-        >>> opt = OffloadedOptimizer(torch.optim.SGD(store.host_groups, lr=0.1), store)
+        >>> store = OffloadStore([{"params": [w], "lr": 0.5}], OffloadSpec(device="cpu"))
+        >>> opt = OffloadedOptimizer(torch.optim.SGD(store.host_groups, lr=0.5), store)
         >>> opt.step(); w.tolist()
-        [-0.1, -0.1, -0.1, -0.1]
+        [-0.5, -0.5, -0.5, -0.5]
     """
 
     def __init__(self, inner: torch.optim.Optimizer, store: OffloadStore) -> None:
