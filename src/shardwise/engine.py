@@ -243,6 +243,18 @@ class ShardwiseEngine(nn.Module):
             skipped=self.skipped_steps,
         )
 
+    def destroy(self) -> None:
+        """Release what the engine holds outside Python objects (DeepSpeed's ``destroy``):
+        waits for an asynchronous checkpoint save, deletes offload swap files, closes monitors.
+        The engine is not usable for training afterwards."""
+        from shardwise.checkpoint.engine_io import wait_for_checkpoint
+
+        wait_for_checkpoint(self)
+        close = getattr(self.optimizer, "close", None)
+        if callable(close):
+            close()
+        self.telemetry.monitor.close()
+
     @property
     def monitor(self) -> MonitorMaster:
         """The monitors (``engine.monitor.write_events([(name, value, engine.global_samples)])``)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import shutil
 import threading
@@ -171,9 +172,13 @@ class SwapFile:
             self.close()
 
 
+_DIRECTORY_NUMBERS = itertools.count()
+
+
 def swap_directory(nvme_path: Path, kind: str, rank: int) -> Path:
-    """``<nvme_path>/shardwise/<kind>/rank<r>-pid<p>``: one directory per rank and run."""
-    return Path(nvme_path) / "shardwise" / kind / f"rank{rank}-pid{os.getpid()}"
+    """``<nvme_path>/shardwise/<kind>/rank<r>-pid<p>-<n>``: one directory per rank, process
+    and store (a second engine in the same process never shares, or deletes, the first's)."""
+    return Path(nvme_path) / "shardwise" / kind / f"rank{rank}-pid{os.getpid()}-{next(_DIRECTORY_NUMBERS)}"
 
 
 def remove_directory(path: Path) -> None:

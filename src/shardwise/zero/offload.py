@@ -39,7 +39,14 @@ import torch
 from shardwise.zero.memory_plan import offloaded_prefix
 from shardwise.zero.nvme import AioSettings, IoHandle, SwapFile, remove_directory, swap_directory
 
-__all__ = ["OffloadSpec", "OffloadStore", "OffloadedOptimizer", "offloaded_prefix", "split_sub_groups"]
+__all__ = [
+    "OffloadSpec",
+    "OffloadStore",
+    "OffloadedOptimizer",
+    "checkpoint_view",
+    "offloaded_prefix",
+    "split_sub_groups",
+]
 
 
 @dataclass(frozen=True)
@@ -418,6 +425,25 @@ class OffloadStore:
             for g in range(len(self.sub_groups)):
                 self._finish_write(optimizer, g, self._save_state(optimizer, self.sub_groups[g]))
 
+    def state_snapshot(self, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+        """Every tensor's optimizer state in memory, keyed by ``id(host tensor)``, leaving the
+        optimizer as it is (nvme: the file's values are read into fresh buffers)."""
+        out: dict[int, dict[str, Any]] = {}
+        handles: list[IoHandle] = []
+        for index, host in enumerate(self.host):
+            state = dict(optimizer.state.get(host, {}))
+            if self._file is not None and index < self.offloaded and state:
+                for (i, key), slot in self._slots.items():
+                    if i == index:
+                        buf = torch.empty(slot.shape, dtype=slot.dtype, device="cpu")
+                        handles.append(self._file.read(buf, slot.offset))
+                        state[key] = buf
+            if state:
+                out[id(host)] = state
+        for handle in handles:
+            handle.wait()
+        return out
+
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes this store holds: ``host`` (staging buffers and in-memory state) and ``nvme``."""
         host = 0
@@ -451,7 +477,7 @@ class OffloadStore:
             self._file.close()
             self._file = None
         if self._directory is not None:
-            remove_directory(self._directory)
+            self._finalizer()  # removes the directory, once
             self._directory = None
 
 
@@ -532,3 +558,43 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"OffloadedOptimizer({self.store.spec.device}, {self.inner!r})"
+
+
+class _DeviceKeyedOptimizer:
+    """An :class:`OffloadedOptimizer` as checkpoint code sees it.
+
+    The device masters are the truth between steps (the host copies are refilled from
+    them at every step, and with nvme they are empty), so checkpoints address parameters
+    by their device masters: ``param_groups`` lists those, ``state`` is keyed by them (read
+    from the swap file with nvme), and ``load_state_dict`` goes through the offloaded
+    optimizer (which writes the state back to its file).
+    """
+
+    def __init__(self, proxy: OffloadedOptimizer) -> None:
+        store = proxy.store
+        device_of = {id(h): d for h, d in zip(store.host, store.device_tensors)}
+        self._proxy = proxy
+        self.param_groups = [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [device_of[id(h)] for h in group["params"]],
+            }
+            for group in proxy.inner.param_groups
+        ]
+        snapshot = store.state_snapshot(proxy.inner)
+        self.state: dict[torch.Tensor, dict[str, Any]] = {
+            device_of[id(h)]: snapshot[id(h)] for h in store.host if id(h) in snapshot
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load (parameters by index, in the order of ``param_groups``)."""
+        self._proxy.load_state_dict(state_dict)
+
+
+def checkpoint_view(optimizer: Any) -> Any:
+    """``optimizer`` keyed by the tensors ZeRO handed it (device masters), for checkpoints.
+
+    A plain optimizer is returned as it is; an :class:`OffloadedOptimizer` (whose inner
+    optimizer works on host copies) as a view keyed by the device masters.
+    """
+    return _DeviceKeyedOptimizer(optimizer) if isinstance(optimizer, OffloadedOptimizer) else optimizer

@@ -99,4 +99,4 @@ class ParamSwapper:
         """Restore the parameters and delete the file."""
         self.restore()
         self.file.close()
-        remove_directory(self._directory)
+        self._finalizer()  # removes the directory, once

@@ -26,6 +26,7 @@ from torch import nn
 from shardwise.checkpoint import keys
 from shardwise.comm import collectives
 from shardwise.zero.flat_group import FlatGroup
+from shardwise.zero.offload import checkpoint_view
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -247,6 +248,7 @@ class ZeroOptimizer:
         """
         from shardwise.checkpoint.dcp_io import FlatShards
 
+        optimizer = checkpoint_view(self.optimizer)
         out: dict[str, Any] = {}
         for place in self._places(names):
             if not place.pieces:
@@ -257,12 +259,11 @@ class ZeroOptimizer:
                     torch.float32,
                     [(s, e, _flat(m)[o : o + e - s]) for s, e, m, o in place.pieces],
                 )
-            first = self.optimizer.state.get(place.pieces[0][2], {})
+            first = optimizer.state.get(place.pieces[0][2], {})
             for key, value in first.items():
                 if _is_elementwise(key, value, place.pieces[0][2]):
                     views = [
-                        (s, e, _flat(self.optimizer.state[m][key])[o : o + e - s])
-                        for s, e, m, o in place.pieces
+                        (s, e, _flat(optimizer.state[m][key])[o : o + e - s]) for s, e, m, o in place.pieces
                     ]
                     out[f"optim/{place.name}/{key}"] = FlatShards(place.shape, value.dtype, views)
                 else:
@@ -350,10 +351,11 @@ class ZeroOptimizer:
                 per_master.setdefault(id(master), {}).setdefault(
                     state_key, value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
                 )
+        optimizer = checkpoint_view(self.optimizer)
         state: dict[int, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
         index = 0
-        current = self.optimizer.param_groups
+        current = optimizer.param_groups
         if saved_groups is not None and len(saved_groups) != len(current):
             raise ValueError(
                 f"the checkpoint's optimizer has {len(saved_groups)} param groups but this one has {len(current)}; "
@@ -373,7 +375,7 @@ class ZeroOptimizer:
                     {k: v for k, v in saved_groups[gi].items() if k not in ("params", PARAM_NAMES_KEY)}
                 )
             groups.append({**hyper, "params": ids})
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def full_state_dict(self, names: Mapping[int, str]) -> dict[str, Any]:
         """The whole optimizer state, every tensor full-size, on every rank (collective).
@@ -382,11 +384,12 @@ class ZeroOptimizer:
         Costs one all-reduce per tensor kind (master, each elementwise state key).
         """
         places = self._places(names)
+        optimizer = checkpoint_view(self.optimizer)
         elementwise: dict[str, torch.dtype] = {}
         scalar_kinds: dict[str, Any] = {}  # key -> an example value (its type/dtype)
         for place in places:
             for _, _, master, _ in place.pieces[:1]:
-                for key, value in self.optimizer.state.get(master, {}).items():
+                for key, value in optimizer.state.get(master, {}).items():
                     if _is_elementwise(key, value, master):
                         elementwise[key] = value.dtype
                     else:
@@ -401,9 +404,7 @@ class ZeroOptimizer:
             offset = 0
             for place in places:
                 for s, e, master, o in place.pieces:
-                    source = (
-                        master if state_key is None else self.optimizer.state.get(master, {}).get(state_key)
-                    )
+                    source = master if state_key is None else optimizer.state.get(master, {}).get(state_key)
                     if source is not None:
                         buffer[offset + s : offset + e] = _flat(source)[o : o + e - s]
                 offset += math.prod(place.shape)
@@ -415,12 +416,12 @@ class ZeroOptimizer:
                 key = f"master/{place.name}" if state_key is None else f"optim/{place.name}/{state_key}"
                 out[key] = buffer[offset : offset + numel].view(place.shape)
                 offset += numel
-        out.update(self._gather_scalars(places, scalar_kinds, sharded))
+        out.update(self._gather_scalars(optimizer, places, scalar_kinds, sharded))
         out[PARAM_GROUPS_KEY] = self._param_groups_state(names)
         return out
 
     def _gather_scalars(
-        self, places: list[_ParamPlace], kinds: Mapping[str, Any], sharded: bool
+        self, optimizer: Any, places: list[_ParamPlace], kinds: Mapping[str, Any], sharded: bool
     ) -> dict[str, Any]:
         """Scalar state (``step``) per name: only the ranks owning part of a parameter hold it,
         so a MAX all-reduce over float64 (missing = -inf) shares it exactly (ints < 2**53)."""
@@ -434,7 +435,7 @@ class ZeroOptimizer:
             values = torch.full((len(places),), -math.inf, dtype=torch.float64, device=self.groups[0].device)
             for i, place in enumerate(places):
                 for _, _, master, _ in place.pieces[:1]:
-                    value = self.optimizer.state.get(master, {}).get(key)
+                    value = optimizer.state.get(master, {}).get(key)
                     if value is not None:
                         values[i] = float(value)
             if sharded:
@@ -476,6 +477,12 @@ class ZeroOptimizer:
         """Re-read the fp32 masters from the (just loaded) parameters: weights-only loads."""
         for flat in self.groups:
             flat.refresh_masters()
+
+    def close(self) -> None:
+        """Delete optimizer-offload swap files (nvme), if any."""
+        store = getattr(self.optimizer, "store", None)
+        if store is not None:
+            store.close()
 
     # ------------------------------------------------------------------ introspection
     def model_state_bytes(self) -> int:
