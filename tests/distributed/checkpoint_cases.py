@@ -1,12 +1,8 @@
 """Per-rank scenarios for test_checkpoint_*.py (module level so the harness can pickle them).
 
-Until ``ShardwiseEngine`` grows the three delegating methods, :func:`_wire` adds them here
-(exactly what the engine will do: call ``shardwise.checkpoint.engine_io``).
-
-"Stage 3" below is FSDP2 (``fully_shard``) with a torch AdamW, checkpointed through
-:class:`shardwise.checkpoint.ParamOptimizerState`: the DTensor layout and the interface a
-stage-3 engine exposes, so saves and loads across stage 3 are exercised before that engine
-lands.
+Every scenario runs the real engine (``shardwise.initialize``) at stages 0-3, with and
+without optimizer/parameter offload; the full optimizer state is read back through the
+optimizer's own ``full_state_dict`` (the same interface the checkpoint format uses).
 """
 
 from __future__ import annotations
@@ -21,22 +17,13 @@ from torch import nn
 
 import shardwise
 from shardwise.checkpoint import engine_io
-from shardwise.checkpoint.checkpointer import Checkpointer, CheckpointOptions, TrainingState, param_names
-from shardwise.checkpoint.param_state import ParamOptimizerState
-from shardwise.data import RepeatingLoader, build_data_loader
-from shardwise.engine import ShardwiseEngine
+from shardwise.checkpoint.checkpointer import param_names
+from shardwise.data import RepeatingLoader
 from shardwise.testing.models import GPTConfig, TinyGPT, TokenDataset
 
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.99), 1e-8, 0.01
 SAMPLES = 24  # divisible by 1, 2, 4 ranks times the batch: every topology sees the same global batches
-
-
-def _wire() -> None:
-    """The three thin methods the engine will own, delegating to engine_io."""
-    for name in ("save_checkpoint", "load_checkpoint", "save_16bit_model"):
-        if not hasattr(ShardwiseEngine, name):
-            setattr(ShardwiseEngine, name, getattr(engine_io, name))
 
 
 def make_model(seed: int = 0, dropout: float = 0.0) -> TinyGPT:
@@ -77,7 +64,6 @@ def config(
 
 
 def build(stage: int, world: int, precision: str = "fp32", seed: int = 0, dropout: float = 0.0, **extra: Any):
-    _wire()
     torch.set_num_threads(1)
     model = make_model(seed, dropout)
     engine, _, loader, _ = shardwise.initialize(
@@ -105,22 +91,28 @@ def train(engine: Any, batches: RepeatingLoader, steps: int) -> list[float]:
 
 
 def full_params(engine: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    """The module's state, whole (stage-3 DTensors gathered: collective), as fp32 copies."""
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().clone()
+        for k, v in engine.module.state_dict().items()
+    }
 
 
 # ---------------------------------------------------------------------------- same topology, bit-exact
 def resume_is_bit_exact(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     """Train 2N steps; versus train N, save, build a fresh engine (other init), load, train N."""
     stage, precision, root = case["stage"], case["precision"], Path(case["dir"])
+    extra = case.get("extra", {})
     n = 4
-    engine, batches = build(stage, world, precision, seed=0, dropout=0.1)
+    engine, batches = build(stage, world, precision, seed=0, dropout=0.1, **extra)
     first = train(engine, batches, n)
     engine.save_checkpoint(root, client_state={"note": "hello", "epoch": 1})
     reference = train(engine, batches, n)
     ref_params = full_params(engine)
     ref_state = engine.optimizer.full_state_dict(param_names(engine.module))
+    engine.destroy()  # (offload swap files) before a second engine starts in this process
 
-    resumed, batches2 = build(stage, world, precision, seed=1, dropout=0.1)
+    resumed, batches2 = build(stage, world, precision, seed=1, dropout=0.1, **extra)
     path, client = resumed.load_checkpoint(root)
     counters = (resumed.global_steps, resumed.global_samples, resumed.skipped_steps, resumed.micro_steps)
     again = train(resumed, batches2, n)
@@ -146,11 +138,12 @@ def resume_is_bit_exact(rank: int, world: int, case: dict[str, Any]) -> dict[str
 # ---------------------------------------------------------------------------- across world sizes and stages
 def save_reference(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     """At ``world`` ranks and ``case['stage']``: train N, save, train N more (the reference losses)."""
-    engine, batches = build(case["stage"], world, case.get("precision", "fp32"))
+    engine, batches = build(case["stage"], world, case.get("precision", "fp32"), **case.get("extra", {}))
     train(engine, batches, case["n"])
     engine.save_checkpoint(case["dir"])
     _record_state(rank, engine.optimizer.full_state_dict(param_names(engine.module)), case["dir"])
-    return {"reference": train(engine, batches, case["n"])}
+    saved = full_params(engine)
+    return {"reference": train(engine, batches, case["n"]), "saved_state": saved if rank == 0 else None}
 
 
 def _record_state(rank: int, state: dict[str, Any], root: str) -> None:
@@ -169,10 +162,10 @@ def _same_state(state: dict[str, Any], root: str) -> bool:
 
 
 def load_and_train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """Load ``case['dir']`` at this world size and stage (engine stages 0-2, or 3 = FSDP2), train N."""
-    if case["stage"] == 3:
-        return fsdp_run(rank, world, {**case, "load": case["dir"], "save": None})
-    engine, batches = build(case["stage"], world, case.get("precision", "fp32"), seed=5)
+    """Load ``case['dir']`` at this world size and stage (0-3), check the state, train N."""
+    engine, batches = build(
+        case["stage"], world, case.get("precision", "fp32"), seed=5, **case.get("extra", {})
+    )
     engine.load_checkpoint(case["dir"])
     same = _same_state(engine.optimizer.full_state_dict(param_names(engine.module)), case["dir"])
     return {
@@ -180,89 +173,6 @@ def load_and_train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any
         "global_steps": engine.global_steps,
         "state_equal": same,
     }
-
-
-def fsdp_run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """A stage-3 layout run: FSDP2-sharded TinyGPT + AdamW + WarmupLR, checkpointed by shardwise.
-
-    Optionally loads ``case['load']``; trains ``case['n']`` steps; optionally saves to
-    ``case['save']`` and trains ``case['n']`` more (the reference).
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from shardwise.schedulers import build_scheduler
-
-    torch.set_num_threads(1)
-    model = make_model(seed=5 if case.get("load") else 0)
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    # Like the stage-3 engine: the torch optimizer updates each DTensor parameter's local shard.
-    params = list(model.parameters())
-    shards = [p.to_local().detach() for p in params]
-    optimizer = torch.optim.AdamW(shards, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    param_of = {id(shard): p for shard, p in zip(shards, params)}
-    scheduler = build_scheduler(
-        "WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 4}, optimizer
-    )
-    micro = 4 // world
-    loader = build_data_loader(dataset(), batch_size=micro, dp_rank=rank, dp_world_size=world)
-    counters = {"global_steps": 0, "global_samples": 0, "skipped_steps": 0, "micro_steps": 0}
-
-    def state() -> TrainingState:
-        return TrainingState(
-            module=model,
-            optimizer=ParamOptimizerState(optimizer, param_of),
-            lr_scheduler=scheduler,
-            data_loader=loader,
-            counters=dict(counters),
-            zero_stage=3,
-            dp_world_size=world,
-        )
-
-    checkpointer = Checkpointer(CheckpointOptions())
-    same = None
-    if case.get("load"):
-        loaded = checkpointer.load(state(), case["load"])
-        assert loaded is not None
-        counters.update(loaded.counters)
-        same = _same_state(
-            ParamOptimizerState(optimizer, param_of).full_state_dict(param_names(model)), case["load"]
-        )
-    batches = RepeatingLoader(loader)
-
-    def steps(k: int) -> list[float]:
-        out = []
-        for _ in range(k):
-            x, y = next(batches)
-            loss = model(x, y)
-            loss.backward()
-            for shard, param in zip(shards, params):
-                shard.grad = param.grad.to_local()
-            optimizer.step()
-            optimizer.zero_grad()
-            model.zero_grad()
-            scheduler.step()
-            counters["global_steps"] += 1
-            counters["micro_steps"] += 1
-            counters["global_samples"] += 4
-            t = torch.tensor([loss.item()], dtype=torch.float64)
-            dist.all_reduce(t)
-            out.append(t.item() / world)
-        return out
-
-    losses = steps(case["n"])
-    result: dict[str, Any] = {"losses": losses, "global_steps": counters["global_steps"], "state_equal": same}
-    if case.get("save"):
-        checkpointer.save(state(), case["save"])
-        _record_state(
-            rank, ParamOptimizerState(optimizer, param_of).full_state_dict(param_names(model)), case["save"]
-        )
-        result["saved_state"] = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
-        result["reference"] = steps(case["n"])
-    return result
 
 
 # ---------------------------------------------------------------------------- atomicity and async
@@ -407,7 +317,6 @@ def ds_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def import_deepspeed(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     """Load a DeepSpeed 0.19.8 checkpoint, compare with its recorded values, train 2 more steps."""
-    _wire()
     torch.set_num_threads(1)
     torch.manual_seed(123)  # a different init: everything must come from the checkpoint
     net = DsNet()
@@ -456,10 +365,8 @@ def import_deepspeed(rank: int, world: int, case: dict[str, Any]) -> dict[str, A
 
 
 def load_and_train_or_save(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """One spawn, many cases: save a reference (engine stages 0-2 or FSDP2) or load and train."""
+    """One spawn, many cases: save a reference or load and train."""
     if case["op"] == "save":
-        if case["stage"] == 3:
-            return fsdp_run(rank, world, {"n": case["n"], "save": case["dir"]})
         return save_reference(rank, world, case)
     return load_and_train(rank, world, case)
 
@@ -507,7 +414,6 @@ def api_semantics(rank: int, world: int, root: str) -> dict[str, Any]:
     out["non_strict_params"] = all(torch.equal(v, full_params(extra)[k]) for k, v in saved.items())
 
     # frozen parameters excluded from the save: export leaves them out, a strict load still works
-    _wire()
     torch.manual_seed(0)
     frozen_model = make_model()
     frozen_model.wpe.requires_grad_(False)

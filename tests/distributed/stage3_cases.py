@@ -8,6 +8,7 @@ scenario is one case of a single spawn; :func:`run_case` dispatches on ``case["k
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -281,27 +282,44 @@ def gathered_after_initialize(rank: int, world: int, case: dict[str, Any]) -> di
 
 
 def save_16bit(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """stage3_gather_16bit_weights_on_model_save: None when false; full 16-bit weights when true."""
+    """``engine.save_16bit_model`` at stage 3: nothing (False) when
+    stage3_gather_16bit_weights_on_model_save is false; full bf16 weights when true."""
+    from shardwise.checkpoint.writers import read_safetensors
+
     torch.set_num_threads(1)
-    results = {}
+    results: dict[bool, Any] = {}
     for flag in (False, True):
         model = make_model()
-        cfg = config(3, "bf16", 1, 2, world, stage3_gather_16bit_weights_on_model_save=flag)
+        cfg = config(
+            3,
+            "bf16",
+            1,
+            2,
+            world,
+            stage3_gather_16bit_weights_on_model_save=flag,
+            stage3_param_persistence_threshold=0,
+        )
         engine, optimizer, _, _ = shardwise.initialize(model=model, config=cfg)
-        state = optimizer.gather_16bit_state_dict()
+        root = Path(case["dir"]) / f"sixteen_{flag}"
+        ok = engine.save_16bit_model(str(root), "model.safetensors")
         masters = dict(
             zip([n for n, _ in engine.module.named_parameters()], optimizer.full_fp32_parameters())
         )
-        if state is None:
-            results[flag] = None
-        else:
-            results[flag] = {
-                "keys": sorted(state),
-                "dtypes": sorted({str(v.dtype) for v in state.values()}),
-                "match": all(
-                    torch.equal(state[k], masters[k].to(torch.bfloat16)) for k in masters if k in state
-                ),
-            }
+        dist.barrier()
+        written = root / "model.safetensors"
+        state = read_safetensors(written) if written.exists() else None
+        results[flag] = {
+            "ok": ok,
+            "file": state is not None,
+            "sharded": any(hasattr(p, "full_tensor") for p in engine.module.parameters()),
+            "checkpoint_instead": (root / "latest").exists(),
+        }
+        if state is not None:
+            results[flag].update(
+                keys=sorted(state),
+                dtypes=sorted({str(v.dtype) for v in state.values()}),
+                match=all(torch.equal(state[k], v.to(torch.bfloat16)) for k, v in masters.items()),
+            )
         optimizer.close()
     return results
 

@@ -1,23 +1,16 @@
-"""Save at 2 ranks, load at 1, 2 and 4 ranks across ZeRO stages, then train on.
-
-Stage 3 is FSDP2 with the optimizer checkpointed through ``ParamOptimizerState``, the
-interface a stage-3 engine exposes (see checkpoint_cases.py).
+"""Save at 2 ranks, load at 1, 2 and 4 ranks across ZeRO stages 0-3, then train on.
 
 Every load is checked twice: the full optimizer state right after the load must equal,
 bit for bit, the state at save time (fp32 masters, exp_avg, exp_avg_sq, step), and the
 next losses must follow the uninterrupted run. Losses are exact where the world size and
-the training code are the same; otherwise they are compared with a tolerance, because the
-arithmetic legitimately differs:
+the stage are the same (and for stage 2 -> 1 at 2 ranks); otherwise they are compared at 1e-6
+relative, because the arithmetic legitimately differs in the last bits:
 
 * another world size splits the global batch differently, so per-rank means and the
-  gradient sums round differently (last-bit differences, measured ~1e-7 relative);
-* stage 0 updates whole parameters where stages 1-2 update flat shards; same maths, but the
-  elementwise kernels see different tensor boundaries (~1e-8 relative measured);
-* the stage-3 stand-in is FSDP2's own training loop, which pre-divides gradients before its
-  reduce-scatter; Adam's normalisation amplifies those last-bit differences of tiny
-  gradients, so from the *same* weights FSDP2 and the engine drift apart by ~1e-4 relative
-  within 4 steps even without any checkpoint. Hence 2e-3 there, and the exact state and
-  first-loss checks carry the weight.
+  gradient sums round differently (measured up to 1.1e-7 relative over 4 steps);
+* stage 0 updates whole parameters where stages 1-2 update flat shards and stage 3 the
+  FSDP2 shards; same maths, but the elementwise kernels see different tensor boundaries
+  and stage 3 reduces every micro step (measured 3e-8 relative).
 """
 
 from __future__ import annotations
@@ -40,6 +33,12 @@ def _close(a: list[float], b: list[float], rel: float) -> bool:
     return len(a) == len(b) and all(math.isclose(x, y, rel_tol=rel, abs_tol=0.0) for x, y in zip(a, b))
 
 
+def _offloaded(stage: int, nvme: str) -> dict:
+    where = {"device": "nvme", "nvme_path": nvme}
+    zero = {"stage": stage, "reduce_bucket_size": 2000, "offload_optimizer": where, "offload_param": where}
+    return {"zero_optimization": zero}
+
+
 def test_save_on_two_ranks_resumes_on_one_two_and_four_at_any_stage(tmp_path):
     a, b = str(tmp_path / "stage2_on_2"), str(tmp_path / "stage3_on_2")
     on_two = run_distributed_cases(
@@ -51,18 +50,23 @@ def test_save_on_two_ranks_resumes_on_one_two_and_four_at_any_stage(tmp_path):
             {"op": "load", "stage": 0, "dir": a, "n": N},
             {"op": "load", "stage": 3, "dir": a, "n": N},
             {"op": "save", "stage": 3, "dir": b, "n": N},
+            {"op": "load", "stage": 3, "dir": b, "n": N},
+            {"op": "load", "stage": 3, "dir": a, "n": N, "extra": _offloaded(3, str(tmp_path / "nvme"))},
         ],
         world_size=2,
         timeout=600,
     )
     reference = on_two[0][0]["reference"]
-    same, stage1, stage0, stage3, fsdp = (r[0] for r in on_two[1:])
-    for result in (same, stage1, stage0, stage3):
+    same, stage1, stage0, stage3, saved3, same3, offloaded3 = (r[0] for r in on_two[1:])
+    for result in (same, stage1, stage0, stage3, same3, offloaded3):
         assert result["state_equal"] and result["global_steps"] == 2 * N
     assert same["losses"] == reference  # same world size and stage: exact
     assert stage1["losses"] == reference  # stage 2 -> 1 on 2 ranks: also exact (same kernels, same sums)
     assert _close(stage0["losses"], reference, 1e-6)
-    assert stage3["losses"][0] == reference[0] and _close(stage3["losses"], reference, 2e-3)
+    assert _close(stage3["losses"], reference, 1e-6)  # 2 -> 3
+    assert offloaded3["losses"] == stage3["losses"]  # 2 -> 3 with parameters and state in swap files
+    reference3 = saved3["reference"]
+    assert same3["losses"] == reference3  # stage 3 -> 3, same world: exact
 
     on_one = run_distributed_cases(
         cases.load_and_train_or_save,
@@ -80,17 +84,13 @@ def test_save_on_two_ranks_resumes_on_one_two_and_four_at_any_stage(tmp_path):
     two_to_four, three_to_four = on_four[0][0], on_four[1][0]
     for result in (two_to_one, three_to_one, two_to_four, three_to_four):
         assert result["state_equal"] and result["global_steps"] == 2 * N
-    assert _close(two_to_one["losses"], reference, 1e-5)
-    assert _close(two_to_four["losses"][:1], reference[:1], 1e-6) and _close(
-        two_to_four["losses"], reference, 2e-3
-    )
-    fsdp_reference = fsdp["reference"]
-    for result in (three_to_one, three_to_four):
-        assert _close(result["losses"][:1], fsdp_reference[:1], 1e-6)
-        assert _close(result["losses"], fsdp_reference, 2e-3)
+    assert _close(two_to_one["losses"], reference, 1e-6)
+    assert _close(three_to_one["losses"], reference3, 1e-6)  # 3 -> 1
+    assert _close(two_to_four["losses"], reference, 1e-6)  # 2 on 2 ranks -> 3 on 4
+    assert _close(three_to_four["losses"], reference3, 1e-6)  # 3 on 2 ranks -> 2 on 4
 
     # export of the stage-3 checkpoint reproduces the model's full state dict, bit for bit
     exported = read_safetensors(export_checkpoint(b, tmp_path / "export", dtype=None))
-    saved = fsdp["saved_state"]
+    saved = saved3["saved_state"]
     assert list(exported) == list(saved)
     assert all(torch.equal(exported[k], v) for k, v in saved.items())

@@ -279,3 +279,37 @@ def test_check_summary_multiplies_out_under_sequence_parallel(
     path = _write(tmp_path, {"train_batch_size": 8, "sequence_parallel_size": 2})
     assert main(["config", "check", path, "--world-size", "4"]) == 0
     assert "batch 8 = 4 x 1 x 2," in capsys.readouterr().out
+
+
+def test_explain_says_what_stage3_keys_do_on_this_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    zero = {
+        "stage": 3,
+        "overlap_comm": True,
+        "stage3_prefetch_bucket_size": 1000,
+        "zero_quantized_weights": True,
+    }
+    path = _write(tmp_path, {"train_batch_size": 8, "zero_optimization": zero})
+    assert main(["config", "explain", path]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert (
+        "[engine: accepted, no effect on this engine: FSDP2 always overlaps"
+        in lines["zero_optimization.overlap_comm"]
+    )
+    assert "[engine: FSDP2 explicit prefetch" in lines["zero_optimization.stage3_prefetch_bucket_size"]
+    assert "[engine: accepted, no effect" in lines["zero_optimization.zero_quantized_weights"]
+    # defaults are not annotated (that would be noise), nor are keys without a note
+    assert "[engine:" not in lines["zero_optimization.stage3_max_live_parameters"]
+    assert "[engine:" not in lines["train_batch_size"]
+
+
+def test_explain_notes_stage3_keys_that_do_nothing_at_stage_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(
+        tmp_path, {"train_batch_size": 8, "zero_optimization": {"stage": 2, "stage3_max_live_parameters": 10}}
+    )
+    assert main(["config", "explain", path]) == 0
+    out = capsys.readouterr().out
+    assert "[engine: stage-3 key: no effect at stage 2]" in out

@@ -163,8 +163,8 @@ def save_16bit_model(
     """``engine.save_16bit_model``: the module's weights in their training dtype, one file.
 
     ``.safetensors`` file names write safetensors, anything else a ``torch.load``-able file;
-    both are written tensor by tensor and atomically, by rank 0. Sharded (ZeRO-3) parameters
-    are gathered one at a time when ``stage3_gather_16bit_weights_on_model_save`` is true;
+    both are written tensor by tensor and atomically, by rank 0. At stage 3 the weights are
+    gathered one at a time, in the compute dtype, when ``stage3_gather_16bit_weights_on_model_save`` is true;
     otherwise, instead of DeepSpeed's silent skip, a full sharded checkpoint is saved under
     ``save_dir`` and the log names the one command that exports it. Returns False then.
 
@@ -174,7 +174,7 @@ def save_16bit_model(
     from shardwise.checkpoint.writers import write_state_dict
 
     state = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
-    sharded = [k for k, v in state.items() if type(v).__name__ == "DTensor"]
+    sharded = engine.zero_optimization_stage() == 3
     if sharded and not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
         save_checkpoint(engine, save_dir, exclude_frozen_parameters=exclude_frozen_parameters)
         wait_for_checkpoint(engine)
@@ -187,17 +187,22 @@ def save_16bit_model(
         )
         return False
     rank0 = comm.get_rank() == 0
+    # stage 3 keeps fp32 sharded parameters and computes in 16 bits: write the compute dtype
+    compute = engine.precision.param_dtype if sharded else None
+
+    def dtype_of(value: torch.Tensor) -> torch.dtype:
+        return compute if compute is not None and value.is_floating_point() else value.dtype
 
     def tensors() -> Any:
         for key, value in state.items():
             full = value.full_tensor() if type(value).__name__ == "DTensor" else value  # collective
             if rank0:
-                yield key, full.detach().cpu()
+                yield key, full.detach().to(device="cpu", dtype=dtype_of(full))
 
     out = Path(save_dir) / save_filename
     if rank0:
         out.parent.mkdir(parents=True, exist_ok=True)
-        shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        shapes = {k: (tuple(v.shape), dtype_of(v)) for k, v in state.items()}
         fmt = "safetensors" if save_filename.endswith(".safetensors") else "pt"
         write_state_dict(out, shapes, tensors(), fmt=fmt)
     else:

@@ -7,6 +7,7 @@ from typing import Any
 
 from shardwise.config.provenance import Source
 from shardwise.config.resolve import ResolvedConfig
+from shardwise.zero.stage3_settings import engine_notes
 
 _ORDER = (Source.OVERRIDE, Source.FILE, Source.AUTO, Source.DERIVED, Source.DEFAULT)
 _TITLES = {
@@ -29,6 +30,10 @@ def _fmt(value: Any) -> str:
 def explain(resolved: ResolvedConfig, show_defaults: bool = True) -> str:
     """A table per source: key, value and the rule or note behind it.
 
+    Keys the user set (not defaults) also get what they do on this engine where that
+    differs from a plain DeepSpeed reading (``[engine: ...]``: e.g. how a stage-3 knob maps
+    onto FSDP2, or that a key is accepted but has no effect).
+
     Example:
         >>> from shardwise.config import load_config
         >>> print(explain(load_config({"train_batch_size": 8}), show_defaults=False))  # doctest: +ELLIPSIS
@@ -46,6 +51,8 @@ def explain(resolved: ResolvedConfig, show_defaults: bool = True) -> str:
     lines.append(summary)
     shown = [k for k in flat if show_defaults or resolved.sources[k].source is not Source.DEFAULT]
     width = max((len(k) for k in shown), default=10)
+    user_set = {k for k in flat if resolved.sources[k].source is not Source.DEFAULT}
+    on_engine = engine_notes(flat, resolved.zero_stage, only=user_set)
     for source in _ORDER:
         if source is Source.DEFAULT and not show_defaults:
             continue
@@ -56,7 +63,8 @@ def explain(resolved: ResolvedConfig, show_defaults: bool = True) -> str:
         lines.append(f"{_TITLES[source]} ({len(rows)}):")
         for key, value, prov in rows:
             note = f"   <- {prov.note}" if prov.note else ""
-            lines.append(f"  {key.ljust(width)}  {_fmt(value)}{note}")
+            engine = f"   [engine: {on_engine[key]}]" if key in on_engine else ""
+            lines.append(f"  {key.ljust(width)}  {_fmt(value)}{note}{engine}")
     if resolved.unknown_keys:
         lines.append("")
         lines.append(

@@ -219,7 +219,5 @@ def _build_stage3(
         optimizer_offload=optimizer_offload_spec(
             zero, cfg.aio, masters_on_host=zero.offload_param_device != "none"
         ),
-        gather_16bit_on_save=bool(zero.stage3_gather_16bit_weights_on_model_save),
-        compute_dtype=precision.param_dtype,
     )
     return Stage3Optimizer(record, param_groups, optimizer_factory, policy)

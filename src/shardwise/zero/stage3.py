@@ -32,7 +32,7 @@ Two things FSDP2 does not do by itself, measured on the benchmark GPT (2 gloo ra
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.checkpoint.param_state import ParamOptimizerState
 from shardwise.comm import collectives
-from shardwise.utils.logging import logger
 from shardwise.zero.fsdp_wrap import ShardedModel
-from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore
+from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
 from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_optimizer import OptimizerFactory, StepResult, group_source_rank
 
@@ -62,8 +62,6 @@ class Stage3Policy:
     comm_dtype: torch.dtype | None = None
     reduce_bucket_numel: int = 500_000_000
     optimizer_offload: OffloadSpec | None = None
-    gather_16bit_on_save: bool = False
-    compute_dtype: torch.dtype = torch.float32
 
 
 class _SyncSwitch:
@@ -358,31 +356,42 @@ class Stage3Optimizer:
         self.record.evict()
         return StepResult(applied=True, grad_norm=norm, overflow=False)
 
-    # ------------------------------------------------------------------ saving
-    def gather_16bit_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full weights in the compute dtype on the first rank (``save_16bit_model``).
-
-        Honours ``stage3_gather_16bit_weights_on_model_save``: when false nothing is
-        gathered and None is returned (DeepSpeed then saves nothing and returns False).
-        Collective: every rank must call it; ranks other than the first get ``{}``.
-        """
-        if not self.policy.gather_16bit_on_save:
-            logger.warning(
-                "Did not save the model: stage3_gather_16bit_weights_on_model_save is False "
-                "(set it to true, or save a checkpoint and consolidate it)"
-            )
-            return None
+    # ------------------------------------------------------------------ checkpoints
+    def _param_state(self) -> ParamOptimizerState:
+        """The checkpoint interface over the inner optimizer: sharded masters are the DTensor
+        parameters' local shards (saved with the module as ``model/<name>``); unsharded
+        parameters' fp32 masters are saved as ``master/<name>`` where they are copies."""
         self.record.ensure_resident()
-        first = self.policy.rank == 0
-        out: dict[str, torch.Tensor] = {}
-        for key, value in self.record.module.state_dict().items():
-            full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            if first:
-                if full.is_floating_point():
-                    full = full.to(self.policy.compute_dtype)
-                out[key] = full.detach().cpu().clone()
-        return out
+        self._rebind_masters()
+        param_of: dict[int, Any] = {id(m): p for p, m in zip(self.sharded, self.masters)}
+        param_of.update({id(m): p for p, m in zip(self.replicated.params, self.replicated.masters)})
+        return ParamOptimizerState(checkpoint_view(self.optimizer), param_of)
 
+    def sharded_state_dict(self, names: Mapping[int, str]) -> dict[str, Any]:
+        """This rank's optimizer state for ``torch.distributed.checkpoint`` (DTensor shards)."""
+        return self._param_state().sharded_state_dict(names)
+
+    def sharded_load(
+        self, names: Mapping[int, str], saved: Mapping[str, Any], *, with_state: bool
+    ) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
+        """Targets in this layout for a checkpoint of any layout, and the step applying them."""
+        return self._param_state().sharded_load(names, saved, with_state=with_state)
+
+    def full_state_dict(self, names: Mapping[int, str]) -> dict[str, Any]:
+        """Every tensor whole on every rank (collective)."""
+        return self._param_state().full_state_dict(names)
+
+    def load_full_state_dict(
+        self, state: Mapping[str, Any], names: Mapping[int, str], *, with_state: bool = True
+    ) -> None:
+        """Keep this rank's part of whole tensors (keys as :meth:`full_state_dict`)."""
+        self._param_state().load_full_state_dict(state, names, with_state=with_state)
+
+    def refresh_masters_from_params(self) -> None:
+        """Re-read the unsharded parameters' masters after a weights-only load."""
+        self._param_state().refresh_masters_from_params()
+
+    # ------------------------------------------------------------------ saving
     def full_fp32_parameters(self) -> list[torch.Tensor]:
         """Every parameter's full fp32 value (the masters where there are), in
         ``module.parameters()`` order. Collective: every rank must call it."""

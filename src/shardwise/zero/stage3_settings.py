@@ -18,7 +18,7 @@ frozen policy the wrapping code reads (it never sees the config).
 | ``reduce_bucket_size`` | bucket size of the unsharded parameters' all-reduce (sharded gradients are reduce-scattered once per unit) |
 | ``zero_hpz_partition_size`` | > 1: units reshard after forward to groups of this size (FSDP2's ``reshard_after_forward=int``, ZeRO++ hpZ) |
 | mixed precision | bf16/fp16 compute (``MixedPrecisionPolicy.param_dtype``), fp32 sharded masters, fp32 reduction (or ``communication_data_type``) |
-| ``stage3_gather_16bit_weights_on_model_save`` | ``Stage3Optimizer.gather_16bit_state_dict`` gathers full weights only when true |
+| ``stage3_gather_16bit_weights_on_model_save`` | ``engine.save_16bit_model`` gathers full weights one tensor at a time only when true (else it saves a sharded checkpoint and says how to export it) |
 | ``offload_param`` / ``offload_optimizer`` / ``sub_group_size`` / ``aio`` | see :mod:`shardwise.zero.offload` |
 
 No torch import here: the mapping is tested in milliseconds.
