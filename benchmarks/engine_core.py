@@ -1,10 +1,11 @@
 """Engine-core benchmark: shardwise against torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed.
 
-One command runs the same GPT workload on 2 CPU ranks (gloo) for ZeRO stages 0/1/2 x fp32/bf16 x
+One command runs the same GPT workload on 2 CPU ranks (gloo) for ZeRO stages 0/1/2/3 x fp32/bf16 x
 gradient accumulation 1/4, side by side with the peers for each stage, and prints absolute numbers,
 ratios against the best peer of each stage, and the pass/fail of shardwise's targets::
 
-    python benchmarks/engine_core.py                 # the full grid, about 8-10 minutes on 2 cores
+    python benchmarks/engine_core.py                 # the full grid, about 12-15 minutes on 2 cores
+    python benchmarks/engine_core.py --stages 3      # only the stage-3 rows
     python benchmarks/engine_core.py --quick         # a smaller GPT and fewer steps, about 2 minutes
     python benchmarks/engine_core.py --out results.json
 
@@ -42,11 +43,16 @@ WORLD = 2
 # Targets shardwise is measured against (see the issue): step time vs the best peer of the stage,
 # model-state bytes per parameter (fp32, 2 ranks), optimizer-step bandwidth vs triad, start-up.
 STEP_RATIO_TARGET = 0.95
-MEM_TARGET_BYTES_PER_PARAM = {1: 12.0, 2: 10.0}
+MEM_TARGET_BYTES_PER_PARAM = {1: 12.0, 2: 10.0, 3: 8.5}
 OPT_BW_TARGET = 0.85
 INIT_TARGET_S = 2.0
 
-PEERS: dict[int, list[str]] = {0: ["ddp", "deepspeed"], 1: ["zero", "deepspeed"], 2: ["fsdp2", "deepspeed"]}
+PEERS: dict[int, list[str]] = {
+    0: ["ddp", "deepspeed"],
+    1: ["zero", "deepspeed"],
+    2: ["fsdp2", "deepspeed"],
+    3: ["fsdp2_zero3", "deepspeed"],
+}
 
 # What each framework runs, printed with the results and repeated in the README.
 DESCRIPTIONS = {
@@ -62,6 +68,8 @@ DESCRIPTIONS = {
     "layout), AdamW(fused=True) on the sharded DTensor parameters; set_requires_gradient_sync("
     "False) off the GA boundary; clip_grad_norm_(1.0); bf16 = MixedPrecisionPolicy(param_dtype="
     "bfloat16) (bf16 compute and bf16 reduce-scatter, fp32 sharded parameters and AdamW state)",
+    "fsdp2_zero3": "(stage 3) torch fully_shard on each block and the root with the default "
+    "reshard_after_forward (blocks reshard after forward: ZeRO-3), otherwise as fsdp2",
     "deepspeed": "deepspeed.initialize with the same config as shardwise, on CPU (DS_ACCELERATOR=cpu, "
     "gloo), optimizer params torch_adam=true and fused=true (torch's fused AdamW: DeepSpeed's "
     "FusedAdam would need a JIT-compiled op); bf16 = DeepSpeed's bf16 mode (bf16 model, fp32 "
@@ -352,7 +360,7 @@ def _fmt(value: Any, spec: str, none: str = "-") -> str:
 
 def print_table(cases: list[Case]) -> None:
     head = (
-        f"{'stage':>5} {'prec':>4} {'GAS':>3} {'framework':<10} {'step ms':>9} {'x best':>6} "
+        f"{'stage':>5} {'prec':>4} {'GAS':>3} {'framework':<11} {'step ms':>9} {'x best':>6} "
         f"{'init s':>6} {'(imp)':>5} {'opt ms':>7} {'opt GB/s':>8} {'%triad':>6} {'B/param':>7} "
         f"{'max|dloss|':>10}  targets (step/mem/opt_bw/init)"
     )
@@ -363,7 +371,7 @@ def print_table(cases: list[Case]) -> None:
         if last_group is not None and case.group != last_group:
             print()
         last_group = case.group
-        lead = f"{case.stage:>5} {case.precision:>4} {case.gas:>3} {case.framework:<10}"
+        lead = f"{case.stage:>5} {case.precision:>4} {case.gas:>3} {case.framework:<11}"
         if case.status != "ok":
             print(f"{lead} {case.status}")
             continue
@@ -387,7 +395,7 @@ def print_summary(cases: list[Case]) -> dict[str, dict[str, int]]:
             bucket[verdict] += 1
     labels = {
         "step": f"median step time <= {STEP_RATIO_TARGET} x best peer of the stage",
-        "mem": "model-state bytes/param per rank (fp32): <= 12 at stage 1, <= 10 at stage 2",
+        "mem": "model-state bytes/param per rank (fp32): <= 12 / 10 / 8.5 at stage 1 / 2 / 3",
         "opt_bw": f"optimizer-step bandwidth >= {OPT_BW_TARGET:.0%} of per-process triad",
         "init": f"process start to engine ready < {INIT_TARGET_S} s",
     }
@@ -425,8 +433,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="write all numbers to this JSON file")
     parser.add_argument("--steps", type=int, help="measured optimizer steps per case")
     parser.add_argument("--warmup", type=int, help="untimed optimizer steps first (>= 2)")
-    parser.add_argument("--frameworks", nargs="+", help="only these (shardwise ddp zero fsdp2 deepspeed)")
-    parser.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2], choices=[0, 1, 2])
+    parser.add_argument(
+        "--frameworks", nargs="+", help="only these (shardwise ddp zero fsdp2 fsdp2_zero3 deepspeed)"
+    )
+    parser.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--gas", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--python", default=sys.executable, help="interpreter for shardwise and torch peers")
@@ -598,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     preset = dict(QUICK if args.quick else FULL)
     warmup = max(2, args.warmup if args.warmup is not None else preset["warmup"])
     steps = args.steps if args.steps is not None else preset["steps"]
-    wanted = set(args.frameworks or ["shardwise", "ddp", "zero", "fsdp2", "deepspeed"])
+    wanted = set(args.frameworks or ["shardwise", "ddp", "zero", "fsdp2", "fsdp2_zero3", "deepspeed"])
     cfg = Settings(
         python=args.python,
         ds_python=args.ds_python,
@@ -662,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = print_summary(cases)
     print("\nwhat each framework runs:")
     for name, text in DESCRIPTIONS.items():
-        print(f"  {name:<10} {text}")
+        print(f"  {name:<11} {text}")
     print(f"\nwall time {meta['wall_s']:.0f} s")
     if args.out:
         write_json(args.out, meta, summary, cases, references)

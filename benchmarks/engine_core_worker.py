@@ -386,6 +386,26 @@ class FSDP2Runner(_TorchPeer):
         return [self.model, self.optimizer, *states]
 
 
+class FSDP2Zero3Runner(FSDP2Runner):
+    """Stage-3 peer: FSDP2 used directly with per-block wrapping and default resharding
+    (blocks reshard after forward: parameters, gradients and optimizer state all sharded,
+    the FULL_SHARD / ZeRO-3 layout); otherwise as :class:`FSDP2Runner`."""
+
+    def __init__(self, spec: dict[str, Any], models: types.ModuleType) -> None:
+        _TorchPeer.__init__(self, spec, models)
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        _ensure_process_group()
+        self.model = build_model(models, spec)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if self.bf16 else MixedPrecisionPolicy()
+        for block in self.model.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(self.model, mp_policy=mp)
+        self.wrapped = self.model
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **_adamw_kwargs(spec))
+
+
 class ReferenceRunner(_TorchPeer):
     """One process, the whole global batch per micro step, fp32, fused AdamW, same clipping."""
 
@@ -450,6 +470,7 @@ RUNNERS: dict[str, Callable[[dict[str, Any], types.ModuleType], Any]] = {
     "ddp": DDPRunner,
     "zero": ZeroRunner,
     "fsdp2": FSDP2Runner,
+    "fsdp2_zero3": FSDP2Zero3Runner,
     "deepspeed": DeepSpeedRunner,
     "reference": ReferenceRunner,
 }
@@ -459,6 +480,7 @@ _IMPORTS = {
     "shardwise": ["shardwise"],
     "deepspeed": ["deepspeed"],
     "fsdp2": ["torch.distributed.fsdp"],
+    "fsdp2_zero3": ["torch.distributed.fsdp"],
     "zero": ["torch.distributed.optim", "torch.nn.parallel"],
     "ddp": ["torch.nn.parallel"],
     "reference": [],
