@@ -61,3 +61,20 @@ def test_the_same_script_runs_under_plain_torchrun(tmp_path) -> None:
         ("0", "0", None, 3.0),
         ("1", "1", None, 3.0),
     ]
+
+
+def test_no_shardwise_thread_outlives_the_exit_handlers(tmp_path) -> None:
+    """A daemon thread blocked in a store call while Python finalizes can abort the process
+    (exit -6 after a clean run) when the store's host rank exits first: shardwise's exit
+    handler stops its diagnostics thread, even when the script destroyed the group itself."""
+    result = run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         str(DIST_MODES), "exit"],
+        tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports = sorted(
+        (json.loads(line[len("EXIT ") :]) for line in result.stdout.splitlines() if line.startswith("EXIT ")),
+        key=lambda r: r["rank"],
+    )
+    assert reports == [{"rank": "0", "alive": []}, {"rank": "1", "alive": []}]

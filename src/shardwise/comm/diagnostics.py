@@ -568,8 +568,9 @@ def _mark_exit() -> None:
             quick = state.store.clone()
             quick.set_timeout(timedelta(seconds=2))
             quick.set(f"{_KEY}/exited/{state.rank}", "1")
+            quick.queue_push(f"{_KEY}/q/{state.rank}", _STOP)
         except Exception:
-            pass  # the store is gone: nobody is left to ask
+            pass  # the store is gone: nobody is left to ask (and the responder's pop fails)
 
     # Connecting to a store whose host rank already exited blocks for the store's whole
     # connect timeout: mark from a daemon thread and give it two seconds at most, so a
@@ -577,6 +578,12 @@ def _mark_exit() -> None:
     marker = threading.Thread(target=mark, name="shardwise-exit-mark", daemon=True)
     marker.start()
     marker.join(timeout=2.0)
+    # The responder must be gone before the interpreter finalizes: a daemon thread that
+    # comes back from a blocking store call (e.g. because the store's host rank exited)
+    # while Python shuts down is killed inside C++ code, which aborts the whole process
+    # ("terminate called without an active exception", exit code -6) after a clean run.
+    if state.thread is not None:
+        state.thread.join(timeout=2.0)
 
 
 def _excepthook(exc_type: Any, exc: BaseException, tb: Any) -> None:

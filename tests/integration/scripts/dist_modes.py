@@ -8,14 +8,19 @@ Run by the tests through ``shardwise``, ``python -m shardwise.launcher`` or ``to
 * ``raise``: rank 1 raises while rank 0 waits in a barrier;
 * ``skip``: rank 1 skips an all-reduce and goes to a barrier (a collective mismatch);
 * ``subset``: only rank 0 enters a sync point (``check_all_ranks_arrive``) while rank 1
-  goes on to its next all-reduce, as with ``if rank == 0: save_checkpoint()``.
+  goes on to its next all-reduce, as with ``if rank == 0: save_checkpoint()``;
+* ``exit``: end with torch's own ``dist.destroy_process_group()`` (shardwise's diagnostics
+  are not told) and report, from an exit handler that runs after shardwise's, whether the
+  diagnostics thread is still alive while the interpreter finalizes.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -25,10 +30,12 @@ import shardwise
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["env", "raise", "skip", "subset"])
+    parser.add_argument("mode", choices=["env", "raise", "skip", "subset", "exit"])
     parser.add_argument("--local_rank", type=int, default=None)
     parser.add_argument("--deepspeed_config", default=None)
     args = parser.parse_args()
+    if args.mode == "exit":
+        atexit.register(_report_threads_at_exit)  # registered first: runs after shardwise's own
 
     shardwise.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -66,7 +73,16 @@ def main() -> None:
         if rank == 0:
             check_all_ranks_arrive("save_checkpoint")
         dist.all_reduce(torch.ones(4))
+    elif args.mode == "exit":
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     shardwise.comm.destroy_process_group()
+
+
+def _report_threads_at_exit() -> None:
+    alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("shardwise-") and t.is_alive())
+    os.write(1, ("EXIT " + json.dumps({"rank": os.environ.get("RANK"), "alive": alive}) + "\n").encode())
 
 
 if __name__ == "__main__":
