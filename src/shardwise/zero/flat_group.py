@@ -87,10 +87,17 @@ class FlatGroup:
                     self.grad.append(self.grad_buffer[lo:hi])
                 else:
                     self.grad.append(torch.zeros(hi - lo, dtype=grad_dtype, device=self.device))
-        # Stages 0/1 with matching dtypes: let autograd accumulate straight into the flat
-        # gradient buffer (param.grad is a view), so accumulation costs no copy at all.
+        # Stages 0/1 with matching dtypes: after the first micro step of a window, autograd
+        # accumulates straight into the flat gradient buffer (param.grad is a view), so
+        # accumulation costs no copy at all.
         self.grads_are_views = self.grad_buffer is not None and grad_dtype == self.dtype
-        self.attach_grad_views()
+        # Which parameters' slots of the full gradient buffer hold this window's gradient.
+        # A new window does not zero the buffer: the first gradient of each parameter is
+        # copied in (autograd hands it over as a fresh tensor, since param.grad is None),
+        # later ones are added, and slots nobody wrote are zeroed only when the buffer is
+        # read (``settle``). That saves a memset and a read of the whole buffer per window;
+        # copy == 0 + x exactly, so results do not change.
+        self._written = [False] * len(self.params)
 
     # ------------------------------------------------------------------ layout helpers
     def owned_range(self, bucket: int) -> tuple[int, int]:
@@ -121,25 +128,42 @@ class FlatGroup:
         return [(start - slot.offset, stop - slot.offset, slot.bucket, start - lo)]
 
     # ------------------------------------------------------------------ gradients
-    def attach_grad_views(self) -> None:
-        """Point ``param.grad`` at the flat gradient buffer (no-op unless views are used)."""
-        if not self.grads_are_views:
+    def fold_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Put parameter ``index``'s new gradient into the full gradient buffer: copied if
+        it is the window's first for this parameter, added otherwise. With views, the
+        parameter's ``.grad`` then points at its slot (autograd adds there from now on)."""
+        assert self.grad_buffer is not None, "fold_grad needs the full gradient buffer (stages 0-1)"
+        lo, hi = self.param_view(index)
+        slot = self.grad_buffer[lo:hi]
+        if self._written[index]:
+            slot.add_(grad.reshape(-1))
+        else:
+            slot.copy_(grad.reshape(-1))
+            self._written[index] = True
+        param = self.params[index]
+        param.grad = slot.view_as(param) if self.grads_are_views else None
+
+    def settle(self, bucket: int | None = None) -> None:
+        """Zero the slots (of one bucket, or all) of the full gradient buffer that no
+        gradient reached in this window, before the buffer is reduced or read."""
+        if self.grad_buffer is None:
             return
-        assert self.grad_buffer is not None
-        for index, p in enumerate(self.params):
-            lo, hi = self.param_view(index)
-            p.grad = self.grad_buffer[lo:hi].view_as(p)
+        indices = range(len(self.params)) if bucket is None else self.layout.buckets[bucket].param_indices
+        for index in indices:
+            if not self._written[index]:
+                lo, hi = self.param_view(index)
+                self.grad_buffer[lo:hi].zero_()
+                self._written[index] = True
 
     def zero_grads(self) -> None:
-        """Clear accumulated gradients (buffers are zeroed in place, views stay attached)."""
-        if self.grad_buffer is not None:
-            self.grad_buffer.zero_()
-        else:
+        """Start a new accumulation window: every parameter's ``.grad`` is None until its
+        first gradient arrives (see ``fold_grad``); sharded accumulators are zeroed."""
+        if self.grad_buffer is None:
             for g in self.grad:
                 g.zero_()
-        if not self.grads_are_views:
-            for p in self.params:
-                p.grad = None
+        self._written = [False] * len(self.params)
+        for p in self.params:
+            p.grad = None
 
     def master_params(self) -> list[torch.Tensor]:
         """The tensors the optimizer updates, one per bucket."""

@@ -62,6 +62,7 @@ class GradientReducer:
         self._launched: list[list[bool]] = []
         self._fresh: list[list[bool]] = [[True] * len(g.layout.buckets) for g in groups]
         self._bucket_buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._bucket_written: dict[tuple[int, int], set[int]] = {}
         self._inflight: list[_Inflight] = []
         self._active = False
         self._expected_ptr: list[list[int]] = []
@@ -104,22 +105,23 @@ class GradientReducer:
         grad = param.grad
         if grad is None:
             return
-        lo, hi = group.param_view(pi)
-        if group.grads_are_views:
-            if grad.data_ptr() == self._expected_ptr[gi][pi]:
-                return  # accumulated in place by autograd
-            # someone replaced .grad (e.g. model.zero_grad(set_to_none=True)): fold it in
-            assert group.grad_buffer is not None
-            group.grad_buffer[lo:hi].add_(grad.reshape(-1))
-            param.grad = group.grad_buffer[lo:hi].view_as(param)
-            return
+        if group.grads_are_views and grad.data_ptr() == self._expected_ptr[gi][pi]:
+            return  # accumulated in place by autograd
         if group.grad_buffer is not None:
-            group.grad_buffer[lo:hi].add_(grad.reshape(-1))
-        else:
-            bucket = group.layout.slots[pi].bucket
-            buf = self._bucket_buffer(gi, bucket)
-            start = group.layout.buckets[bucket].start
+            # the window's first gradient (autograd handed over a fresh tensor), a 16-bit
+            # gradient for a wider buffer, or a .grad someone replaced: fold it in
+            group.fold_grad(pi, grad)
+            return
+        lo, hi = group.param_view(pi)
+        bucket = group.layout.slots[pi].bucket
+        buf = self._bucket_buffer(gi, bucket)
+        start = group.layout.buckets[bucket].start
+        written = self._bucket_written[(gi, bucket)]
+        if pi in written:
             buf[lo - start : hi - start].add_(grad.reshape(-1))
+        else:
+            buf[lo - start : hi - start].copy_(grad.reshape(-1))  # no zero-fill, no read
+            written.add(pi)
         param.grad = None
 
     def _on_grad(self, gi: int, pi: int, param: torch.Tensor) -> None:
@@ -134,13 +136,32 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ buckets
     def _bucket_buffer(self, gi: int, bucket: int) -> torch.Tensor:
+        """This micro step's gradient buffer of a bucket (stage 2): uninitialised; each
+        parameter's slot is written by its first gradient, the rest zeroed at launch."""
         key = (gi, bucket)
         buf = self._bucket_buffers.get(key)
         if buf is None:
             group = self.groups[gi]
-            buf = torch.zeros(group.layout.buckets[bucket].numel, dtype=group.grad_dtype, device=group.device)
+            buf = torch.empty(group.layout.buckets[bucket].numel, dtype=group.grad_dtype, device=group.device)
             self._bucket_buffers[key] = buf
+            self._bucket_written[key] = set()
         return buf
+
+    def _settle_bucket_buffer(self, gi: int, bucket: int, buf: torch.Tensor) -> None:
+        """Zero what no gradient wrote in a bucket buffer: slots and end padding."""
+        group = self.groups[gi]
+        plan = group.layout.buckets[bucket]
+        written = self._bucket_written.pop((gi, bucket), set())
+        position = plan.start
+        for pi in plan.param_indices:
+            lo, hi = group.param_view(pi)
+            if lo > position:
+                buf[position - plan.start : lo - plan.start].zero_()
+            if pi not in written:
+                buf[lo - plan.start : hi - plan.start].zero_()
+            position = hi
+        if position < plan.end:
+            buf[position - plan.start :].zero_()
 
     def _launch(self, gi: int, bucket: int) -> None:
         if self._launched[gi][bucket]:
@@ -149,9 +170,11 @@ class GradientReducer:
         group = self.groups[gi]
         plan = group.layout.buckets[bucket]
         if group.grad_buffer is not None:
+            group.settle(bucket)
             source = group.grad_buffer[plan.start : plan.end]
         else:
             source = self._bucket_buffer(gi, bucket)
+            self._settle_bucket_buffer(gi, bucket, source)
         policy = self.policy
         wire = source if policy.comm_dtype in (None, source.dtype) else source.to(policy.comm_dtype)
         if policy.pre_multiplier != 1.0:
@@ -216,3 +239,4 @@ class GradientReducer:
         """Called after the optimizer step: shard accumulators start fresh."""
         self._fresh = [[True] * len(g.layout.buckets) for g in self.groups]
         self._bucket_buffers.clear()
+        self._bucket_written.clear()

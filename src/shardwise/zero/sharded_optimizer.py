@@ -162,6 +162,8 @@ class ZeroOptimizer:
     def step(self, loss_scale: float = 1.0) -> StepResult:
         """One optimizer step at an accumulation boundary (every rank must call it)."""
         self.reducer.finish()
+        for flat in self.groups:
+            flat.settle()  # slots no gradient reached in this window (e.g. no_sync at the boundary)
         policy = self.policy
         divisor = policy.post_divisor * loss_scale
         norm = math.sqrt(float(self._squared_norm())) / divisor
