@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -124,7 +125,7 @@ def frozen_and_unused_parameters(rank: int, world: int, stage: int) -> dict[str,
         "frozen_grad_none": net.frozen.weight.grad is None,
         # SGD without momentum: only the step that used it moves it; no stale gradient of the
         # previous window may reach the steps that did not use it
-        "sometimes_moves": [not torch.equal(a, b) for a, b in zip(sometimes, sometimes[1:])],
+        "sometimes_moves": [not torch.equal(a, b) for a, b in itertools.pairwise(sometimes)],
         "steps": engine.global_steps,
     }
 
@@ -314,3 +315,37 @@ def mpu_clipping_norm(rank: int, world: int, stage: int) -> dict[str, Any]:
         "tp_sq": float(grads[0].pow(2).sum()),
         "rep_sq": float(grads[1].pow(2).sum()),
     }
+
+
+def stage0_overlaps_backward(rank: int, world: int, chunk: int) -> dict[str, Any]:
+    """Stage 0 all-reduces finished parts of a bucket while backward runs (chunks of ``chunk``
+    elements); the results must equal the one-bucket-at-the-end reduction bit for bit."""
+    import shardwise.zero.reducer as reducer
+    from shardwise.comm import collectives
+
+    torch.set_num_threads(1)
+    calls: list[bool] = []
+    original = collectives.all_reduce
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if tensor.numel() > 1:  # gradients, not a norm or a flag
+            calls.append(True)
+        return original(tensor, *args, **kwargs)
+
+    reducer.CHUNK_NUMEL = chunk
+    collectives.all_reduce = counting  # type: ignore[assignment]
+    try:
+        torch.manual_seed(0)
+        engine, _, _, _ = shardwise.initialize(
+            model=make_model(),
+            config=_cfg(
+                0,
+                gradient_accumulation_steps=2,
+                gradient_clipping=1.0,
+                zero_optimization={"stage": 0, "reduce_bucket_size": 10**6},  # one bucket
+            ),
+        )
+        losses = _train(engine, rank, 3)
+    finally:
+        collectives.all_reduce = original  # type: ignore[assignment]
+    return {"losses": losses, "params": _flat_params(engine), "gradient_all_reduces": len(calls)}

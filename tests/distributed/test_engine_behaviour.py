@@ -102,3 +102,16 @@ def test_model_parallel_norm_counts_replicated_parameters_once():
         expected = math.sqrt(ranks[0]["tp_sq"] + ranks[1]["tp_sq"] + ranks[0]["rep_sq"])
         for result in ranks:
             assert result["norm"] == pytest.approx(expected, rel=1e-5), stage
+
+
+def test_stage0_reduces_finished_chunks_during_backward_with_identical_results():
+    # the whole model in one bucket: reduced at the end of backward (chunk >= bucket), or in
+    # ~300-element pieces as backward finishes them
+    whole, chunked = run_distributed_cases(
+        cases.stage0_overlaps_backward, [1 << 30, 300], world_size=2, timeout=300
+    )
+    for a, b in zip(whole, chunked):
+        assert a["losses"] == b["losses"]
+        assert torch.equal(a["params"], b["params"])
+        assert a["gradient_all_reduces"] == 3  # one per optimizer step
+        assert b["gradient_all_reduces"] >= 3 * 5  # really split up

@@ -10,6 +10,14 @@ whose parameters got no gradient (their gradient is zero) and waits for everythi
 Stage 0 all-reduces each bucket; stages 1 and 2 reduce-scatter it, so each rank keeps
 the sum for its own shard only. Stages 0/1 reduce at the accumulation boundary only;
 stage 2 reduces every micro step into its shard accumulators.
+
+Stage 0 always overlaps, whatever ``overlap_comm`` says: its all-reduce works in place on
+the flat gradient buffer, so overlapping costs no memory (DeepSpeed's ``overlap_comm:
+false`` exists to save the extra buffers its overlap needs). Parameters sit in a bucket in
+reverse registration order, the order backward produces their gradients, so the finished
+part of a bucket grows from its start; whenever it has grown by ``CHUNK_NUMEL`` elements
+it is all-reduced while backward goes on (the way DDP's 25 MB buckets overlap), and the
+rest goes when backward ends. Each element is summed exactly as before, only sooner.
 """
 
 from __future__ import annotations
@@ -43,6 +51,11 @@ class ReducePolicy:
     pre_multiplier: float
 
 
+# Stage 0: all-reduce the finished part of a bucket once it holds this many elements
+# (DDP's default bucket: 25 MiB of fp32).
+CHUNK_NUMEL = 25 * 2**20 // 4
+
+
 @dataclass
 class _Inflight:
     work: Any
@@ -66,6 +79,16 @@ class GradientReducer:
         self._inflight: list[_Inflight] = []
         self._active = False
         self._expected_ptr: list[list[int]] = []
+        # stage 0, progressive all-reduce: each bucket's parameters by offset, which of them
+        # have their gradient in this backward, how far the ready prefix / the launches got
+        self._progressive = not policy.shard and all(g.grad_buffer is not None for g in groups)
+        self._order = [
+            [sorted(b.param_indices, key=lambda i: g.layout.slots[i].offset) for b in g.layout.buckets]
+            for g in groups
+        ]
+        self._ready: list[list[set[int]]] = []
+        self._frontier: list[list[int]] = []
+        self._sent_to: list[list[int]] = []
         self._reset_counts()
         self._handles = []
         for gi, group in enumerate(groups):
@@ -82,6 +105,9 @@ class GradientReducer:
     def _reset_counts(self) -> None:
         self._pending = [[len(b.param_indices) for b in g.layout.buckets] for g in self.groups]
         self._launched = [[False] * len(g.layout.buckets) for g in self.groups]
+        self._ready = [[set() for _ in g.layout.buckets] for g in self.groups]
+        self._frontier = [[0] * len(g.layout.buckets) for g in self.groups]
+        self._sent_to = [[b.start for b in g.layout.buckets] for g in self.groups]
 
     def _reducing(self) -> bool:
         return self.sync_enabled and (self.policy.every_micro_step or self.reduce_this_backward)
@@ -131,8 +157,27 @@ class GradientReducer:
             return
         bucket = self.groups[gi].layout.slots[pi].bucket
         self._pending[gi][bucket] -= 1
-        if self._pending[gi][bucket] == 0 and self.policy.overlap:
+        if self._progressive:
+            self._advance(gi, bucket, pi)
+        elif self._pending[gi][bucket] == 0 and self.policy.overlap:
             self._launch(gi, bucket)
+
+    def _advance(self, gi: int, bucket: int, pi: int) -> None:
+        """Stage 0: all-reduce the bucket's ready prefix once it is ``CHUNK_NUMEL`` long."""
+        ready, order = self._ready[gi][bucket], self._order[gi][bucket]
+        ready.add(pi)
+        frontier = self._frontier[gi][bucket]
+        while frontier < len(order) and order[frontier] in ready:
+            frontier += 1
+        self._frontier[gi][bucket] = frontier
+        group = self.groups[gi]
+        plan = group.layout.buckets[bucket]
+        end = plan.end if frontier == len(order) else group.param_view(order[frontier])[0]
+        if end - self._sent_to[gi][bucket] >= min(CHUNK_NUMEL, plan.numel) or end == plan.end:
+            self._launch_range(gi, bucket, self._sent_to[gi][bucket], end)
+            self._sent_to[gi][bucket] = end
+            if end == plan.end:
+                self._launched[gi][bucket] = True
 
     # ------------------------------------------------------------------ buckets
     def _bucket_buffer(self, gi: int, bucket: int) -> torch.Tensor:
@@ -163,12 +208,36 @@ class GradientReducer:
         if position < plan.end:
             buf[position - plan.start :].zero_()
 
+    def _launch_range(self, gi: int, bucket: int, start: int, end: int) -> None:
+        """Stage 0: all-reduce ``grad_buffer[start:end]`` (a finished part of a bucket) in place."""
+        if end <= start:
+            return
+        group = self.groups[gi]
+        assert group.grad_buffer is not None
+        source = group.grad_buffer[start:end]
+        policy = self.policy
+        wire = source if policy.comm_dtype in (None, source.dtype) else source.to(policy.comm_dtype)
+        if policy.pre_multiplier != 1.0:
+            wire.mul_(policy.pre_multiplier)
+        work = collectives.all_reduce(wire, op="sum", group=self.process_group, async_op=True)
+
+        def after() -> None:
+            if wire is not source:
+                source.copy_(wire)
+
+        self._inflight.append(_Inflight(work, after))
+
     def _launch(self, gi: int, bucket: int) -> None:
         if self._launched[gi][bucket]:
             return
         self._launched[gi][bucket] = True
         group = self.groups[gi]
         plan = group.layout.buckets[bucket]
+        if self._progressive:
+            group.settle(bucket)  # slots no gradient reached (all beyond the ready prefix)
+            self._launch_range(gi, bucket, self._sent_to[gi][bucket], plan.end)
+            self._sent_to[gi][bucket] = plan.end
+            return
         if group.grad_buffer is not None:
             group.settle(bucket)
             source = group.grad_buffer[plan.start : plan.end]
