@@ -312,10 +312,19 @@ class ShardwiseEngine(nn.Module):
         self._set_batch(micro_batch_size * gas * self.dp_world_size, micro_batch_size, gas)
 
     def _set_batch(self, tbs: int, mbs: int, gas: int) -> None:
+        """The new batch triple everywhere it is read: the engine's getters, ``engine.config``
+        and the config a checkpoint records."""
         from dataclasses import replace
 
         self._config.batch = replace(
             self._config.batch, train_batch_size=tbs, micro_batch_per_gpu=mbs, gradient_accumulation_steps=gas
+        )
+        self._config.config = self._config.config.model_copy(
+            update={
+                "train_batch_size": tbs,
+                "train_micro_batch_size_per_gpu": mbs,
+                "gradient_accumulation_steps": gas,
+            }
         )
 
     # ------------------------------------------------------------------ data

@@ -317,9 +317,9 @@ def mpu_clipping_norm(rank: int, world: int, stage: int) -> dict[str, Any]:
     }
 
 
-def stage0_overlaps_backward(rank: int, world: int, chunk: int) -> dict[str, Any]:
-    """Stage 0 all-reduces finished parts of a bucket while backward runs (chunks of ``chunk``
-    elements); the results must equal the one-bucket-at-the-end reduction bit for bit."""
+def reduction_overlaps_backward(rank: int, world: int, case: dict[str, int]) -> dict[str, Any]:
+    """Stages 0-1 (gloo) all-reduce finished parts of a bucket while backward runs (pieces of
+    ``case['chunk']`` elements); the results must equal the one-bucket-at-the-end reduction."""
     import shardwise.zero.reducer as reducer
     from shardwise.comm import collectives
 
@@ -332,17 +332,17 @@ def stage0_overlaps_backward(rank: int, world: int, chunk: int) -> dict[str, Any
             calls.append(True)
         return original(tensor, *args, **kwargs)
 
-    reducer.CHUNK_NUMEL = chunk
+    reducer.CHUNK_NUMEL = case["chunk"]
     collectives.all_reduce = counting  # type: ignore[assignment]
     try:
         torch.manual_seed(0)
         engine, _, _, _ = shardwise.initialize(
             model=make_model(),
             config=_cfg(
-                0,
+                case["stage"],
                 gradient_accumulation_steps=2,
                 gradient_clipping=1.0,
-                zero_optimization={"stage": 0, "reduce_bucket_size": 10**6},  # one bucket
+                zero_optimization={"stage": case["stage"], "reduce_bucket_size": 10**6},  # one bucket
             ),
         )
         losses = _train(engine, rank, 3)

@@ -104,14 +104,14 @@ def test_model_parallel_norm_counts_replicated_parameters_once():
             assert result["norm"] == pytest.approx(expected, rel=1e-5), stage
 
 
-def test_stage0_reduces_finished_chunks_during_backward_with_identical_results():
+def test_stages_0_and_1_reduce_finished_chunks_during_backward_with_identical_results():
     # the whole model in one bucket: reduced at the end of backward (chunk >= bucket), or in
     # ~300-element pieces as backward finishes them
-    whole, chunked = run_distributed_cases(
-        cases.stage0_overlaps_backward, [1 << 30, 300], world_size=2, timeout=300
-    )
-    for a, b in zip(whole, chunked):
-        assert a["losses"] == b["losses"]
-        assert torch.equal(a["params"], b["params"])
-        assert a["gradient_all_reduces"] == 3  # one per optimizer step
-        assert b["gradient_all_reduces"] >= 3 * 5  # really split up
+    cases_ = [{"stage": stage, "chunk": chunk} for stage in (0, 1) for chunk in (1 << 30, 300)]
+    results = run_distributed_cases(cases.reduction_overlaps_backward, cases_, world_size=2, timeout=300)
+    for stage, (whole, chunked) in zip((0, 1), (results[0:2], results[2:4])):
+        for a, b in zip(whole, chunked):
+            assert a["losses"] == b["losses"], stage
+            assert torch.equal(a["params"], b["params"]), stage
+            assert a["gradient_all_reduces"] == 3, stage  # one per optimizer step
+            assert b["gradient_all_reduces"] >= 3 * 5, stage  # really split up

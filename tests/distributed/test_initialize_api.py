@@ -23,6 +23,7 @@ def test_initialize_api(tmp_path):
     assert "zero_allow_untested_optimizer" in out["lamb_stage1"] and "Lamb" in out["lamb_stage1"]
     assert out["lamb_stage0_steps"] == 1
     assert tuple(out["set_tbs"]) == (8, 2, 4)
+    assert tuple(out["set_tbs_config"]) == (8, 2, 4)  # engine.config and checkpoints see it too
     assert tuple(out["set_mbs"]) == (4, 1, 4)
     assert "multiple of micro batch" in out["bad_tbs"]
     assert out["getattr"] == (0, True)

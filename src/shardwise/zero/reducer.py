@@ -13,7 +13,9 @@ stage 2 reduces every micro step into its shard accumulators.
 
 Stage 0 always overlaps, whatever ``overlap_comm`` says: its all-reduce works in place on
 the flat gradient buffer, so overlapping costs no memory (DeepSpeed's ``overlap_comm:
-false`` exists to save the extra buffers its overlap needs). Parameters sit in a bucket in
+false`` exists to save the extra buffers its overlap needs). So does stage 1 where its
+reduce-scatter is an in-place all-reduce anyway (gloo on CPU, see
+:func:`shardwise.comm.collectives.choose_algorithm`). Parameters sit in a bucket in
 reverse registration order, the order backward produces their gradients, so the finished
 part of a bucket grows from its start; whenever it has grown by ``CHUNK_NUMEL`` elements
 it is all-reduced while backward goes on (the way DDP's 25 MB buckets overlap), and the
@@ -51,7 +53,7 @@ class ReducePolicy:
     pre_multiplier: float
 
 
-# Stage 0: all-reduce the finished part of a bucket once it holds this many elements
+# Stages 0-1: all-reduce the finished part of a bucket once it holds this many elements
 # (DDP's default bucket: 25 MiB of fp32).
 CHUNK_NUMEL = 25 * 2**20 // 4
 
@@ -60,6 +62,19 @@ CHUNK_NUMEL = 25 * 2**20 // 4
 class _Inflight:
     work: Any
     after: Callable[[], None]
+
+
+def _reduce_scatter_is_all_reduce(groups: list[FlatGroup], process_group: Any) -> bool:
+    """Whether this group's in-place reduce-scatter is an all-reduce of the whole buffer."""
+    import torch.distributed as dist
+
+    if not groups or not dist.is_initialized():
+        return False
+    backend = str(dist.get_backend(process_group))
+    choice = collectives.choose_algorithm(
+        "reduce_scatter", backend, groups[0].device.type, 0, input_is_scratch=True
+    )
+    return choice == "all_reduce"
 
 
 class GradientReducer:
@@ -81,7 +96,9 @@ class GradientReducer:
         self._expected_ptr: list[list[int]] = []
         # stage 0, progressive all-reduce: each bucket's parameters by offset, which of them
         # have their gradient in this backward, how far the ready prefix / the launches got
-        self._progressive = not policy.shard and all(g.grad_buffer is not None for g in groups)
+        self._progressive = all(g.grad_buffer is not None for g in groups) and (
+            not policy.shard or _reduce_scatter_is_all_reduce(groups, process_group)
+        )
         self._order = [
             [sorted(b.param_indices, key=lambda i: g.layout.slots[i].offset) for b in g.layout.buckets]
             for g in groups
@@ -163,7 +180,7 @@ class GradientReducer:
             self._launch(gi, bucket)
 
     def _advance(self, gi: int, bucket: int, pi: int) -> None:
-        """Stage 0: all-reduce the bucket's ready prefix once it is ``CHUNK_NUMEL`` long."""
+        """All-reduce the bucket's ready prefix once it is ``CHUNK_NUMEL`` long (stages 0-1)."""
         ready, order = self._ready[gi][bucket], self._order[gi][bucket]
         ready.add(pi)
         frontier = self._frontier[gi][bucket]
@@ -209,7 +226,8 @@ class GradientReducer:
             buf[position - plan.start :].zero_()
 
     def _launch_range(self, gi: int, bucket: int, start: int, end: int) -> None:
-        """Stage 0: all-reduce ``grad_buffer[start:end]`` (a finished part of a bucket) in place."""
+        """All-reduce ``grad_buffer[start:end]`` (a finished part of a bucket) in place; at
+        stage 1 this rank then reads its shard of the sums from the same buffer."""
         if end <= start:
             return
         group = self.groups[gi]
