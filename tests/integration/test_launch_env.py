@@ -49,13 +49,19 @@ def test_elastic_two_local_nodes_get_the_contract_env_files_and_elastic_batch(tm
         assert info["batch"] == expected_batch
 
 
-def test_the_same_script_runs_under_plain_torchrun(tmp_path) -> None:
+def _plain_torchrun(tmp_path, mode: str):
+    """``torchrun --nproc-per-node 2 dist_modes.py MODE``; it must succeed."""
     result = run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(DIST_MODES), "env"],
+         str(DIST_MODES), mode],
         tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def test_the_same_script_runs_under_plain_torchrun(tmp_path) -> None:
+    result = _plain_torchrun(tmp_path, "env")
     ranks = env_lines(result.stdout)
     assert [(r["RANK"], r["LOCAL_RANK"], r["local_rank_arg"], r["allreduce"]) for r in ranks] == [
         ("0", "0", None, 3.0),
@@ -67,12 +73,7 @@ def test_no_shardwise_thread_outlives_the_exit_handlers(tmp_path) -> None:
     """A daemon thread blocked in a store call while Python finalizes can abort the process
     (exit -6 after a clean run) when the store's host rank exits first: shardwise's exit
     handler stops its diagnostics thread, even when the script destroyed the group itself."""
-    result = run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(DIST_MODES), "exit"],
-        tmp_path,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = _plain_torchrun(tmp_path, "exit")
     reports = sorted(
         (json.loads(line[len("EXIT ") :]) for line in result.stdout.splitlines() if line.startswith("EXIT ")),
         key=lambda r: r["rank"],
