@@ -349,3 +349,56 @@ def reduction_overlaps_backward(rank: int, world: int, case: dict[str, int]) -> 
     finally:
         collectives.all_reduce = original  # type: ignore[assignment]
     return {"losses": losses, "params": _flat_params(engine), "gradient_all_reduces": len(calls)}
+
+
+class _SharedBlocks(nn.Module):
+    """One weight applied in several segments (ALBERT-style), optionally checkpointed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.shared = nn.Linear(16, 16)
+        self.side = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, *, reentrant: bool | None, use_side: bool) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        for _ in range(3):
+            if reentrant is None:
+                h = torch.tanh(self.shared(h))
+            else:
+                h = checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=reentrant)
+        if use_side:
+            h = h + self.side(h)
+        return self.out(h).pow(2).mean()
+
+
+def divergent_gradient_patterns(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Stages 0-1 with small reduction pieces: ranks whose hooks fire differently (rank 1 skips
+    a parameter rank 0 uses) or twice per backward (reentrant checkpointing of a shared weight)
+    still issue matching collectives and get the same result as plain backward."""
+    import shardwise.zero.reducer as reducer
+
+    torch.set_num_threads(1)
+    reducer.CHUNK_NUMEL = 64
+    torch.manual_seed(0)
+    net = _SharedBlocks()
+    engine, _, _, _ = shardwise.initialize(
+        model=net,
+        config=_cfg(
+            case["stage"],
+            optimizer={"type": "SGD", "params": {"lr": 0.05}},
+            zero_allow_untested_optimizer=True,
+            zero_optimization={"stage": case["stage"], "reduce_bucket_size": 10**6},
+        ),
+    )
+    losses = []
+    for step in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
+        loss = engine(x, reentrant=case["reentrant"], use_side=rank == 0 or step % 2 == 0)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": _flat_params(engine)}

@@ -115,3 +115,17 @@ def test_stages_0_and_1_reduce_finished_chunks_during_backward_with_identical_re
             assert torch.equal(a["params"], b["params"]), stage
             assert a["gradient_all_reduces"] == 3, stage  # one per optimizer step
             assert b["gradient_all_reduces"] >= 3 * 5, stage  # really split up
+
+
+def test_ranks_with_different_or_repeated_gradients_reduce_the_same_pieces():
+    grid = [{"stage": s, "reentrant": r} for s in (0, 1) for r in (None, False, True)]
+    results = run_distributed_cases(cases.divergent_gradient_patterns, grid, world_size=2, timeout=300)
+    by_case = {(c["stage"], c["reentrant"]): r for c, r in zip(grid, results)}
+    for stage in (0, 1):
+        plain = by_case[(stage, None)]
+        for reentrant in (False, True):
+            checkpointed = by_case[(stage, reentrant)]
+            for a, b in zip(plain, checkpointed):
+                assert a["losses"] == b["losses"], (stage, reentrant)
+                assert torch.equal(a["params"], b["params"]), (stage, reentrant)
+        assert torch.equal(plain[0]["params"], plain[1]["params"])  # the ranks agree

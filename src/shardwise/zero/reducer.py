@@ -16,10 +16,18 @@ the flat gradient buffer, so overlapping costs no memory (DeepSpeed's ``overlap_
 false`` exists to save the extra buffers its overlap needs). So does stage 1 where its
 reduce-scatter is an in-place all-reduce anyway (gloo on CPU, see
 :func:`shardwise.comm.collectives.choose_algorithm`). Parameters sit in a bucket in
-reverse registration order, the order backward produces their gradients, so the finished
-part of a bucket grows from its start; whenever it has grown by ``CHUNK_NUMEL`` elements
-it is all-reduced while backward goes on (the way DDP's 25 MB buckets overlap), and the
-rest goes when backward ends. Each element is summed exactly as before, only sooner.
+reverse registration order, the order backward produces their gradients, and a bucket is
+cut into pieces of about ``CHUNK_NUMEL`` elements at parameter boundaries (the way DDP's
+25 MB buckets overlap); each piece is all-reduced as soon as its gradients are in.
+
+Every rank issues the same collectives in the same order, whatever order its hooks fire
+in (a rank may skip a parameter another rank uses): the pieces (or whole buckets) form
+one fixed sequence, and a piece is launched only after every piece before it, as DDP
+does. Pieces still incomplete when backward ends go then, in sequence. Launching early
+is learned: the first backward only observes, and a model in which a parameter receives
+two gradients in one backward (reentrant activation checkpointing of a shared weight)
+keeps reducing after backward, because the second gradient would land in a piece
+already on the wire.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from typing import Any
 import torch
 
 from shardwise.comm import collectives
+from shardwise.utils.logging import logger
 from shardwise.zero.flat_group import FlatGroup
 
 
@@ -56,6 +65,18 @@ class ReducePolicy:
 # Stages 0-1: all-reduce the finished part of a bucket once it holds this many elements
 # (DDP's default bucket: 25 MiB of fp32).
 CHUNK_NUMEL = 25 * 2**20 // 4
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One reduction of the fixed launch sequence: ``[start, end)`` of a bucket's buffer,
+    complete when every parameter in ``params`` has its gradient."""
+
+    group: int
+    bucket: int
+    start: int
+    end: int
+    params: tuple[int, ...]
 
 
 @dataclass
@@ -86,26 +107,24 @@ class GradientReducer:
         self.process_group = process_group
         self.reduce_this_backward = True  # set by the engine before each backward
         self.sync_enabled = True  # False inside no_sync()
-        self._pending: list[list[int]] = []
-        self._launched: list[list[bool]] = []
         self._fresh: list[list[bool]] = [[True] * len(g.layout.buckets) for g in groups]
         self._bucket_buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._bucket_written: dict[tuple[int, int], set[int]] = {}
         self._inflight: list[_Inflight] = []
         self._active = False
         self._expected_ptr: list[list[int]] = []
-        # stage 0, progressive all-reduce: each bucket's parameters by offset, which of them
-        # have their gradient in this backward, how far the ready prefix / the launches got
+        # Progressive in-place all-reduce (stages 0-1 where possible), else whole buckets.
         self._progressive = all(g.grad_buffer is not None for g in groups) and (
             not policy.shard or _reduce_scatter_is_all_reduce(groups, process_group)
         )
-        self._order = [
-            [sorted(b.param_indices, key=lambda i: g.layout.slots[i].offset) for b in g.layout.buckets]
-            for g in groups
-        ]
-        self._ready: list[list[set[int]]] = []
-        self._frontier: list[list[int]] = []
-        self._sent_to: list[list[int]] = []
+        self._units = self._plan_units()
+        self._unit_of = {(u.group, pi): k for k, u in enumerate(self._units) for pi in u.params}
+        self._early = False  # may reductions start before backward ends? (learned, see _on_grad)
+        self._learned = False
+        self._repeats_seen = False
+        self._arrived: set[tuple[int, int]] = set()  # this backward's (group, param) gradients
+        self._missing: list[int] = []
+        self._next_unit = 0
         self._reset_counts()
         self._handles = []
         for gi, group in enumerate(groups):
@@ -119,12 +138,29 @@ class GradientReducer:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._make_hook(gi, pi)))
 
     # ------------------------------------------------------------------ state per backward
+    def _plan_units(self) -> list[_Unit]:
+        """The fixed launch sequence: every bucket of every group in order, cut into pieces
+        of about ``CHUNK_NUMEL`` elements at parameter boundaries when progressive."""
+        units: list[_Unit] = []
+        for gi, group in enumerate(self.groups):
+            for b, plan in enumerate(group.layout.buckets):
+                order = sorted(plan.param_indices, key=lambda i: group.layout.slots[i].offset)
+                if not self._progressive:
+                    units.append(_Unit(gi, b, plan.start, plan.end, tuple(order)))
+                    continue
+                start, members = plan.start, []
+                for pi in order:
+                    members.append(pi)
+                    end = group.param_view(pi)[1]
+                    if end - start >= CHUNK_NUMEL and pi != order[-1]:
+                        units.append(_Unit(gi, b, start, end, tuple(members)))
+                        start, members = end, []
+                units.append(_Unit(gi, b, start, plan.end, tuple(members)))
+        return units
+
     def _reset_counts(self) -> None:
-        self._pending = [[len(b.param_indices) for b in g.layout.buckets] for g in self.groups]
-        self._launched = [[False] * len(g.layout.buckets) for g in self.groups]
-        self._ready = [[set() for _ in g.layout.buckets] for g in self.groups]
-        self._frontier = [[0] * len(g.layout.buckets) for g in self.groups]
-        self._sent_to = [[b.start for b in g.layout.buckets] for g in self.groups]
+        self._missing = [len(u.params) for u in self._units]
+        self._next_unit = 0
 
     def _reducing(self) -> bool:
         return self.sync_enabled and (self.policy.every_micro_step or self.reduce_this_backward)
@@ -169,32 +205,51 @@ class GradientReducer:
 
     def _on_grad(self, gi: int, pi: int, param: torch.Tensor) -> None:
         self._active = True
+        repeat = (gi, pi) in self._arrived
+        self._arrived.add((gi, pi))
         self._accumulate(gi, pi, param)
-        if not self._reducing():
+        if repeat:
+            self._on_repeat(gi, pi)
+        if not self._reducing() or repeat:
             return
-        bucket = self.groups[gi].layout.slots[pi].bucket
-        self._pending[gi][bucket] -= 1
-        if self._progressive:
-            self._advance(gi, bucket, pi)
-        elif self._pending[gi][bucket] == 0 and self.policy.overlap:
-            self._launch(gi, bucket)
+        unit = self._unit_of[(gi, pi)]
+        self._missing[unit] -= 1
+        if self._early and (self._progressive or self.policy.overlap):
+            self._launch_ready_units()
 
-    def _advance(self, gi: int, bucket: int, pi: int) -> None:
-        """All-reduce the bucket's ready prefix once it is ``CHUNK_NUMEL`` long (stages 0-1)."""
-        ready, order = self._ready[gi][bucket], self._order[gi][bucket]
-        ready.add(pi)
-        frontier = self._frontier[gi][bucket]
-        while frontier < len(order) and order[frontier] in ready:
-            frontier += 1
-        self._frontier[gi][bucket] = frontier
-        group = self.groups[gi]
-        plan = group.layout.buckets[bucket]
-        end = plan.end if frontier == len(order) else group.param_view(order[frontier])[0]
-        if end - self._sent_to[gi][bucket] >= min(CHUNK_NUMEL, plan.numel) or end == plan.end:
-            self._launch_range(gi, bucket, self._sent_to[gi][bucket], end)
-            self._sent_to[gi][bucket] = end
-            if end == plan.end:
-                self._launched[gi][bucket] = True
+    def _on_repeat(self, gi: int, pi: int) -> None:
+        """A parameter got a second gradient in this backward (autograd just added it)."""
+        if self._reducing() and self._unit_of[(gi, pi)] < self._next_unit:
+            raise RuntimeError(
+                f"parameter {pi} of group {gi} (shape {tuple(self.groups[gi].params[pi].shape)}) received a second "
+                "gradient in one backward after its gradients were already being reduced. This happens with "
+                "reentrant activation checkpointing (torch.utils.checkpoint(use_reentrant=True)) of a weight "
+                "used in several checkpointed segments, when that only happens in some steps. Use "
+                "use_reentrant=False, or call backward once per micro step."
+            )
+        if self._early:
+            logger.warning(
+                "a parameter receives more than one gradient per backward (reentrant activation checkpointing "
+                "of a shared weight?): gradients are now reduced after backward instead of during it"
+            )
+        self._repeats_seen = True
+        self._early = False
+
+    def _launch_ready_units(self) -> None:
+        """Launch complete units in sequence order (never one before an earlier one)."""
+        while self._next_unit < len(self._units) and self._missing[self._next_unit] == 0:
+            self._launch_unit(self._next_unit)
+            self._next_unit += 1
+
+    def _launch_unit(self, k: int) -> None:
+        unit = self._units[k]
+        if not self._progressive:
+            self._launch(unit.group, unit.bucket)
+            return
+        group = self.groups[unit.group]
+        if self._missing[k]:
+            group.settle(unit.bucket)  # slots no gradient reached in this window
+        self._launch_range(unit.group, unit.bucket, unit.start, unit.end)
 
     # ------------------------------------------------------------------ buckets
     def _bucket_buffer(self, gi: int, bucket: int) -> torch.Tensor:
@@ -246,16 +301,9 @@ class GradientReducer:
         self._inflight.append(_Inflight(work, after))
 
     def _launch(self, gi: int, bucket: int) -> None:
-        if self._launched[gi][bucket]:
-            return
-        self._launched[gi][bucket] = True
+        """Reduce one whole bucket (all-reduce, or reduce-scatter into this rank's shard)."""
         group = self.groups[gi]
         plan = group.layout.buckets[bucket]
-        if self._progressive:
-            group.settle(bucket)  # slots no gradient reached (all beyond the ready prefix)
-            self._launch_range(gi, bucket, self._sent_to[gi][bucket], plan.end)
-            self._sent_to[gi][bucket] = plan.end
-            return
         if group.grad_buffer is not None:
             group.settle(bucket)
             source = group.grad_buffer[plan.start : plan.end]
@@ -302,9 +350,9 @@ class GradientReducer:
     def finish(self) -> None:
         """Launch every remaining bucket of this backward and wait for all reductions."""
         if self._active and self._reducing():
-            for gi, group in enumerate(self.groups):
-                for bucket in range(len(group.layout.buckets)):
-                    self._launch(gi, bucket)
+            while self._next_unit < len(self._units):
+                self._launch_unit(self._next_unit)
+                self._next_unit += 1
         for item in self._inflight:
             if item.work is not None:
                 item.work.wait()
@@ -312,6 +360,11 @@ class GradientReducer:
         self._inflight = []
         if self._active and self._reducing():
             self._reset_counts()
+        if self._arrived:
+            if not self._learned:  # the first backward only observed the gradient pattern
+                self._learned = True
+                self._early = not self._repeats_seen
+            self._arrived = set()
         self._active = False
 
     def reduce_all_now(self) -> None:
