@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from shardwise.optim.group_state import collect_group, run_closure
+
 __all__ = ["AdamNoBiasCorrection"]
 
 
@@ -82,46 +84,23 @@ class AdamNoBiasCorrection(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
-            params: list[Tensor] = []
-            grads: list[Tensor] = []
-            exp_avgs: list[Tensor] = []
-            exp_avg_sqs: list[Tensor] = []
-            steps: list[Tensor] = []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("Adam does not support sparse gradients.")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                steps.append(state["step"])
-            if not params:
-                continue
             lr = group["lr"]
             beta1, beta2 = group["betas"]
             weight_decay = group["weight_decay"]
-
-            if weight_decay != 0.0 and not group["adam_w_mode"]:
-                grads = list(torch._foreach_add(grads, params, alpha=weight_decay))
-            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-            denom = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_add_(denom, group["eps"])
-            if weight_decay != 0.0 and group["adam_w_mode"]:
-                torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-            torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr)
-            torch._foreach_add_(steps, 1.0)
+            for tensors in collect_group(self.state, group, ("exp_avg", "exp_avg_sq"), "Adam").values():
+                params, grads, steps = tensors.params, tensors.grads, tensors.steps
+                exp_avgs, exp_avg_sqs = tensors.moments["exp_avg"], tensors.moments["exp_avg_sq"]
+                if weight_decay != 0.0 and not group["adam_w_mode"]:
+                    grads = list(torch._foreach_add(grads, params, alpha=weight_decay))
+                torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+                torch._foreach_mul_(exp_avg_sqs, beta2)
+                torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+                denom = torch._foreach_sqrt(exp_avg_sqs)
+                torch._foreach_add_(denom, group["eps"])
+                if weight_decay != 0.0 and group["adam_w_mode"]:
+                    torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+                torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr)
+                torch._foreach_add_(steps, 1.0)
         return loss

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from shardwise.optim.group_state import GroupTensors, collect_group, run_closure
+
 __all__ = ["Lamb"]
 
 
@@ -102,32 +104,6 @@ class Lamb(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
 
-    def _gather(self, group: dict[str, Any]) -> dict[int, tuple[list[Tensor], ...]]:
-        """Collect tensors of params that have gradients, bucketed by their step count.
-
-        Params normally share one step count; they differ only when some received no gradient
-        on an earlier step, and each bucket then gets its own bias correction.
-        """
-        buckets: dict[int, tuple[list[Tensor], ...]] = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise ValueError("Lamb does not support sparse gradients.")
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            step = int(state["step"].item())  # a CPU scalar: no device sync
-            bucket = buckets.setdefault(step, ([], [], [], [], []))
-            bucket[0].append(p)
-            bucket[1].append(p.grad)
-            bucket[2].append(state["exp_avg"])
-            bucket[3].append(state["exp_avg_sq"])
-            bucket[4].append(state["step"])
-        return buckets
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Perform one optimisation step.
@@ -138,27 +114,26 @@ class Lamb(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
-            buckets = self._gather(group)
+            # parameters that missed an earlier step have their own count: own bias correction
+            buckets = collect_group(self.state, group, ("exp_avg", "exp_avg_sq"), "Lamb")
             if not buckets:
                 continue
             grad_factor = self._clip_factor(group, buckets)
-            for step, (params, grads, exp_avgs, exp_avg_sqs, steps) in buckets.items():
-                self._update(group, step + 1, params, grads, exp_avgs, exp_avg_sqs, grad_factor)
-                torch._foreach_add_(steps, 1.0)
+            for step, t in buckets.items():
+                exp_avgs, exp_avg_sqs = t.moments["exp_avg"], t.moments["exp_avg_sq"]
+                self._update(group, step + 1, t.params, t.grads, exp_avgs, exp_avg_sqs, grad_factor)
+                torch._foreach_add_(t.steps, 1.0)
         return loss
 
     @staticmethod
-    def _clip_factor(group: dict[str, Any], buckets: dict[int, tuple[list[Tensor], ...]]) -> Tensor | None:
+    def _clip_factor(group: dict[str, Any], buckets: dict[int, GroupTensors]) -> Tensor | None:
         """The gradient multiplier for ``max_grad_norm`` over the whole group, or None when off."""
         max_norm = group["max_grad_norm"]
         if max_norm <= 0.0:
             return None
-        grads = [g for bucket in buckets.values() for g in bucket[1]]
+        grads = [g for bucket in buckets.values() for g in bucket.grads]
         norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
         total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
         clip = (total + 1e-6) / max_norm

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from shardwise.optim.group_state import collect_group, run_closure
+
 __all__ = ["Lion"]
 
 
@@ -66,42 +68,20 @@ class Lion(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
-            params: list[Tensor] = []
-            grads: list[Tensor] = []
-            exp_avgs: list[Tensor] = []
-            steps: list[Tensor] = []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("Lion does not support sparse gradients.")
-                state = self.state[p]
-                if not state:
-                    # The step count is bookkeeping only (Lion has no bias correction); it keeps
-                    # checkpoints shaped like torch's own optimizers.
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                steps.append(state["step"])
-            if not params:
-                continue
             lr = group["lr"]
             beta1, beta2 = group["betas"]
             weight_decay = group["weight_decay"]
-
-            direction = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
-            torch._foreach_sign_(direction)
-            if weight_decay != 0.0:
-                torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-            torch._foreach_add_(params, direction, alpha=-lr)
-            del direction
-            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)
-            torch._foreach_add_(steps, 1.0)
+            # (Lion has no bias correction: the step count is bookkeeping only)
+            for tensors in collect_group(self.state, group, ("exp_avg",), "Lion").values():
+                params, grads, exp_avgs = tensors.params, tensors.grads, tensors.moments["exp_avg"]
+                direction = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
+                torch._foreach_sign_(direction)
+                if weight_decay != 0.0:
+                    torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+                torch._foreach_add_(params, direction, alpha=-lr)
+                del direction
+                torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)
+                torch._foreach_add_(tensors.steps, 1.0)
         return loss
