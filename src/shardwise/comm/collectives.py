@@ -79,9 +79,9 @@ Example:
     >>> import torch
     >>> from shardwise.comm.collectives import all_gather_flat, reduce_scatter_flat
     >>> grads = torch.ones(8); shard = torch.empty(4)  # on each of 2 ranks
-    >>> reduce_scatter_flat(shard, grads, op="avg", input_is_scratch=True)  # doctest: +SKIP
+    >>> # reduce_scatter_flat(shard, grads, op="avg", input_is_scratch=True)
     >>> full = torch.empty(8)
-    >>> all_gather_flat(full, shard)  # doctest: +SKIP
+    >>> # all_gather_flat(full, shard)
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ def all_reduce(
 
     Example:
         >>> t = torch.tensor([1.0, 3.0])
-        >>> all_reduce(t, op="avg")  # doctest: +SKIP
+        >>> # all_reduce(t, op="avg")
     """
     name = _op_name(op)
     if name == "avg" and not tensor.is_floating_point():
@@ -440,8 +440,8 @@ def all_reduce_max_flag(flag: bool, group: dist.ProcessGroup | None = None) -> b
     """True on every rank if ``flag`` is True on any rank (e.g. "some gradient overflowed").
 
     Example:
-        >>> all_reduce_max_flag(rank == 1)  # doctest: +SKIP
-        True
+        >>> # all_reduce_max_flag(rank == 1)
+        >>> # -> True
     """
     world, _ = _group_size_and_rank(group)
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_flag_device(group))

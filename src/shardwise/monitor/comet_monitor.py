@@ -30,8 +30,8 @@ class CometMonitor(Monitor):
         ConfigError: the ``comet_ml`` package is not installed.
 
     Example:
-        >>> mon = CometMonitor(samples_log_interval=100, online=False)  # doctest: +SKIP
-        >>> mon.write_events([("Train/Samples/train_loss", 2.3, 800)])  # doctest: +SKIP
+        >>> # mon = CometMonitor(samples_log_interval=100, online=False)
+        >>> # mon.write_events([("Train/Samples/train_loss", 2.3, 800)])
     """
 
     name = "comet"

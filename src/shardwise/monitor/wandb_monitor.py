@@ -32,8 +32,8 @@ class WandbMonitor(Monitor):
 
     Example:
         >>> # with WANDB_MODE=offline in the environment:
-        >>> mon = WandbMonitor(project="demo", group=None, team=None)  # doctest: +SKIP
-        >>> mon.write_events([("Train/Samples/lr", 0.01, 8)])  # doctest: +SKIP
+        >>> # mon = WandbMonitor(project="demo", group=None, team=None)
+        >>> # mon.write_events([("Train/Samples/lr", 0.01, 8)])
     """
 
     name = "wandb"

@@ -120,8 +120,8 @@ def see_memory_usage(message: str, force: bool = False, device: torch.device | N
     """Log one line of memory usage on rank 0, when ``force`` (DeepSpeed's signature).
 
     Example:
-        >>> see_memory_usage("after model init", force=True)  # doctest: +SKIP
-        [shardwise] [INFO] [rank0] after model init | host RSS 512.00 MiB (peak 530.00 MiB), ...
+        >>> # see_memory_usage("after model init", force=True)
+        >>> # -> [shardwise] [INFO] [rank0] after model init | host RSS 512.00 MiB (peak 530.00 MiB), ...
     """
     if not force or _rank() != 0:
         return
