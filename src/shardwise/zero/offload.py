@@ -572,19 +572,26 @@ class _DeviceKeyedOptimizer:
 
     def __init__(self, proxy: OffloadedOptimizer) -> None:
         store = proxy.store
-        device_of = {id(h): d for h, d in zip(store.host, store.device_tensors)}
+        self._device_of = {id(h): d for h, d in zip(store.host, store.device_tensors)}
         self._proxy = proxy
         self.param_groups = [
             {
                 **{k: v for k, v in group.items() if k != "params"},
-                "params": [device_of[id(h)] for h in group["params"]],
+                "params": [self._device_of[id(h)] for h in group["params"]],
             }
             for group in proxy.inner.param_groups
         ]
-        snapshot = store.state_snapshot(proxy.inner)
-        self.state: dict[torch.Tensor, dict[str, Any]] = {
-            device_of[id(h)]: snapshot[id(h)] for h in store.host if id(h) in snapshot
-        }
+        self._state: dict[torch.Tensor, dict[str, Any]] | None = None
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """Per device master, its state; read (from the swap file with nvme) on first use
+        only, so a load, which replaces the state, never reads the old one."""
+        if self._state is None:
+            store = self._proxy.store
+            snapshot = store.state_snapshot(self._proxy.inner)
+            self._state = {self._device_of[id(h)]: snapshot[id(h)] for h in store.host if id(h) in snapshot}
+        return self._state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load (parameters by index, in the order of ``param_groups``)."""
