@@ -25,6 +25,7 @@ from torch import nn
 
 from shardwise.checkpoint import keys
 from shardwise.comm import collectives
+from shardwise.optim.clipping import clip_coefficient
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.offload import checkpoint_view
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
@@ -166,15 +167,12 @@ class ZeroOptimizer:
             flat.settle()  # slots no gradient reached in this window (e.g. no_sync at the boundary)
         policy = self.policy
         divisor = policy.post_divisor * loss_scale
-        norm = math.sqrt(float(self._squared_norm())) / divisor
+        scaled_norm = math.sqrt(float(self._squared_norm()))
+        norm = scaled_norm / divisor
         if not math.isfinite(norm) and policy.check_overflow:
             self.zero_grad()
             return StepResult(applied=False, grad_norm=math.inf, overflow=True)
-        multiplier = 1.0 / divisor
-        if policy.gradient_clipping > 0:
-            clip = (norm + 1e-6) / policy.gradient_clipping
-            if clip > 1.0:
-                multiplier /= clip
+        multiplier = clip_coefficient(scaled_norm, policy.gradient_clipping, loss_scale=divisor)
         for flat in self.groups:
             if multiplier != 1.0:
                 torch._foreach_mul_(flat.grad, multiplier)

@@ -42,6 +42,7 @@ from torch import nn
 
 from shardwise.checkpoint.param_state import ParamOptimizerState
 from shardwise.comm import collectives
+from shardwise.optim.clipping import clip_coefficient
 from shardwise.zero.fsdp_wrap import ShardedModel
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
 from shardwise.zero.replicated import ReplicatedParams
@@ -337,15 +338,12 @@ class Stage3Optimizer:
         self._rebind_masters()
         sharded_grads = self._bind_grads()
         divisor = policy.post_divisor / policy.pre_multiplier * loss_scale
-        norm = math.sqrt(self._squared_norm(sharded_grads)) / divisor
+        scaled_norm = math.sqrt(self._squared_norm(sharded_grads))
+        norm = scaled_norm / divisor
         if not math.isfinite(norm) and policy.check_overflow:
             self.zero_grad()
             return StepResult(applied=False, grad_norm=math.inf, overflow=True)
-        multiplier = 1.0 / divisor
-        if policy.gradient_clipping > 0:
-            clip = (norm + 1e-6) / policy.gradient_clipping
-            if clip > 1.0:
-                multiplier /= clip
+        multiplier = clip_coefficient(scaled_norm, policy.gradient_clipping, loss_scale=divisor)
         if multiplier != 1.0:
             grads = sharded_grads + self.replicated.grads()
             if grads:
