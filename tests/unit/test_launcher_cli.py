@@ -19,6 +19,7 @@ from shardwise.cli import main as cli_main
 from shardwise.cli.report_cmd import collect_report, format_report
 from shardwise.comm.diagnostics import (
     Frame,
+    _last_words,
     _not_arrived_error,
     describe_status,
     enable_flight_recorder,
@@ -551,6 +552,11 @@ def test_flight_record_summary_and_status_lines() -> None:
     assert summarize_flight_record({}) == {"active": [], "last": {}, "enqueued": {}, "recent": {}}
     running = {"state": "running", "call": "all_reduce", "where": "t.py:8 in main", "fr": summary}
     assert describe_status(running) == "waiting in all_reduce #2 (group 0) at t.py:8 in main"
+    # asked just as its own all_reduce timed out: the record is retired, the main thread still in the call
+    retired = {**fr, "entries": [{**e, "retired": True} for e in fr["entries"]]}
+    timed_out = {**running, "fr": summarize_flight_record(retired)}
+    assert summarize_flight_record(retired)["active"] == []
+    assert describe_status(timed_out) == "waiting in all_reduce #2 (group 0) at t.py:8 in main"
     assert describe_status({"state": "running", "where": "t.py:3 in load"}) == (
         "running outside any collective at t.py:3 in load"
     )
@@ -604,6 +610,21 @@ def test_hang_report_names_missing_ranks_and_groups_identical_ones() -> None:
         "Did not arrive at all_reduce #5 (group 0): rank 2 (it has not called it; it is at t.py:20 in load); "
         "rank 3 (no answer)."
     )
+    # rank 1 failed and exited before it was asked: its last words still say where it failed
+    # and which collective it had called at #5
+    gone = {**waiting("barrier", 5, "t.py:9 in main"), "state": "exited", "error": "RuntimeError: Timed out"}
+    gone["fr"].update(active=[], last={"0": {"seq": 5, "op": "barrier"}})  # retired by its error
+    text = format_hang_report("x", 0, {0: statuses[0], 1: gone}, {"pg": "0", "seq": 5, "op": "all_reduce"})
+    assert "  rank 1: had already exited after it failed in barrier #5 (group 0) at t.py:9 in main: " \
+        "RuntimeError: Timed out" in text.splitlines()
+    assert "rank 1 (it called barrier as collective #5: the ranks called different collectives" in text
+    gone_early = {"state": "exited", "fr": {"enqueued": {"0": 4}, "recent": {"0": []}}}
+    assert format_hang_report("x", 0, {1: gone_early}, {"pg": "0", "seq": 5, "op": "all_reduce"}).endswith(
+        "rank 1 (it had already exited)."
+    )
+    assert describe_status(gone_early) == "had already exited"
+    assert _last_words(b"1", 3) == {"rank": 3, "state": "exited"}
+    assert _last_words(json.dumps(gone).encode(), 1) == gone
     same = {r: waiting("barrier", 3, "t.py:9 in main") for r in range(1, 5)}
     assert "  ranks 1-4: waiting in barrier #3" in format_hang_report("x", 0, same)
     assert rank_ranges([4, 0, 1, 2, 9]) == "0-2, 4, 9"

@@ -275,11 +275,18 @@ def describe_status(status: Mapping[str, Any] | None) -> str:
         >>> describe_status({"state": "running", "call": "barrier", "where": "t.py:9 in main",
         ...                  "fr": {"active": [{"pg": "0", "seq": 3, "op": "barrier"}]}})
         'waiting in barrier #3 (group 0) at t.py:9 in main'
+
+        A rank asked just as its own collective timed out: the record is retired, but the
+        main thread is still in the call, and the newest record of its group names it.
+
+        >>> describe_status({"state": "running", "call": "all_reduce", "where": "t.py:8 in main",
+        ...                  "fr": {"active": [], "last": {"0": {"seq": 2, "op": "all_reduce"}}}})
+        'waiting in all_reduce #2 (group 0) at t.py:8 in main'
     """
     if status is None:
         return "did not answer (the process is gone, or hung while holding Python's GIL)"
     state = status.get("state")
-    if state == "exited":
+    if state == "exited" and not status.get("error"):
         return "had already exited"
     fr = status.get("fr") or {}
     active = fr.get("active") or []
@@ -288,8 +295,10 @@ def describe_status(status: Mapping[str, Any] | None) -> str:
     if active:
         newest = active[-1]
         what = f"{newest['op']} #{newest['seq']} (group {newest['pg']})"
-    elif state == "failed" and finished:
-        pg, item = finished[-1]  # the failed collective, retired by the error
+    elif finished:
+        # The collective the main thread is in, already retired by its error (the rank
+        # failed, or is about to report its own timeout).
+        pg, item = finished[-1]
         what = f"{op} #{item['seq']} (group {pg})"
     elif op:
         what = op
@@ -297,8 +306,9 @@ def describe_status(status: Mapping[str, Any] | None) -> str:
         what = None
     at = f" at {status['where']}" if status.get("where") else ""
     via = f" via {status['via']}" if status.get("via") and status.get("via") != status.get("where") else ""
-    if state == "failed":
+    if state in ("failed", "exited"):
         head = f"failed in {what}" if what else "failed"
+        head = f"had already exited after it {head}" if state == "exited" else head
         return f"{head}{at}: {status.get('error', 'an error')}"
     if status.get("arrival"):
         arrival = status["arrival"]
@@ -374,11 +384,11 @@ def _not_arrived_reason(status: Mapping[str, Any] | None, pg: str, seq: int, op:
     """Why a rank is not in collective ``op #seq`` of group ``pg``; None if it is (or was) in it."""
     if status is None:
         return "no answer"
-    if status.get("state") == "exited":
-        return "it had already exited"
     fr = status.get("fr") or {}
+    exited = status.get("state") == "exited"
     if not fr.get("enqueued") and not fr.get("recent"):
-        return None  # no flight record: cannot tell (the locations above still show where it is)
+        # no flight record: cannot tell (the locations above still show where it is)
+        return "it had already exited" if exited else None
     at_seq = [item for item in (fr.get("recent") or {}).get(pg, []) if item["seq"] == seq]
     if at_seq:
         if at_seq[-1]["op"] == op:
@@ -388,6 +398,8 @@ def _not_arrived_reason(status: Mapping[str, Any] | None, pg: str, seq: int, op:
             "one of them skipped or added a collective"
         )
     if (fr.get("enqueued") or {}).get(pg, -1) < seq:
+        if exited:
+            return "it had already exited"
         return f"it has not called it; it is at {status.get('where') or 'an unknown place'}"
     return None
 
@@ -563,11 +575,16 @@ def _mark_exit() -> None:
     if state is None or os.getpid() != state.pid:
         return  # a forked child (data-loader worker) is not this rank
 
+    # Last words: a rank that failed and exits before another rank asks still tells it
+    # where it failed and what its collectives were.
+    last_words = {"rank": state.rank, "host": state.host, "pid": state.pid, **(state.failure or {})}
+    last_words.update(state="exited", fr=summarize_flight_record(_flight_record()))
+
     def mark() -> None:
         try:
             quick = state.store.clone()
             quick.set_timeout(timedelta(seconds=2))
-            quick.set(f"{_KEY}/exited/{state.rank}", "1")
+            quick.set(f"{_KEY}/exited/{state.rank}", json.dumps(last_words))
             quick.queue_push(f"{_KEY}/q/{state.rank}", _STOP)
         except Exception:
             pass  # the store is gone: nobody is left to ask (and the responder's pop fails)
@@ -662,8 +679,9 @@ def _request_statuses(state: _State, ranks: Iterable[int], grace: float) -> dict
     payload = json.dumps({"id": request_id, "from": state.rank})
     pending = set(ranks)
     for rank in ranks:
-        if state.store.check([f"{_KEY}/exited/{rank}"]):
-            answers[rank] = {"rank": rank, "state": "exited"}
+        exited_key = f"{_KEY}/exited/{rank}"
+        if state.store.check([exited_key]):
+            answers[rank] = _last_words(state.store.get(exited_key), rank)
             pending.discard(rank)
         else:
             state.store.queue_push(f"{_KEY}/q/{rank}", payload)
@@ -678,6 +696,17 @@ def _request_statuses(state: _State, ranks: Iterable[int], grace: float) -> dict
         if pending:
             time.sleep(0.05)
     return answers
+
+
+def _last_words(raw: bytes, rank: int) -> dict[str, Any]:
+    """The status an exited rank left behind (see ``_mark_exit``)."""
+    try:
+        status = json.loads(raw)
+        if isinstance(status, dict) and status.get("state") == "exited":
+            return status
+    except ValueError:
+        pass
+    return {"rank": rank, "state": "exited"}
 
 
 def _is_collective_failure(exc: BaseException) -> bool:
