@@ -615,8 +615,10 @@ def test_hang_report_names_missing_ranks_and_groups_identical_ones() -> None:
     gone = {**waiting("barrier", 5, "t.py:9 in main"), "state": "exited", "error": "RuntimeError: Timed out"}
     gone["fr"].update(active=[], last={"0": {"seq": 5, "op": "barrier"}})  # retired by its error
     text = format_hang_report("x", 0, {0: statuses[0], 1: gone}, {"pg": "0", "seq": 5, "op": "all_reduce"})
-    assert "  rank 1: had already exited after it failed in barrier #5 (group 0) at t.py:9 in main: " \
+    assert (
+        "  rank 1: had already exited after it failed in barrier #5 (group 0) at t.py:9 in main: "
         "RuntimeError: Timed out" in text.splitlines()
+    )
     assert "rank 1 (it called barrier as collective #5: the ranks called different collectives" in text
     gone_early = {"state": "exited", "fr": {"enqueued": {"0": 4}, "recent": {"0": []}}}
     assert format_hang_report("x", 0, {1: gone_early}, {"pg": "0", "seq": 5, "op": "all_reduce"}).endswith(

@@ -152,15 +152,7 @@ class ParamOptimizerState:
         separate: list[tuple[torch.Tensor, Any]] = []
         for tensor, param in self._pairs():
             name = self._name(names, param)
-            source = f"master/{name}" if f"master/{name}" in saved else f"model/{name}"
-            entry = saved.get(source)
-            if entry is None:
-                raise ValueError(f"the checkpoint has no value for the trainable parameter {name!r}")
-            if tuple(entry.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"parameter {name!r} has shape {tuple(param.shape)} here but {tuple(entry.shape)} in the checkpoint"
-                )
-            targets[source] = self._as_param(tensor.detach(), param)
+            targets[master_source(saved, name, tuple(param.shape))] = self._as_param(tensor.detach(), param)
             if self._separate(tensor, param):
                 separate.append((tensor, param))
             if not with_state:
@@ -189,36 +181,9 @@ class ParamOptimizerState:
                 allocated.setdefault(id(tensor), {})[state_key] = (
                     value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
                 )
-            self._install(allocated, loaded.get(PARAM_GROUPS_KEY))
+            install_optimizer_state(self.optimizer, allocated, loaded.get(PARAM_GROUPS_KEY))
 
         return targets, finish
-
-    def _install(
-        self, per_tensor: dict[int, dict[str, Any]], saved_groups: list[dict[str, Any]] | None
-    ) -> None:
-        current = self.optimizer.param_groups
-        if saved_groups is not None and len(saved_groups) != len(current):
-            raise ValueError(
-                f"the checkpoint's optimizer has {len(saved_groups)} param groups but this one has {len(current)}; "
-                "build the same groups, or load with load_optimizer_states=False"
-            )
-        state: dict[int, dict[str, Any]] = {}
-        groups: list[dict[str, Any]] = []
-        index = 0
-        for gi, group in enumerate(current):
-            ids = []
-            for tensor in group["params"]:
-                if id(tensor) in per_tensor:
-                    state[index] = per_tensor[id(tensor)]
-                ids.append(index)
-                index += 1
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            if saved_groups is not None:
-                hyper.update(
-                    {k: v for k, v in saved_groups[gi].items() if k not in ("params", PARAM_NAMES_KEY)}
-                )
-            groups.append({**hyper, "params": ids})
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def load_full_state_dict(
         self, state: Mapping[str, Any], names: Mapping[int, str], *, with_state: bool = True
@@ -245,6 +210,68 @@ class ParamOptimizerState:
             for tensor, param in self._pairs():
                 if self._separate(tensor, param):
                     tensor.copy_(_local(param))
+
+
+def master_source(saved: Mapping[str, Any], name: str, shape: tuple[int, ...]) -> str:
+    """The checkpoint key holding the fp32 value of trainable parameter ``name``, checked against ``shape``.
+
+    ``master/<name>`` where the saving run kept separate fp32 masters (16-bit models), else
+    ``model/<name>`` (its parameters were the fp32 values).
+
+    Example:
+        >>> from shardwise.checkpoint.dcp_io import SavedEntry
+        >>> master_source({"model/w": SavedEntry((2, 3), torch.float32)}, "w", (2, 3))
+        'model/w'
+        >>> master_source({"model/w": SavedEntry((2, 3), torch.float32)}, "w", (3, 2))
+        Traceback (most recent call last):
+        ...
+        ValueError: parameter 'w' has shape (3, 2) here but (2, 3) in the checkpoint
+    """
+    source = f"master/{name}" if f"master/{name}" in saved else f"model/{name}"
+    entry = saved.get(source)
+    if entry is None:
+        raise ValueError(
+            f"the checkpoint has no value for the trainable parameter {name!r} (neither master/ nor model/ entry); "
+            "it was saved from a different model, or with exclude_frozen_parameters while this parameter was frozen"
+        )
+    if tuple(entry.shape) != tuple(shape):
+        raise ValueError(
+            f"parameter {name!r} has shape {tuple(shape)} here but {tuple(entry.shape)} in the checkpoint"
+        )
+    return source
+
+
+def install_optimizer_state(
+    optimizer: Any, per_tensor: Mapping[int, dict[str, Any]], saved_groups: list[dict[str, Any]] | None
+) -> None:
+    """Load assembled state into ``optimizer`` through its own ``load_state_dict``.
+
+    ``per_tensor`` maps ``id(optimizer tensor)`` to that tensor's state; hyperparameters come
+    from ``saved_groups`` (the checkpoint's param groups) where given. Going through
+    ``load_state_dict`` lets the optimizer apply its own dtype/device rules (e.g. where
+    ``step`` lives).
+    """
+    current = optimizer.param_groups
+    if saved_groups is not None and len(saved_groups) != len(current):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved_groups)} param groups but this one has {len(current)}; "
+            "build the same groups, or load with load_optimizer_states=False"
+        )
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    index = 0
+    for gi, group in enumerate(current):
+        ids = []
+        for tensor in group["params"]:
+            if per_tensor.get(id(tensor)):
+                state[index] = per_tensor[id(tensor)]
+            ids.append(index)
+            index += 1
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        if saved_groups is not None:
+            hyper.update({k: v for k, v in saved_groups[gi].items() if k not in ("params", PARAM_NAMES_KEY)})
+        groups.append({**hyper, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _full(tensor: Any) -> torch.Tensor:

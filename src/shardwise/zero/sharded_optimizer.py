@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from shardwise.checkpoint import keys
+from shardwise.checkpoint.param_state import install_optimizer_state, master_source
 from shardwise.comm import collectives
 from shardwise.optim.clipping import clip_coefficient
 from shardwise.zero.flat_group import FlatGroup
@@ -294,18 +295,7 @@ class ZeroOptimizer:
         allocated: dict[int, dict[str, torch.Tensor]] = {}
         scalars: list[tuple[_ParamPlace, str, str]] = []
         for place in self._places(names):
-            source = f"master/{place.name}" if f"master/{place.name}" in saved else f"model/{place.name}"
-            entry = saved.get(source)
-            if entry is None:
-                raise ValueError(
-                    f"the checkpoint has no value for the trainable parameter {place.name!r} (neither master/ nor "
-                    "model/ entry); it was saved from a different model, or with exclude_frozen_parameters while "
-                    "this parameter was frozen"
-                )
-            if tuple(entry.shape) != place.shape:
-                raise ValueError(
-                    f"parameter {place.name!r} has shape {place.shape} here but {tuple(entry.shape)} in the checkpoint"
-                )
+            source = master_source(saved, place.name, place.shape)
             targets[source] = FlatShards(
                 place.shape, torch.float32, [(s, e, _flat(m)[o : o + e - s]) for s, e, m, o in place.pieces]
             )
@@ -351,31 +341,9 @@ class ZeroOptimizer:
                 per_master.setdefault(id(master), {}).setdefault(
                     state_key, value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
                 )
-        optimizer = checkpoint_view(self.optimizer)
-        state: dict[int, dict[str, Any]] = {}
-        groups: list[dict[str, Any]] = []
-        index = 0
-        current = optimizer.param_groups
-        if saved_groups is not None and len(saved_groups) != len(current):
-            raise ValueError(
-                f"the checkpoint's optimizer has {len(saved_groups)} param groups but this one has {len(current)}; "
-                "build the same groups, or load with load_optimizer_states=False"
-            )
-        for gi, group in enumerate(current):
-            ids = []
-            for master in group["params"]:
-                entry = {**per_master.get(id(master), {}), **allocated.get(id(master), {})}
-                if entry:
-                    state[index] = entry
-                ids.append(index)
-                index += 1
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            if saved_groups is not None:
-                hyper.update(
-                    {k: v for k, v in saved_groups[gi].items() if k not in ("params", PARAM_NAMES_KEY)}
-                )
-            groups.append({**hyper, "params": ids})
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        for master_id, entries in allocated.items():
+            per_master.setdefault(master_id, {}).update(entries)
+        install_optimizer_state(checkpoint_view(self.optimizer), per_master, saved_groups)
 
     def full_state_dict(self, names: Mapping[int, str]) -> dict[str, Any]:
         """The whole optimizer state, every tensor full-size, on every rank (collective).
