@@ -890,7 +890,14 @@ def test_elasticity_disabled_leaves_batch_alone() -> None:
 
 def test_elasticity_block_validation() -> None:
     err = _error({"elasticity": {"enabled": False, "min_gpus": 8, "max_gpus": 4}})
-    assert "max_gpus (4) must be >= min_gpus (8)" in err.rule
+    assert err.rule == "elasticity.max_gpus must be an integer >= min_gpus (8), got 4."
+    # one rule set (shardwise.elasticity) for the section and the elastic batch maths: an
+    # enabled block's mistake is reported once, not by both
+    err = _error({"elasticity": {**ELASTIC_V01, "micro_batch_size": [2]}})
+    assert type(err) is ConfigError and err.key == "elasticity"
+    assert "Did you mean 'micro_batch_sizes'?" in err.rule
+    err = _error({"elasticity": {"enabled": False, "version": 0.3}})
+    assert "version must be one of [0.1, 0.2]" in err.rule
 
 
 # ------------------------------------------------------------------ several problems at once

@@ -397,7 +397,13 @@ def load_config(
         raw["gradient_accumulation_steps"] = batch.gradient_accumulation_steps
 
     config, validation_errors = _validate(raw, strict, warnings)
-    errors.extend(e for e in validation_errors if e.key not in BATCH_KEYS or batch is not None)
+    # A batch or elasticity mistake already reported above is not reported again by the sections.
+    reported = {e.key for e in errors} & {"elasticity"}
+    errors.extend(
+        e
+        for e in validation_errors
+        if (e.key not in BATCH_KEYS or batch is not None) and e.key.split(".")[0] not in reported
+    )
     if config is not None:
         errors.extend(cross_section_errors(config))
     if errors:

@@ -8,6 +8,7 @@ files keep working; the features behind them are built in later issues.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -69,31 +70,33 @@ class SparseAttentionConfig(Section):
 
 
 class ElasticityConfig(Section):
-    """``elasticity``: batch sizes valid across a range of GPU counts (spec 10)."""
+    """``elasticity``: batch sizes valid across a range of GPU counts (spec 10).
+
+    The block's rules live in one place, :meth:`shardwise.elasticity.ElasticityConfig.from_dict`
+    (the launcher and ``compute_elastic_config`` read raw JSON with it too); this section
+    runs them before its fields are read, so a mistake is reported once, in those words.
+    """
 
     enabled: bool = False
-    max_train_batch_size: int = Field(2000, gt=0)
+    max_train_batch_size: int = 2000
     micro_batch_sizes: list[int] = Field(default_factory=lambda: [2, 4, 6])
-    min_gpus: int = Field(1, ge=1)
-    max_gpus: int = Field(10000, ge=1)
-    num_gpus_per_node: int = Field(1, ge=1)
-    model_parallel_size: int = Field(1, ge=1)
-    min_time: int = Field(0, ge=0)
+    min_gpus: int = 1
+    max_gpus: int = 10000
+    num_gpus_per_node: int = 1
+    model_parallel_size: int = 1
+    min_time: int = 0
     prefer_larger_batch: bool = True
     ignore_non_elastic_batch_info: bool = False
     version: float = 0.2
 
-    @model_validator(mode="after")
-    def _checks(self) -> ElasticityConfig:
-        if any(m <= 0 for m in self.micro_batch_sizes) or not self.micro_batch_sizes:
-            raise ValueError("micro_batch_sizes must be a non-empty list of positive integers")
-        if self.max_gpus < self.min_gpus:
-            raise ValueError(f"max_gpus ({self.max_gpus}) must be >= min_gpus ({self.min_gpus})")
-        if self.version not in (0.1, 0.2):
-            raise ValueError(f"version must be 0.1 or 0.2, got {self.version}")
-        if self.model_parallel_size > 1 and self.version < 0.2:
-            raise ValueError("model_parallel_size > 1 needs elasticity version 0.2")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _checks(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            from shardwise.elasticity import ElasticityConfig as Rules
+
+            Rules.from_dict(data)  # raises ElasticityConfigError (a ValueError) naming the key
+        return data
 
 
 class ProgressiveLayerDropConfig(Section):
