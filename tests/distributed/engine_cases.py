@@ -318,22 +318,27 @@ def mpu_clipping_norm(rank: int, world: int, stage: int) -> dict[str, Any]:
 
 
 def reduction_overlaps_backward(rank: int, world: int, case: dict[str, int]) -> dict[str, Any]:
-    """Stages 0-1 (gloo) all-reduce finished parts of a bucket while backward runs (pieces of
-    ``case['chunk']`` elements); the results must equal the one-bucket-at-the-end reduction."""
+    """Stages 0-1 (gloo) reduce finished parts of a bucket while backward runs (pieces of
+    ``case['chunk']`` elements: all-reduced at stage 0, exchanged between the shard owners at
+    stage 1); the results must equal the one-bucket-at-the-end reduction."""
     import shardwise.zero.reducer as reducer
-    from shardwise.comm import collectives
+    from shardwise.comm import collectives, exchange
 
     torch.set_num_threads(1)
-    calls: list[bool] = []
-    original = collectives.all_reduce
+    calls: list[str] = []
+    original_all_reduce, original_exchange = collectives.all_reduce, exchange.reduce_owned
 
-    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if tensor.numel() > 1:  # gradients, not a norm or a flag
-            calls.append(True)
-        return original(tensor, *args, **kwargs)
+    def counting(original: Any, name: str) -> Any:
+        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if tensor.numel() > 1:  # gradients, not a norm or a flag
+                calls.append(name)
+            return original(tensor, *args, **kwargs)
+
+        return call
 
     reducer.CHUNK_NUMEL = case["chunk"]
-    collectives.all_reduce = counting  # type: ignore[assignment]
+    collectives.all_reduce = counting(original_all_reduce, "all_reduce")  # type: ignore[assignment]
+    exchange.reduce_owned = counting(original_exchange, "exchange")  # type: ignore[assignment]
     try:
         torch.manual_seed(0)
         engine, _, _, _ = shardwise.initialize(
@@ -347,8 +352,8 @@ def reduction_overlaps_backward(rank: int, world: int, case: dict[str, int]) -> 
         )
         losses = _train(engine, rank, 3)
     finally:
-        collectives.all_reduce = original  # type: ignore[assignment]
-    return {"losses": losses, "params": _flat_params(engine), "gradient_all_reduces": len(calls)}
+        collectives.all_reduce, exchange.reduce_owned = original_all_reduce, original_exchange  # type: ignore[assignment]
+    return {"losses": losses, "params": _flat_params(engine), "gradient_reductions": calls}
 
 
 class _SharedBlocks(nn.Module):
@@ -376,7 +381,7 @@ class _SharedBlocks(nn.Module):
 
 
 def divergent_gradient_patterns(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """Stages 0-1 with small reduction pieces: ranks whose hooks fire differently (rank 1 skips
+    """Stages 0-2 with small reduction pieces: ranks whose hooks fire differently (rank 1 skips
     a parameter rank 0 uses) or twice per backward (reentrant checkpointing of a shared weight)
     still issue matching collectives and get the same result as plain backward."""
     import shardwise.zero.reducer as reducer

@@ -285,7 +285,7 @@ def _cases() -> list[dict[str, Any]]:
     seed = 0
     for dtype in ("float32", "bfloat16"):
         for async_op in (False, True):
-            for algorithm in ("native", "all_reduce", "auto"):
+            for algorithm in ("native", "all_reduce", "exchange", "auto"):
                 for scratch in (False, True):
                     for op in ("sum", "avg"):
                         seed += 1
@@ -316,7 +316,7 @@ def _cases() -> list[dict[str, Any]]:
                     {"kind": "all_reduce", "dtype": dtype, "async_op": async_op, "op": op, "seed": seed}
                 )
             cases.append({"kind": "broadcast", "dtype": dtype, "async_op": async_op})
-    for algorithm in ("native", "all_reduce"):
+    for algorithm in ("native", "all_reduce", "exchange"):
         # In-place forms and an explicit group object.
         seed += 1
         cases.append(

@@ -104,24 +104,29 @@ def test_model_parallel_norm_counts_replicated_parameters_once():
             assert result["norm"] == pytest.approx(expected, rel=1e-5), stage
 
 
-def test_stages_0_and_1_reduce_finished_chunks_during_backward_with_identical_results():
+def test_stages_0_to_2_reduce_finished_chunks_during_backward_with_identical_results():
     # the whole model in one bucket: reduced at the end of backward (chunk >= bucket), or in
     # ~300-element pieces as backward finishes them
-    cases_ = [{"stage": stage, "chunk": chunk} for stage in (0, 1) for chunk in (1 << 30, 300)]
+    stages = (0, 1, 2)
+    cases_ = [{"stage": stage, "chunk": chunk} for stage in stages for chunk in (1 << 30, 300)]
     results = run_distributed_cases(cases.reduction_overlaps_backward, cases_, world_size=2, timeout=300)
-    for stage, (whole, chunked) in zip((0, 1), (results[0:2], results[2:4])):
+    for stage, whole, chunked in zip(stages, results[0::2], results[1::2]):
         for a, b in zip(whole, chunked):
             assert a["losses"] == b["losses"], stage
             assert torch.equal(a["params"], b["params"]), stage
-            assert a["gradient_all_reduces"] == 3, stage  # one per optimizer step
-            assert b["gradient_all_reduces"] >= 3 * 5, stage  # really split up
+            # stages 1-2: only the shard owners get sums; stage 2 reduces every micro step (2 per step)
+            kind = "all_reduce" if stage == 0 else "exchange"
+            per_step = 2 if stage == 2 else 1
+            assert a["gradient_reductions"] == [kind] * 3 * per_step, stage
+            assert len(b["gradient_reductions"]) >= 3 * per_step * 5, stage  # really split up
+            assert set(b["gradient_reductions"]) == {kind}, stage
 
 
 def test_ranks_with_different_or_repeated_gradients_reduce_the_same_pieces():
-    grid = [{"stage": s, "reentrant": r} for s in (0, 1) for r in (None, False, True)]
+    grid = [{"stage": s, "reentrant": r} for s in (0, 1, 2) for r in (None, False, True)]
     results = run_distributed_cases(cases.divergent_gradient_patterns, grid, world_size=2, timeout=300)
     by_case = {(c["stage"], c["reentrant"]): r for c, r in zip(grid, results)}
-    for stage in (0, 1):
+    for stage in (0, 1, 2):
         plain = by_case[(stage, None)]
         for reentrant in (False, True):
             checkpointed = by_case[(stage, reentrant)]

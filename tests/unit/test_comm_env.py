@@ -272,5 +272,18 @@ def test_choose_algorithm_follows_the_measurements() -> None:
         assert choose_algorithm(collective, "nccl", "cuda", 4 * cliff, input_is_scratch=True) == "native"  # type: ignore[arg-type]
         assert choose_algorithm(collective, "cpu:gloo,cuda:nccl", "cuda", 4 * cliff) == "native"  # type: ignore[arg-type]
     assert choose_algorithm("all_gather", "cpu:gloo,cuda:nccl", "cpu", cliff) == "all_reduce"
+    # gloo groups of two ranks on CPU: the point-to-point exchange, at every size and either input
+    # kind (measured there); other group sizes keep the rules above, and other backends native
+    for nbytes in (1024, cliff, 4 * cliff):
+        for collective in ("reduce_scatter", "all_gather"):
+            for scratch in (False, True):
+                assert choose_algorithm(collective, "gloo", "cpu", nbytes, input_is_scratch=scratch,  # type: ignore[arg-type]
+                                        world_size=2) == "exchange"  # fmt: skip
+            assert choose_algorithm(collective, "nccl", "cuda", nbytes, world_size=2) == "native"  # type: ignore[arg-type]
+    assert (
+        choose_algorithm("reduce_scatter", "gloo", "cpu", 1024, input_is_scratch=True, world_size=3)
+        == "all_reduce"
+    )
+    assert choose_algorithm("all_gather", "gloo", "cpu", cliff, world_size=4) == "all_reduce"
     with pytest.raises(ValueError, match="unknown collective"):
         choose_algorithm("all_to_all", "gloo", "cpu", 1)  # type: ignore[arg-type]

@@ -11,14 +11,17 @@ Stage 0 all-reduces each bucket; stages 1 and 2 reduce-scatter it, so each rank 
 the sum for its own shard only. Stages 0/1 reduce at the accumulation boundary only;
 stage 2 reduces every micro step into its shard accumulators.
 
-Stage 0 always overlaps, whatever ``overlap_comm`` says: its all-reduce works in place on
-the flat gradient buffer, so overlapping costs no memory (DeepSpeed's ``overlap_comm:
-false`` exists to save the extra buffers its overlap needs). So does stage 1 where its
-reduce-scatter is an in-place all-reduce anyway (gloo on CPU, see
-:func:`shardwise.comm.collectives.choose_algorithm`). Parameters sit in a bucket in
-reverse registration order, the order backward produces their gradients, and a bucket is
-cut into pieces of about ``CHUNK_NUMEL`` elements at parameter boundaries (the way DDP's
-25 MB buckets overlap); each piece is all-reduced as soon as its gradients are in.
+Reduction is progressive where it costs no extra memory, whatever ``overlap_comm`` says
+(DeepSpeed's ``overlap_comm: false`` exists to save the extra buffers its overlap needs):
+parameters sit in a bucket in reverse registration order, the order backward produces
+their gradients, and a bucket is cut into pieces of about ``CHUNK_NUMEL`` elements at
+parameter boundaries (the way DDP's 25 MB buckets overlap); each piece is reduced as soon
+as its gradients are in. Stage 0 all-reduces the pieces in place in its flat gradient
+buffer. Stages 1 and 2 do so where the reduce-scatter is an exchange between the shard
+owners (gloo groups of two ranks, see :func:`shardwise.comm.collectives.choose_algorithm`
+and :mod:`shardwise.comm.exchange`): a piece may cut across shards, and each rank receives
+the sums of its own part of it (stage 2 adds them to its shard accumulator). Stage 1 also
+goes progressive where its reduce-scatter is an in-place all-reduce.
 
 Every rank issues the same collectives in the same order, whatever order its hooks fire
 in (a rank may skip a parameter another rank uses): the pieces (or whole buckets) form
@@ -38,7 +41,7 @@ from typing import Any
 
 import torch
 
-from shardwise.comm import collectives
+from shardwise.comm import collectives, exchange
 from shardwise.utils.logging import logger
 from shardwise.zero.flat_group import FlatGroup
 
@@ -85,17 +88,20 @@ class _Inflight:
     after: Callable[[], None]
 
 
-def _reduce_scatter_is_all_reduce(groups: list[FlatGroup], process_group: Any) -> bool:
-    """Whether this group's in-place reduce-scatter is an all-reduce of the whole buffer."""
+def _reduce_scatter_algorithm(groups: list[FlatGroup], process_group: Any) -> str:
+    """How this group's in-place reduce-scatter runs (see ``collectives.choose_algorithm``)."""
     import torch.distributed as dist
 
     if not groups or not dist.is_initialized():
-        return False
-    backend = str(dist.get_backend(process_group))
-    choice = collectives.choose_algorithm(
-        "reduce_scatter", backend, groups[0].device.type, 0, input_is_scratch=True
+        return "native"
+    return collectives.choose_algorithm(
+        "reduce_scatter",
+        str(dist.get_backend(process_group)),
+        groups[0].device.type,
+        0,
+        input_is_scratch=True,
+        world_size=dist.get_world_size(process_group),
     )
-    return choice == "all_reduce"
 
 
 class GradientReducer:
@@ -113,12 +119,22 @@ class GradientReducer:
         self._inflight: list[_Inflight] = []
         self._active = False
         self._expected_ptr: list[list[int]] = []
-        # Progressive in-place all-reduce (stages 0-1 where possible), else whole buckets.
-        self._progressive = all(g.grad_buffer is not None for g in groups) and (
-            not policy.shard or _reduce_scatter_is_all_reduce(groups, process_group)
-        )
+        # Progressive reduction in pieces while backward runs: stage 0 all-reduces pieces of
+        # the full gradient buffer; stages 1-2 exchange pieces between the shard owners
+        # (where exchange is the measured choice) or, at stage 1, all-reduce them. Else
+        # whole buckets.
+        algorithm = _reduce_scatter_algorithm(groups, process_group) if policy.shard else "all_reduce"
+        self._piece_exchange = policy.shard and algorithm == "exchange"
+        full_buffers = all(g.grad_buffer is not None for g in groups)
+        self._progressive = self._piece_exchange or (full_buffers and algorithm == "all_reduce")
         self._units = self._plan_units()
         self._unit_of = {(u.group, pi): k for k, u in enumerate(self._units) for pi in u.params}
+        self._bucket_ends = {  # units that end a bucket
+            k
+            for k, u in enumerate(self._units)
+            if k + 1 == len(self._units)
+            or (self._units[k + 1].group, self._units[k + 1].bucket) != (u.group, u.bucket)
+        }
         self._early = False  # may reductions start before backward ends? (learned, see _on_grad)
         self._learned = False
         self._repeats_seen = False
@@ -247,6 +263,9 @@ class GradientReducer:
             self._launch(unit.group, unit.bucket)
             return
         group = self.groups[unit.group]
+        if group.grad_buffer is None:  # stage 2: a piece of this micro step's bucket buffer
+            self._launch_shard_piece(unit, last=k in self._bucket_ends)
+            return
         if self._missing[k]:
             group.settle(unit.bucket)  # slots no gradient reached in this window
         self._launch_range(unit.group, unit.bucket, unit.start, unit.end)
@@ -281,8 +300,9 @@ class GradientReducer:
             buf[position - plan.start :].zero_()
 
     def _launch_range(self, gi: int, bucket: int, start: int, end: int) -> None:
-        """All-reduce ``grad_buffer[start:end]`` (a finished part of a bucket) in place; at
-        stage 1 this rank then reads its shard of the sums from the same buffer."""
+        """Reduce ``grad_buffer[start:end]`` (a finished part of a bucket) in place: all-reduce
+        it (stage 0), or at stage 1 bring each rank the sums of its shard's part of it
+        (exchange; or all-reduce, after which this rank reads its shard)."""
         if end <= start:
             return
         group = self.groups[gi]
@@ -292,11 +312,71 @@ class GradientReducer:
         wire = source if policy.comm_dtype in (None, source.dtype) else source.to(policy.comm_dtype)
         if policy.pre_multiplier != 1.0:
             wire.mul_(policy.pre_multiplier)
-        work = collectives.all_reduce(wire, op="sum", group=self.process_group, async_op=True)
+        work: Any
+        if self._piece_exchange:
+            owned = self._owned_in(gi, bucket, start, end)
+            work = exchange.reduce_owned(wire, owned, self.process_group, async_op=True)
+            mine = slice(*owned[group.rank])
+        else:
+            work = collectives.all_reduce(wire, op="sum", group=self.process_group, async_op=True)
+            mine = slice(None)
 
         def after() -> None:
             if wire is not source:
-                source.copy_(wire)
+                source[mine].copy_(wire[mine])
+
+        self._inflight.append(_Inflight(work, after))
+
+    def _owned_in(self, gi: int, bucket: int, start: int, end: int) -> list[tuple[int, int]]:
+        """Each rank's shard of ``bucket`` within ``[start, end)``, relative to ``start``."""
+        group = self.groups[gi]
+        plan = group.layout.buckets[bucket]
+        owned = []
+        for r in range(group.world_size):
+            lo, hi = plan.shard_range(r)
+            lo, hi = min(max(lo, start), end), max(min(hi, end), start)
+            owned.append((lo - start, max(lo, hi) - start))
+        return owned
+
+    def _launch_shard_piece(self, unit: _Unit, last: bool) -> None:
+        """Stage 2: exchange a finished piece of the bucket buffer; this rank's part of the
+        sums goes into (or is added to) its shard accumulator."""
+        gi, bucket = unit.group, unit.bucket
+        group = self.groups[gi]
+        plan = group.layout.buckets[bucket]
+        buf = self._bucket_buffer(gi, bucket)
+        written = self._bucket_written[(gi, bucket)]
+        position = unit.start  # zero what no gradient wrote: padding and unreached slots
+        for pi in unit.params:
+            lo, hi = group.param_view(pi)
+            if lo > position:
+                buf[position - plan.start : lo - plan.start].zero_()
+            if pi not in written:
+                buf[lo - plan.start : hi - plan.start].zero_()
+            position = hi
+        if position < unit.end:
+            buf[position - plan.start : unit.end - plan.start].zero_()
+        source = buf[unit.start - plan.start : unit.end - plan.start]
+        policy = self.policy
+        wire = source if policy.comm_dtype in (None, source.dtype) else source.to(policy.comm_dtype)
+        if policy.pre_multiplier != 1.0:
+            wire.mul_(policy.pre_multiplier)
+        owned = self._owned_in(gi, bucket, unit.start, unit.end)
+        a, b = owned[group.rank]
+        shard_lo = group.owned[bucket][0]
+        target = group.grad[bucket][unit.start + a - shard_lo : unit.start + b - shard_lo]
+        accumulate = not self._fresh[gi][bucket]
+        direct = wire.dtype == target.dtype and not accumulate
+        out = target if direct else torch.empty(b - a, dtype=wire.dtype, device=wire.device)
+        work = exchange.reduce_owned(wire, owned, self.process_group, async_op=True, out=out)
+
+        def after() -> None:
+            if out is not target:
+                target.add_(out) if accumulate else target.copy_(out)
+            if last:  # the bucket's last piece: its buffer is done for this micro step
+                self._fresh[gi][bucket] = False
+                self._bucket_buffers.pop((gi, bucket), None)
+                self._bucket_written.pop((gi, bucket), None)
 
         self._inflight.append(_Inflight(work, after))
 
