@@ -92,7 +92,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Literal
 
@@ -113,6 +113,7 @@ __all__ = [
     "broadcast",
     "choose_algorithm",
     "reduce_scatter_flat",
+    "reduce_scatter_ranges",
     "reduce_scatter_tensor",
 ]
 
@@ -397,6 +398,27 @@ def reduce_scatter_flat(
             out.div_(world)
 
     return _run(work, async_op, finish, record)
+
+
+def reduce_scatter_ranges(
+    buffer: torch.Tensor,
+    owned: Sequence[tuple[int, int]],
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    out: torch.Tensor | None = None,
+) -> CommHandle | None:
+    """Sum ``buffer`` across ``group`` where each rank keeps only its own range ``owned[rank]``.
+
+    :func:`shardwise.comm.exchange.reduce_owned` (see there: ranges may be uneven, cut across
+    shards, or empty), timed for the comms logger as ``reduce_scatter_tensor`` of
+    ``buffer.numel() / group size`` elements.
+    """
+    world, _ = _group_size_and_rank(group)
+    nbytes = buffer.numel() // world * buffer.element_size()
+    record = _COMMS.start("reduce_scatter_tensor", nbytes, world, buffer.is_cuda) if _COMMS.enabled else None
+    handle = exchange.reduce_owned(buffer, owned, group, True, out=out)
+    return _run(handle, async_op, None, record)  # type: ignore[arg-type]
 
 
 def all_gather_flat(

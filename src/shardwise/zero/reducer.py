@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from shardwise.comm import collectives, exchange
+from shardwise.comm import collectives
 from shardwise.utils.logging import logger
 from shardwise.zero.flat_group import FlatGroup
 
@@ -315,7 +315,7 @@ class GradientReducer:
         work: Any
         if self._piece_exchange:
             owned = self._owned_in(gi, bucket, start, end)
-            work = exchange.reduce_owned(wire, owned, self.process_group, async_op=True)
+            work = collectives.reduce_scatter_ranges(wire, owned, self.process_group, async_op=True)
             mine = slice(*owned[group.rank])
         else:
             work = collectives.all_reduce(wire, op="sum", group=self.process_group, async_op=True)
@@ -368,7 +368,7 @@ class GradientReducer:
         accumulate = not self._fresh[gi][bucket]
         direct = wire.dtype == target.dtype and not accumulate
         out = target if direct else torch.empty(b - a, dtype=wire.dtype, device=wire.device)
-        work = exchange.reduce_owned(wire, owned, self.process_group, async_op=True, out=out)
+        work = collectives.reduce_scatter_ranges(wire, owned, self.process_group, async_op=True, out=out)
 
         def after() -> None:
             if out is not target:
