@@ -26,7 +26,7 @@ from torch import nn
 from shardwise.checkpoint import keys
 from shardwise.checkpoint.param_state import install_optimizer_state, master_source
 from shardwise.comm import collectives
-from shardwise.optim.clipping import clip_coefficient
+from shardwise.optim.clipping import clip_coefficient, squared_norm
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.offload import checkpoint_view
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
@@ -151,10 +151,7 @@ class ZeroOptimizer:
         for flat, is_tp in zip(self.groups, self.tp_flags):
             if not (is_tp or mp_rank0):
                 continue  # replicated across model-parallel ranks: count it once
-            norms = torch._foreach_norm(
-                [g.float() if g.dtype != torch.float32 else g for g in flat.grad], 2.0
-            )
-            total += torch.stack(norms).pow(2).sum()
+            total += squared_norm(flat.grad).to(total.device)
         if self.policy.stage >= 1 and self.policy.world_size > 1:
             collectives.all_reduce(total, op="sum", group=self.policy.process_group)
         if self.policy.mp_group is not None:
