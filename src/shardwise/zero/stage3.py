@@ -93,6 +93,10 @@ class _DeferredReduceScatter:
     read the output right away, which holds when the reduction is in fp32 (no cast after
     it) and the parameter has no gradient yet (no ``+=`` into it): the optimizer moves
     every gradient out of ``param.grad`` into its own accumulator after each backward.
+
+    The reduction itself goes through :func:`shardwise.comm.collectives.reduce_scatter_flat`,
+    so it takes the measured algorithm for the group (on gloo with two ranks, a point-to-point
+    exchange instead of gloo's native reduce-scatter); FSDP2 does not read the input after it.
     """
 
     def __init__(self) -> None:
@@ -110,9 +114,16 @@ class _DeferredReduceScatter:
         op: Any,
         async_op: bool = False,
     ) -> Any:
-        work = dist.reduce_scatter_single(
-            output=output_tensor, input=input_tensor, group=group, op=op, async_op=True
-        )
+        work: Any
+        if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            work = collectives.reduce_scatter_flat(
+                output_tensor, input_tensor, group, True, op="sum" if op == dist.ReduceOp.SUM else "avg",
+                input_is_scratch=True,
+            )  # fmt: skip
+        else:  # an op only NCCL has (PREMUL_SUM): torch's own collective
+            work = dist.reduce_scatter_single(
+                output=output_tensor, input=input_tensor, group=group, op=op, async_op=True
+            )
         if self.armed:
             self._pending.append((work, input_tensor, output_tensor))
         else:
