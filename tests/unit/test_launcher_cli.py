@@ -632,6 +632,29 @@ def test_hang_report_names_missing_ranks_and_groups_identical_ones() -> None:
     assert rank_ranges([4, 0, 1, 2, 9]) == "0-2, 4, 9"
 
 
+def test_errors_from_waits_on_shardwise_communication_count_as_collective_failures() -> None:
+    from shardwise.comm.diagnostics import _is_collective_failure
+
+    def raised_in(path: str) -> BaseException:
+        # a frame from that file, as when an exchange's Work.wait() times out in C++
+        code = compile(
+            "def wait():\n    raise RuntimeError('Timed out waiting 3000ms for recv')\n", path, "exec"
+        )
+        namespace: dict = {}
+        exec(code, namespace)
+        try:
+            namespace["wait"]()
+        except RuntimeError as exc:
+            return exc
+        raise AssertionError("unreachable")
+
+    assert _is_collective_failure(raised_in("/site/shardwise/comm/exchange.py"))
+    assert _is_collective_failure(raised_in("/site/shardwise/comm/collectives.py"))
+    assert _is_collective_failure(raised_in("/site/torch/distributed/distributed_c10d.py"))
+    assert not _is_collective_failure(raised_in("/site/shardwise/comm/diagnostics.py"))
+    assert not _is_collective_failure(raised_in("/home/me/train.py"))
+
+
 def test_not_arrived_error_and_helpers() -> None:
     statuses = {1: {"state": "running", "where": "t.py:63 in main",
                     "fr": {"active": [{"pg": "0", "seq": 2, "op": "all_reduce"}]}}}  # fmt: skip

@@ -125,6 +125,7 @@ class Frame:
 
 
 _TORCH_DIST = re.compile(r"[/\\]torch[/\\]distributed[/\\]")
+_SHARDWISE_COMM = re.compile(r"[/\\]shardwise[/\\]comm[/\\](collectives|exchange)\.py$")
 _LIBRARY = re.compile(r"[/\\](torch|shardwise|runpy|threading|multiprocessing|concurrent)([/\\]|\.py$)")
 _PLUMBING_FUNCS = frozenset({"wrapper", "_wrapped", "inner", "decorate_context", "_fn", "__call__"})
 
@@ -717,7 +718,12 @@ def _is_collective_failure(exc: BaseException) -> bool:
             return True
     except Exception:
         pass
-    return any(_TORCH_DIST.search(f.path) for f in frames_from_traceback(exc.__traceback__))
+    # torch.distributed's Python API, or shardwise's waits for asynchronous communication
+    # (their errors come from C++ Work.wait(), with no torch.distributed frame above them)
+    return any(
+        _TORCH_DIST.search(f.path) or _SHARDWISE_COMM.search(f.path)
+        for f in frames_from_traceback(exc.__traceback__)
+    )
 
 
 def diagnose_exception(exc: BaseException, grace: float = _ANSWER_GRACE_S) -> str | None:
