@@ -285,19 +285,33 @@ class GradientReducer:
 
     def _settle_bucket_buffer(self, gi: int, bucket: int, buf: torch.Tensor) -> None:
         """Zero what no gradient wrote in a bucket buffer: slots and end padding."""
-        group = self.groups[gi]
-        plan = group.layout.buckets[bucket]
+        plan = self.groups[gi].layout.buckets[bucket]
         written = self._bucket_written.pop((gi, bucket), set())
-        position = plan.start
-        for pi in plan.param_indices:
+        self._zero_unwritten(gi, bucket, buf, (plan.start, plan.end), plan.param_indices, written)
+
+    def _zero_unwritten(
+        self,
+        gi: int,
+        bucket: int,
+        buf: torch.Tensor,
+        span: tuple[int, int],
+        params: tuple[int, ...],
+        written: set[int],
+    ) -> None:
+        """Zero the part ``span`` (flat coordinates, holding ``params`` in offset order) of a
+        bucket buffer where no gradient was written: padding, and slots not in ``written``."""
+        group = self.groups[gi]
+        base = group.layout.buckets[bucket].start
+        position = span[0]
+        for pi in params:
             lo, hi = group.param_view(pi)
             if lo > position:
-                buf[position - plan.start : lo - plan.start].zero_()
+                buf[position - base : lo - base].zero_()
             if pi not in written:
-                buf[lo - plan.start : hi - plan.start].zero_()
+                buf[lo - base : hi - base].zero_()
             position = hi
-        if position < plan.end:
-            buf[position - plan.start :].zero_()
+        if position < span[1]:
+            buf[position - base : span[1] - base].zero_()
 
     def _launch_range(self, gi: int, bucket: int, start: int, end: int) -> None:
         """Reduce ``grad_buffer[start:end]`` (a finished part of a bucket) in place: all-reduce
@@ -346,16 +360,7 @@ class GradientReducer:
         plan = group.layout.buckets[bucket]
         buf = self._bucket_buffer(gi, bucket)
         written = self._bucket_written[(gi, bucket)]
-        position = unit.start  # zero what no gradient wrote: padding and unreached slots
-        for pi in unit.params:
-            lo, hi = group.param_view(pi)
-            if lo > position:
-                buf[position - plan.start : lo - plan.start].zero_()
-            if pi not in written:
-                buf[lo - plan.start : hi - plan.start].zero_()
-            position = hi
-        if position < unit.end:
-            buf[position - plan.start : unit.end - plan.start].zero_()
+        self._zero_unwritten(gi, bucket, buf, (unit.start, unit.end), unit.params, written)
         source = buf[unit.start - plan.start : unit.end - plan.start]
         policy = self.policy
         wire = source if policy.comm_dtype in (None, source.dtype) else source.to(policy.comm_dtype)
