@@ -44,6 +44,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "CommHandle": ("shardwise.comm.collectives", "CommHandle"),
     "all_reduce": ("shardwise.comm.collectives", "all_reduce"),
     "reduce_scatter_flat": ("shardwise.comm.collectives", "reduce_scatter_flat"),
+    "reduce_scatter_ranges": ("shardwise.comm.collectives", "reduce_scatter_ranges"),
     "all_gather_flat": ("shardwise.comm.collectives", "all_gather_flat"),
     "reduce_scatter_tensor": ("shardwise.comm.collectives", "reduce_scatter_tensor"),
     "all_gather_into_tensor": ("shardwise.comm.collectives", "all_gather_into_tensor"),
