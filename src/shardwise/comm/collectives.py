@@ -13,8 +13,8 @@ On nccl (and any backend other than gloo on CPU tensors) the native collectives 
 
 On gloo groups of two ranks (CPU tensors), both go through :mod:`shardwise.comm.exchange`:
 each rank sends its peer exactly the part the peer owns, point to point, which measured
-0.4-0.55x the time of an in-place all-reduce at every size tried (1M-16M elements; see
-that module). The table below compares the collectives that remain for other group sizes
+about half the time of an in-place all-reduce from 4 MiB on (``benchmarks/collectives_bench.py``;
+figures in that module). The table below compares the collectives that remain for other group sizes
 (where the exchange is correct but not measured; pass ``algorithm="exchange"`` to use it).
 
 On gloo, torch's native reduce-scatter and all-gather lose to an all-reduce of the whole
@@ -234,7 +234,7 @@ def choose_algorithm(
     if device_type != "cpu" or "gloo" not in backend:
         return "native"
     if world_size == 2 and collective in ("reduce_scatter", "all_gather"):
-        return "exchange"  # measured 0.4-0.55x an all-reduce at 1M-16M elements (comm.exchange)
+        return "exchange"  # about 0.5x an all-reduce from 4 MiB on (benchmarks/collectives_bench.py)
     if collective == "reduce_scatter":
         return "all_reduce" if input_is_scratch else "native"
     if collective == "all_gather":

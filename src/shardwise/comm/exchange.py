@@ -14,17 +14,23 @@ with ``isend``/``irecv``, exactly the part that peer owns:
   each peer's range in place. No temporary at all.
 
 Ranges may be any disjoint ``[lo, hi)`` slices, not just equal shards, so the reducer can
-reduce a piece of a bucket that cuts across shard boundaries (stage 1 reduces its
-gradient buffer in pieces while backward runs). Messages are cut into pieces of
-``PIECE_BYTES`` so receiving, adding and sending overlap. Measured with 2 gloo ranks on
-the 2-core CI machine (one intra-op thread each, median of 12 calls, fp32): against an
-in-place all-reduce of the whole buffer, the exchange reduce took 0.45-0.55x the time
-(4M elements 8.0 vs 17.2 ms, 6M 13.9 vs 29.7 ms, 16M 31-35 vs 68-72 ms) and the gather
-0.4x (16M: 27 vs 72 ms); 1-4 MiB pieces beat both 256 KiB and 16 MiB ones.
+reduce a piece of a bucket that cuts across shard boundaries (stages 1 and 2 reduce
+their gradients in pieces while backward runs). Messages are cut into pieces of
+``PIECE_BYTES`` so receiving, adding and sending overlap (1-4 MiB pieces beat 256 KiB and
+16 MiB ones). ``benchmarks/collectives_bench.py`` measures it against an in-place
+all-reduce of the whole buffer (2 gloo ranks on the 2-core CI machine, one intra-op thread
+each, median of 8 calls of the slower rank): reduce-scatter 0.49-0.84x (fp32, 1-64 MiB) and
+0.46-0.80x (bf16, 4-64 MiB; at 1 MiB bf16 it was 1.2x, 2.5 vs 2.0 ms), all-gather 0.45-0.86x;
+torch's native reduce-scatter was 1.3-1.9x and its all-gather 0.5-1.6x in the same run.
 :func:`shardwise.comm.collectives.choose_algorithm` uses it where that was measured: gloo
 groups of two ranks on CPU tensors. With many ranks each rank would keep ``W - 1``
 messages in flight per piece; that is correct at any size (tests run 3 ranks) but not
 measured, so larger groups keep torch's collectives unless the caller forces it.
+
+Gloo's point-to-point ``Work`` reports completion only through ``wait()`` (``is_completed()``
+stays False), so a second phase cannot be chained onto the first while backward runs. That is
+why stage 0 keeps gloo's all-reduce: an exchange all-reduce (reduce, then gather) measured
+0.8-0.9x in isolation, but its gather could only start when the engine waits, after backward.
 
 Every rank of the group must make the same calls in the same order (as for any
 collective): message tags come from a per-group call counter.
