@@ -185,12 +185,20 @@ def short_error(message: str) -> str:
 
 
 def frames_from_traceback(tb: Any) -> list[Frame]:
-    """The frames of a traceback object, outermost first."""
-    return [Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(tb)]
+    """The frames of a traceback object, outermost first.
+
+    Source lines are not read: a failing rank builds its status from this before others
+    ask where it is, and reading files (``traceback.extract_tb`` does) is slow on a loaded
+    machine.
+    """
+    return [Frame(f.f_code.co_filename, line or 0, f.f_code.co_name) for f, line in traceback.walk_tb(tb)]
 
 
 def _frames_from_frame(frame: Any) -> list[Frame]:
-    return [Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack(frame)]
+    frames = [
+        Frame(f.f_code.co_filename, line or 0, f.f_code.co_name) for f, line in traceback.walk_stack(frame)
+    ]
+    return frames[::-1]  # walk_stack goes innermost first
 
 
 _FH_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -738,7 +746,7 @@ def diagnose_exception(exc: BaseException, grace: float = _ANSWER_GRACE_S) -> st
     """
     if _state is None or isinstance(exc, RanksDidNotArriveError) or not _is_collective_failure(exc):
         return None
-    install()  # re-targets the current world group if the one it served was replaced
+    install()  # re-targets the current world group if the one it served was replaced (cheap otherwise)
     state = _state
     if state is None:
         return None

@@ -292,8 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     except BaseException as exc:  # every failure is recorded, then reported as Python would
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
-        tb_text = _user_traceback(exc)
+        # Diagnose first: it marks this rank as failed where the other ranks look, and
+        # formatting the traceback reads source files, which is slow on a loaded machine.
         diagnosis = _diagnose(exc)
+        tb_text = _user_traceback(exc)
         _record(code, exc, tb_text, diagnosis)
         sys.stderr.write(tb_text)
         if diagnosis:
