@@ -65,8 +65,8 @@ class ReducePolicy:
     pre_multiplier: float
 
 
-# Stages 0-1: all-reduce the finished part of a bucket once it holds this many elements
-# (DDP's default bucket: 25 MiB of fp32).
+# Progressive reduction: reduce the finished part of a bucket once it holds this many
+# elements (DDP's default bucket: 25 MiB of fp32).
 CHUNK_NUMEL = 25 * 2**20 // 4
 
 
@@ -322,10 +322,7 @@ class GradientReducer:
         group = self.groups[gi]
         assert group.grad_buffer is not None
         source = group.grad_buffer[start:end]
-        policy = self.policy
-        wire = source if policy.comm_dtype in (None, source.dtype) else source.to(policy.comm_dtype)
-        if policy.pre_multiplier != 1.0:
-            wire.mul_(policy.pre_multiplier)
+        wire = self._wire(source)
         work: Any
         if self._piece_exchange:
             owned = self._owned_in(gi, bucket, start, end)
@@ -340,6 +337,15 @@ class GradientReducer:
                 source[mine].copy_(wire[mine])
 
         self._inflight.append(_Inflight(work, after))
+
+    def _wire(self, source: torch.Tensor) -> torch.Tensor:
+        """What goes on the wire for ``source``: itself, or a copy in ``communication_data_type``;
+        pre-scaled (prescale / predivide) in place."""
+        policy = self.policy
+        wire = source if policy.comm_dtype in (None, source.dtype) else source.to(policy.comm_dtype)
+        if policy.pre_multiplier != 1.0:
+            wire.mul_(policy.pre_multiplier)
+        return wire
 
     def _owned_in(self, gi: int, bucket: int, start: int, end: int) -> list[tuple[int, int]]:
         """Each rank's shard of ``bucket`` within ``[start, end)``, relative to ``start``."""
@@ -362,10 +368,7 @@ class GradientReducer:
         written = self._bucket_written[(gi, bucket)]
         self._zero_unwritten(gi, bucket, buf, (unit.start, unit.end), unit.params, written)
         source = buf[unit.start - plan.start : unit.end - plan.start]
-        policy = self.policy
-        wire = source if policy.comm_dtype in (None, source.dtype) else source.to(policy.comm_dtype)
-        if policy.pre_multiplier != 1.0:
-            wire.mul_(policy.pre_multiplier)
+        wire = self._wire(source)
         owned = self._owned_in(gi, bucket, unit.start, unit.end)
         a, b = owned[group.rank]
         shard_lo = group.owned[bucket][0]
@@ -395,13 +398,10 @@ class GradientReducer:
         else:
             source = self._bucket_buffer(gi, bucket)
             self._settle_bucket_buffer(gi, bucket, source)
-        policy = self.policy
-        wire = source if policy.comm_dtype in (None, source.dtype) else source.to(policy.comm_dtype)
-        if policy.pre_multiplier != 1.0:
-            wire.mul_(policy.pre_multiplier)
+        wire = self._wire(source)
         target = group.grad[bucket]
         accumulate = group.grad_buffer is None and not self._fresh[gi][bucket]
-        if not policy.shard:
+        if not self.policy.shard:
             work = collectives.all_reduce(wire, op="sum", group=self.process_group, async_op=True)
 
             def after() -> None:
