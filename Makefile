@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo check-configs test lint bench bench-setup clean
+.PHONY: setup demo check-configs test test-numerics lint bench bench-setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,9 +24,15 @@ demo: $(STAMP)
 check-configs: $(STAMP)
 	$(BIN)/shardwise config check --world-size 2 examples/configs/*.json
 
-## test: the whole test suite
+## test: the whole test suite, then the numeric tests again with torch's portable (default) and AVX2
+## CPU kernels, so results hold on any x86 CPU whatever kernels the machine picks natively
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+	$(MAKE) --no-print-directory test-numerics
+
+test-numerics: $(STAMP)
+	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -m numeric tests
+	ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -m numeric tests
 
 ## bench: the engine-core benchmark, side by side with DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed
 bench: $(STAMP)

@@ -14,7 +14,7 @@ from checkpoint_cases import resume_is_bit_exact as _resume
 
 from shardwise.testing import run_distributed_cases
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.numeric]
 
 
 def _offload(stage: int, nvme: str | None, *, params: bool = False) -> dict:

@@ -6,7 +6,21 @@ every forward and backward runs the same kernels on the same shapes; gradients a
 accumulated in fp32 per rank and summed over ranks in the same order as the reduction.
 It implements DeepSpeed's recipe directly with plain torch: 16-bit model copy for
 forward/backward, fp32 master weights, loss / GAS (x loss scale for fp16), mean over
-ranks, global-norm clipping ``coef = clip / (norm + 1e-6)``, AdamW on the masters.
+ranks, global-norm clipping, AdamW on the masters.
+
+Clipping. The multiplier depends on the global gradient norm, and the engine sums that
+norm shard by shard (bucket shards at stages 1-2, FSDP2 row shards at stage 3, then an
+all-reduce) while a single process sums it tensor by tensor: the two fp32 sums round
+differently, and by how much depends on the CPU's vector width (AVX2 vs AVX-512 vs the
+``default`` kernels). So the two halves are checked separately:
+
+- the parameters are exact by construction: given ``engine_norms`` (the norms the engine
+  reported), the reference derives the multiplier from the engine's norm with DeepSpeed's
+  rule (``combined = loss_scale * max(1, (norm + 1e-6) / clip)``, grads ``*= 1 / combined``),
+  so every later operation runs the same kernels on the same bits;
+- the norm itself is compared with the exact (float64) norm of the reference's fp32
+  gradients within :func:`norm_error_bound`, a worst-case bound on fp32 rounding that
+  holds for any summation order, hence on any CPU.
 """
 
 from __future__ import annotations
@@ -64,8 +78,14 @@ def reference_run(
     *,
     reduce_every_micro: bool = False,
     clip: float = 0.0,
+    engine_norms: list[float] | None = None,
 ) -> dict[str, Any]:
     """Losses per (step, micro, rank), gradient norms per step and final fp32 master parameters.
+
+    ``norms`` are exact: float64 sums of the reference's fp32 gradients. ``largest_tensor``
+    is the largest gradient's element count (for :func:`norm_error_bound`). With
+    ``engine_norms`` (one per step) the clipping multiplier is computed from those instead
+    of the reference's own norms (see the module docstring).
 
     ``reduce_every_micro`` sums over ranks after every micro batch and accumulates those
     sums (ZeRO-2's order); otherwise each rank accumulates its micro batches and the
@@ -74,7 +94,7 @@ def reference_run(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks use 1 thread: reductions split the same way
     try:
-        return _reference(precision, gas, micro_batch, world, steps, reduce_every_micro, clip)
+        return _reference(precision, gas, micro_batch, world, steps, reduce_every_micro, clip, engine_norms)
     finally:
         torch.set_num_threads(threads)
 
@@ -87,6 +107,7 @@ def _reference(
     steps: int,
     reduce_every_micro: bool,
     clip_to: float,
+    engine_norms: list[float] | None,
 ) -> dict[str, Any]:
     dtype = DTYPES[precision]
     model = make_model()
@@ -128,20 +149,50 @@ def _reference(
                 total[i] = per_rank[0].clone()
                 for rank in range(1, world):
                     total[i].add_(per_rank[rank])
-        divisor = world * scale
-        norm = math.sqrt(sum(float(t.pow(2).sum()) for t in total)) / divisor
-        mult = 1.0 / divisor
+        divisor = world * scale  # a power of two: norm * divisor below is exact
+        norm = math.sqrt(sum(float(t.double().square().sum()) for t in total)) / divisor
         norms.append(norm)
-        clip = (norm + 1e-6) / clip_to if clip_to > 0 else 0.0
+        used = norm if engine_norms is None else engine_norms[step]
+        combined = divisor
+        clip = (used + 1e-6) / clip_to if clip_to > 0 else 0.0
         if clip > 1:
-            mult /= clip
+            combined = divisor * clip
+        mult = 1.0 / combined
         for m, t in zip(masters, total):
             m.grad = t * mult
         opt.step()
         with torch.no_grad():
             for p, m in zip(params, masters):
                 p.copy_(m)
-    return {"losses": losses, "params": [m.clone() for m in masters], "norms": norms}
+    largest = max(m.numel() for m in masters)
+    return {"losses": losses, "params": [m.clone() for m in masters], "norms": norms, "largest_tensor": largest}
+
+
+def norm_error_bound(norm: float, largest_tensor: int, tensors: int, world: int) -> float:
+    """Worst-case |fp32 norm - exact norm| for a global L2 norm computed the engine's way.
+
+    The engine squares every element in fp32 (one rounding each), sums the squares within
+    each gradient tensor or shard (at most ``largest_tensor`` addends), combines at most
+    ``tensors`` per-tensor partial sums on each rank (going through a per-tensor norm, i.e.
+    a square root and a square: two more roundings) and adds the ``world`` ranks' sums.
+    (A bucket shard at stages 1-2 holds at most half a 3000-element bucket here, fewer than
+    the largest parameter's 4096 elements, so ``largest_tensor`` bounds every chain.)
+    Every addend is non-negative, so whatever the order or grouping (sequential, vectorised
+    lanes of any width, pairwise), the computed sum of squares is within
+    ``gamma(k) = k*u / (1 - k*u)`` relative of the exact one, ``u = 2**-24``, with ``k`` the
+    longest chain of roundings any term goes through:
+    ``k = 1 + largest_tensor + 2 + tensors + world`` (Higham, *Accuracy and Stability of
+    Numerical Algorithms*, 2nd ed., eq. 4.4). The square root halves a relative error and
+    adds one rounding: ``|norm~ - norm| <= (gamma(k) / 2 + u) * norm``.
+
+    Example:
+        >>> round(norm_error_bound(1.0, 4096, 30, 2) * 1e4, 3)  # about 1.2e-4 relative
+        1.232
+    """
+    u = 2.0**-24
+    k = 1 + largest_tensor + 2 + tensors + world
+    gamma = k * u / (1 - k * u)
+    return (gamma / 2 + u) * norm
 
 
 def rank_train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:

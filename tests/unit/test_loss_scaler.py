@@ -34,6 +34,8 @@ from shardwise.precision.loss_scaler import (
 from shardwise.precision.overflow import all_reduce_overflow, has_inf_or_nan, overflow_flag
 from shardwise.utils.logging import logger
 
+pytestmark = pytest.mark.numeric
+
 
 def _trace(scaler: LossScaler, steps: int, overflow_at: set[int]) -> tuple[list[float], list[int]]:
     """Run ``steps`` updates; step ``i`` (the scaler's cur_iter before it) overflows if i in overflow_at."""

@@ -33,6 +33,8 @@ from shardwise.optim import (
 )
 from shardwise.utils.logging import logger
 
+pytestmark = pytest.mark.numeric
+
 # --------------------------------------------------------------------------- fixtures
 
 

@@ -26,6 +26,8 @@ from shardwise.schedulers import (
 )
 from shardwise.schedulers.formulas import OneCycleSchedule, WarmupSchedule
 
+pytestmark = pytest.mark.numeric
+
 TOL = 1e-5
 
 
