@@ -78,7 +78,7 @@ def test_cpu_machine_num_gpus_means_cpu_processes_on_one_local_node() -> None:
     assert p.runner == "local" and p.world_size == 2 and p.master_addr == "127.0.0.1"
     (node,) = p.nodes
     assert list(node.argv) == [
-        PY, "-u", "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=static",
+        PY, "-u", "-m", "shardwise.launcher.agent", "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=static",
         "--master-addr=127.0.0.1", "--master-port=29500", "--node-rank=0", "--max-restarts=0",
         "-m", "shardwise.launcher.worker", "--", "train.py", "--deepspeed_config", "ds.json",
     ]  # fmt: skip

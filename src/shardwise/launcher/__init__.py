@@ -4,7 +4,9 @@
   :mod:`~shardwise.launcher.planner`: pure planning (hostfile, include/exclude, ranks,
   every node's command);
 * :mod:`~shardwise.launcher.runners`: the backends' command lines and the process runner;
+* :mod:`~shardwise.launcher.agent`: every node's torchrun agent, tied to its launcher;
 * :mod:`~shardwise.launcher.worker`: what each rank runs around the user's script;
+* :mod:`~shardwise.launcher.lifeline`: parent-death signals, so no rank outlives its launcher;
 * :mod:`~shardwise.launcher.node`: the per-node entry used by pdsh;
 * :mod:`~shardwise.launcher.failures`: failure records and the closing summary.
 

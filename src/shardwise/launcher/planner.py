@@ -19,9 +19,9 @@ What a plan decides:
   order (DeepSpeed's rule: rank 0 is on the first host). ``--elastic_training`` uses the
   *c10d* rendezvous with ``--nnodes=min:max``, where node ranks are assigned at every
   (re)join; ``--rdzv_backend c10d`` selects it for a fixed-size run too.
-* **Per-node command**: ``python -u -m torch.distributed.run ... -m
-  shardwise.launcher.worker [flags] -- script args``; the worker adds ``--local_rank`` and
-  DeepSpeed's ``LOCAL_SIZE``/``CROSS_RANK``/``CROSS_SIZE`` before running the script.
+* **Per-node command**: ``python -u -m shardwise.launcher.agent ... -m
+  shardwise.launcher.worker [flags] -- script args`` (torchrun, tied to the launcher); the
+  worker adds ``--local_rank`` and DeepSpeed's ``LOCAL_SIZE``/``CROSS_RANK``/``CROSS_SIZE``.
 * **Exports**: ``.deepspeed_env`` / ``.shardwise_env`` (home, then the working directory;
   ``DS_ENV_FILE`` renames the DeepSpeed one) on every node, plus, for remote nodes, the
   variables DeepSpeed forwards (prefixes ``NCCL``, ``PYTHON``, ``MLFLOW``, ``MV2``, ``UCX``)
@@ -360,7 +360,7 @@ def torchrun_prefix(
     max_restarts: int,
     log_dir: str | None = None,
 ) -> list[str]:
-    """``python -u -m torch.distributed.run`` and its options, up to the program to run.
+    """``python -u -m shardwise.launcher.agent`` (torchrun) and its options, up to the program to run.
 
     Static rendezvous: ``--master-addr``/``--master-port``/``--node-rank`` fix the node's
     rank (hostfile order). c10d: ``--rdzv-endpoint``/``--rdzv-id``, ranks assigned at join.
@@ -374,7 +374,7 @@ def torchrun_prefix(
         python,
         "-u",
         "-m",
-        "torch.distributed.run",
+        "shardwise.launcher.agent",
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc_per_node}",
     ]
@@ -418,7 +418,7 @@ def torchrun_args(
     nnodes: str,
     node_rank: str | None = None,
 ) -> list[str]:
-    """One node's full ``python -u -m torch.distributed.run ... -m shardwise.launcher.worker ...`` command.
+    """One node's full ``python -u -m shardwise.launcher.agent ... -m shardwise.launcher.worker ...`` command.
 
     Args:
         options: the launch options.

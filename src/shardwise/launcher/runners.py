@@ -27,6 +27,9 @@ Two halves:
 * :func:`run_commands` starts them, forwards Ctrl-C/SIGTERM, stops every node when one
   fails (torchrun's agents stop their own node's ranks, but a static-rendezvous agent on
   another node would otherwise wait for the collective timeout), and returns the exit codes.
+  What it starts gets SIGTERM when the launcher dies, even by SIGKILL: a local agent stops
+  its ranks, mpirun and srun stop theirs; ssh and pdsh end, and the remote agents stop when
+  their remote shell ends (a remote shell that outlives a dropped connection keeps them).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
+from shardwise.launcher.lifeline import preexec_die_with
 from shardwise.launcher.planner import DEFAULT_HOSTFILE, LOCAL, LaunchPlan, max_restarts, rdzv_id, worker_args
 from shardwise.utils.logging import logger
 
@@ -272,7 +276,8 @@ def run_commands(
     """Start every command, wait, stop all when one fails; forward SIGINT/SIGTERM.
 
     Each command runs in its own session (process group), so stopping it reaches every
-    process it started. Output goes straight to this process's stdout/stderr.
+    process it started, and gets SIGTERM when this process dies, however it dies
+    (:mod:`shardwise.launcher.lifeline`). Output goes straight to this process's stdout/stderr.
     ``stop_on_failure=False`` (elastic runs) lets the other nodes carry on without the
     failed one: their agents re-rendezvous with fewer nodes.
 
@@ -291,13 +296,17 @@ def run_commands(
         for process in processes.values():
             _terminate(process, signal.SIGTERM)
 
+    # Each command gets SIGTERM if this process dies, even by SIGKILL (see lifeline).
+    die_with_launcher = preexec_die_with(os.getpid(), signal.SIGTERM)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for command in commands:
             env = dict(base_env)
             env.update(command.env)
             logger.info("starting %s: %s", command.label, command.display())
-            processes[command.label] = subprocess.Popen(list(command.argv), env=env, start_new_session=True)
+            processes[command.label] = subprocess.Popen(
+                list(command.argv), env=env, start_new_session=True, preexec_fn=die_with_launcher
+            )
         stop_deadline: float | None = None
         while True:
             codes = {label: p.poll() for label, p in processes.items()}

@@ -3,14 +3,16 @@
 torchrun starts ``python -m shardwise.launcher.worker [flags] -- script.py args`` once per
 local process. The worker, in this order:
 
-1. completes the environment DeepSpeed scripts expect: ``LOCAL_SIZE``, ``CROSS_RANK`` and
+1. under ``shardwise``'s agent, ties itself to it: the rank gets SIGKILL if the agent dies
+   (:mod:`shardwise.launcher.lifeline`), so no rank outlives its launcher;
+2. completes the environment DeepSpeed scripts expect: ``LOCAL_SIZE``, ``CROSS_RANK`` and
    ``CROSS_SIZE`` next to torchrun's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_*``;
    under mpirun or srun (no torchrun) all of them, from the MPI/SLURM variables;
-2. with ``--bind_cores_to_rank``, pins the process to its share of the cores
+3. with ``--bind_cores_to_rank``, pins the process to its share of the cores
    (``sched_setaffinity``, no numactl needed) and sets ``OMP_NUM_THREADS`` to match;
-3. arranges for a stack dump into the run directory if a signal stops it, so the launcher
+4. arranges for a stack dump into the run directory if a signal stops it, so the launcher
    can say where a stopped rank was;
-4. runs the script as ``python script.py --local_rank=N args`` would (``--local_rank`` is
+5. runs the script as ``python script.py --local_rank=N args`` would (``--local_rank`` is
    inserted before the user's arguments unless ``--no_local_rank``), in this process, so
    an exception is caught: it is written to torchrun's error file and to a failure record
    (with the hang diagnosis when a collective failed), and the exit code is kept.
@@ -38,6 +40,7 @@ from typing import Any, TextIO
 
 from shardwise.comm.diagnostics import short_error
 from shardwise.launcher.failures import RUN_DIR_VAR, write_record
+from shardwise.launcher.lifeline import AGENT_PID_VAR, die_with_parent
 
 __all__ = ["cores_for_rank", "main", "parse_core_list", "script_argv", "worker_environment"]
 
@@ -276,8 +279,20 @@ def _run_script(opts: argparse.Namespace, argv: list[str]) -> None:
     runpy.run_path(opts.script, run_name="__main__")
 
 
+def _die_with_agent(environ: dict[str, str] | os._Environ[str]) -> None:
+    """Tie this rank to its torchrun agent (see :mod:`shardwise.launcher.lifeline`).
+
+    Only when the agent is ``shardwise.launcher.agent`` (it announced its pid); the variable
+    is removed so that programs the script starts do not tie themselves to it.
+    """
+    agent_pid = environ.pop(AGENT_PID_VAR, "")
+    if agent_pid.isdigit() and environ.get("TORCHELASTIC_RUN_ID"):
+        die_with_parent(signal.SIGKILL, int(agent_pid))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one rank: environment, core binding, the script; returns its exit code."""
+    """Run one rank: tie it to its agent, environment, core binding, the script; returns its exit code."""
+    _die_with_agent(os.environ)
     opts = _parse(sys.argv[1:] if argv is None else argv)
     os.environ.update(worker_environment(os.environ))
     _bind_cores(opts, os.environ)
