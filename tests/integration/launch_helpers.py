@@ -40,13 +40,19 @@ def shardwise_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "shardwise.cli.main"]
 
 
-def run(argv: list[str], cwd: Path, timeout: float = 280.0, **env: str) -> Result:
-    """Run ``argv`` with the repo's sources first on the path and a private HOME (no stray env files)."""
+def environment(cwd: Path, **env: str) -> dict[str, str]:
+    """This environment with the repo's sources first on the path and a private HOME (no stray env files)."""
     environ = dict(os.environ)
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), environ.get("PYTHONPATH", "")]))
     environ["HOME"] = str(cwd)
     environ.pop("CUDA_VISIBLE_DEVICES", None)
     environ.update(env)
+    return environ
+
+
+def run(argv: list[str], cwd: Path, timeout: float = 280.0, **env: str) -> Result:
+    """Run ``argv`` in :func:`environment` and wait for it."""
+    environ = environment(cwd, **env)
     start = time.monotonic()
     process = subprocess.Popen(
         argv, cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

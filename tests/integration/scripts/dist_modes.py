@@ -11,7 +11,9 @@ Run by the tests through ``shardwise``, ``python -m shardwise.launcher`` or ``to
   goes on to its next all-reduce, as with ``if rank == 0: save_checkpoint()``;
 * ``exit``: end with torch's own ``dist.destroy_process_group()`` (shardwise's diagnostics
   are not told) and report, from an exit handler that runs after shardwise's, whether the
-  diagnostics thread is still alive while the interpreter finalizes.
+  diagnostics thread is still alive while the interpreter finalizes;
+* ``forever``: write ``rank-<RANK>.pid`` into the working directory, then all-reduce every
+  0.1 s until killed (for the tests that kill the launcher or an agent).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import atexit
 import json
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,7 +33,7 @@ import shardwise
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["env", "raise", "skip", "subset", "exit"])
+    parser.add_argument("mode", choices=["env", "raise", "skip", "subset", "exit", "forever"])
     parser.add_argument("--local_rank", type=int, default=None)
     parser.add_argument("--deepspeed_config", default=None)
     args = parser.parse_args()
@@ -77,6 +80,13 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
         return
+    elif args.mode == "forever":
+        with open(f"rank-{rank}.pid.tmp", "w") as handle:
+            handle.write(str(os.getpid()))
+        os.replace(f"rank-{rank}.pid.tmp", f"rank-{rank}.pid")  # the test never reads half a pid
+        while True:
+            dist.all_reduce(torch.ones(4))
+            time.sleep(0.1)
     shardwise.comm.destroy_process_group()
 
 
