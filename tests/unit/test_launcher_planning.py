@@ -37,9 +37,24 @@ def test_hostfile_parses_entries_in_order_skipping_comments_and_blanks() -> None
 
 def test_hostfile_ignores_trailing_text_after_slot_count() -> None:
     assert parse_hostfile("node slots=4 max_slots=8 extra\n") == {"node": 4}
+    assert parse_hostfile("node slots=4# was slots=2\n") == {"node": 4}  # a comment may say anything
 
 
-@pytest.mark.parametrize("line", ["worker-0", "worker-0 slots=", "worker-0 slots=x", "slots=4", "worker-0 4"])
+@pytest.mark.parametrize(
+    ("line", "second"), [("worker-0 slots=2 slots=3", "slots=3"), ("worker-0 slots=2 x slots = 8", "slots=8")]
+)
+def test_hostfile_repeated_slots_key_names_the_line_the_key_and_the_fix(line: str, second: str) -> None:
+    with pytest.raises(ValueError, match="gives the key 'slots' twice") as info:
+        parse_hostfile(f"ok slots=1\n{line}\n", source="hosts.txt")
+    message = str(info.value)
+    assert "hosts.txt:2" in message and repr(line) in message
+    assert f"(slots=2 and {second})" in message
+    assert "Give it once, with the host's total slot count: 'worker-0 slots=<N>'" in message
+
+
+@pytest.mark.parametrize(
+    "line", ["worker-0", "worker-0 slots=", "worker-0 slots=x", "slots=4", "worker-0 4", "worker-0 slots=4x"]
+)
 def test_hostfile_bad_line_names_line_number_text_and_form(line: str) -> None:
     with pytest.raises(ValueError, match="bad entry") as info:
         parse_hostfile(f"ok slots=1\n# c\n{line}\n", source="hosts.txt")

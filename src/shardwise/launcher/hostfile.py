@@ -4,13 +4,15 @@ Pure text processing, no I/O beyond :func:`read_hostfile`, so every rule is test
 microseconds. The format follows DeepSpeed's launcher (spec section 9.2):
 
 * one ``hostname slots=N`` entry per line; the pattern is anchored at the start of the
-  line and anything after the slot count is ignored (so ``worker-0 slots=4 # rack A``
+  line and text after the slot count is ignored (so ``worker-0 slots=4 # rack A``
   works);
 * lines starting with ``#`` and blank lines are skipped;
 * a host listed twice, a malformed line, or a file with no entries is an error.
 
-Unlike DeepSpeed we also reject ``slots=0``: a host with no devices cannot take part,
-and commenting the line out says the same thing without surprises later on.
+Unlike DeepSpeed we also reject ``slots=0`` (a host with no devices cannot take part, and
+commenting the line out says the same thing without surprises later on), a slot count with
+text glued to it (``slots=4x``), and a second ``slots=`` on a line (``worker-0 slots=2
+slots=3``, where DeepSpeed silently takes the first).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from shardwise.utils.logging import logger
 
 __all__ = ["HOSTFILE_ENTRY_FORM", "parse_hostfile", "read_hostfile"]
 
-# Anchored at the line start only: trailing text after the slot count is ignored on purpose.
-_ENTRY = re.compile(r"^(\S+)\s+slots=(\d+)")
+# Anchored at the line start; text after the slot count (from the next blank or '#') is ignored,
+# except a repeated slots key.
+_ENTRY = re.compile(r"^(\S+)\s+slots=(\d+)(?=\s|#|$)")
+_SLOTS_KEY = re.compile(r"(?<![\w.-])slots\s*=\s*(\S*)")
 
 HOSTFILE_ENTRY_FORM = "<hostname> slots=<N>   (for example: worker-0 slots=8)"
 """The expected form of one hostfile line, quoted in error messages."""
@@ -40,9 +44,9 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> dict[str, int]:
         Hosts in file order, each with its slot count (>= 1).
 
     Raises:
-        ValueError: for a malformed line, a duplicate host, ``slots=0`` or a file
-            without any entries. The message names the source, the line number and
-            the offending text.
+        ValueError: for a malformed line, a duplicate host, a repeated ``slots`` key,
+            ``slots=0`` or a file without any entries. The message names the source,
+            the line number and the offending text.
 
     Example:
         >>> parse_hostfile("worker-0 slots=4\\n# spare\\nworker-1 slots=4\\n")
@@ -62,6 +66,13 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> dict[str, int]:
                 "use '#' to comment a line out."
             )
         host, slots = match.group(1), int(match.group(2))
+        again = _SLOTS_KEY.search(line[match.end() :].split("#", 1)[0])
+        if again is not None:
+            raise ValueError(
+                f"Hostfile entry {source}:{lineno}: {raw!r} gives the key 'slots' twice "
+                f"(slots={slots} and slots={again.group(1)}). Give it once, with the host's total slot count: "
+                f"'{host} slots=<N>'."
+            )
         if host in hosts:
             raise ValueError(
                 f"Hostfile contains multiple entries for {host}: {source}:{first_seen[host]} and "
