@@ -359,6 +359,18 @@ def test_cli_errors_exit_2_with_the_reason(tmp_path, caplog) -> None:
         cli_main.main(["--launcher", "nope", "train.py"])
 
 
+@pytest.mark.parametrize("argv", [["-i", ""], ["--include="], ["-e", " "]])
+def test_an_empty_include_or_exclude_is_an_error_not_ignored(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli_main.main([*argv, "--dry_run", "train.py"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    option = "-e/--exclude" if argv[0] == "-e" else "-i/--include"
+    value = argv[1] if len(argv) == 2 else argv[0].partition("=")[2]
+    assert f"argument {option}: {value!r} is empty, so it names no host or slot" in err
+    assert "for example 'worker-0:0,2@worker-1', or leave the option out" in err
+
+
 def test_script_arguments_are_passed_untouched(capsys) -> None:
     # Launcher-looking flags after the script belong to the script.
     assert cli_main.main(["--dry_run", "train.py", "--num_gpus", "7", "--dry_run"]) == 0

@@ -47,6 +47,16 @@ from shardwise.utils.logging import logger, set_log_level
 __all__ = ["build_parser", "main", "options_from_args"]
 
 
+def _node_spec(text: str) -> str:
+    """``--include``/``--exclude``: an empty value is an error, not "no filter" (DeepSpeed ignores it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is empty, so it names no host or slot. Give NODE_SPEC[@NODE_SPEC...], for example "
+            "'worker-0:0,2@worker-1', or leave the option out to use every host and slot."
+        )
+    return text
+
+
 def build_parser(prog: str = "shardwise") -> argparse.ArgumentParser:
     """The launcher's parser: DeepSpeed's options, then the script and its arguments."""
     usage = f"{prog} [launcher options] user_script [user_args ...]"
@@ -67,8 +77,20 @@ def build_parser(prog: str = "shardwise") -> argparse.ArgumentParser:
         default=None,
         help="MPI-style hostfile of 'host slots=N' lines (default /job/hostfile)",
     )
-    add("-i", "--include", default="", help="NODE_SPEC[@NODE_SPEC...], NODE_SPEC=host[:slot[,slot...]]")
-    add("-e", "--exclude", default="", help="same syntax as --include; the slots to leave out")
+    add(
+        "-i",
+        "--include",
+        type=_node_spec,
+        default=None,
+        help="NODE_SPEC[@NODE_SPEC...], NODE_SPEC=host[:slot[,slot...]]",
+    )
+    add(
+        "-e",
+        "--exclude",
+        type=_node_spec,
+        default=None,
+        help="same syntax as --include; the slots to leave out",
+    )
     add("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
     add(
         "--num_gpus",
@@ -136,8 +158,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         user_script=args.user_script,
         user_args=tuple(args.user_args),
         hostfile=args.hostfile,
-        include=args.include,
-        exclude=args.exclude,
+        include=args.include or "",
+        exclude=args.exclude or "",
         num_nodes=args.num_nodes,
         num_gpus=args.num_gpus,
         master_addr=args.master_addr,
