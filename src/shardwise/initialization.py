@@ -129,7 +129,7 @@ def _check_zero_optimizer(cfg: ResolvedConfig, optimizer: torch.optim.Optimizer)
 
 
 def _device() -> torch.device:
-    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+    if comm.is_initialized() and comm.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -93,18 +93,14 @@ def _torch_part() -> dict[str, Any]:
     """torch's version, backends and devices; empty values when torch cannot be imported."""
     try:
         import torch
-        import torch.distributed as dist
+
+        from shardwise.comm.diagnostics import flight_recorder_available
+        from shardwise.comm.init import available_backends
     except Exception as exc:  # a broken torch install is exactly what a report must show
         return {"error": f"{type(exc).__name__}: {exc}"}
     part: dict[str, Any] = {"version": torch.__version__, "cuda_build": torch.version.cuda}
     part["hip_build"] = getattr(torch.version, "hip", None)
-    available = dist.is_available()
-    backends = {
-        "gloo": available and dist.is_gloo_available(),
-        "nccl": available and dist.is_nccl_available(),
-    }
-    backends["mpi"] = available and dist.is_mpi_available()
-    backends["ucc"] = available and bool(getattr(dist, "is_ucc_available", lambda: False)())
+    backends = available_backends()
     part["backends"] = backends
     if backends["nccl"]:
         try:
@@ -120,12 +116,7 @@ def _torch_part() -> dict[str, Any]:
     part["cuda_devices"] = devices
     mps = getattr(torch.backends, "mps", None)
     part["mps"] = bool(mps is not None and mps.is_available())
-    try:
-        from torch._C import _distributed_c10d as c10d
-
-        part["flight_recorder"] = hasattr(c10d, "_dump_fr_trace_json")
-    except Exception:
-        part["flight_recorder"] = False
+    part["flight_recorder"] = flight_recorder_available()
     part["fsdp2"] = importlib.util.find_spec("torch.distributed.fsdp") is not None and _has_fully_shard()
     part["dcp"] = importlib.util.find_spec("torch.distributed.checkpoint") is not None
     return part

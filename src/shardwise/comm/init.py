@@ -32,8 +32,10 @@ from shardwise.comm.env import DistEnv, discover_environment, timeout_from_env
 from shardwise.utils.logging import logger
 
 __all__ = [
+    "available_backends",
     "barrier",
     "destroy_process_group",
+    "get_backend",
     "get_global_rank",
     "get_local_rank",
     "get_rank",
@@ -249,6 +251,25 @@ def get_world_size(group: dist.ProcessGroup | None = None) -> int:
     if not is_initialized():
         return 1
     return dist.get_world_size(group)
+
+
+def get_backend(group: dist.ProcessGroup | None = None) -> str:
+    """The backend of ``group`` (default: the world): ``"nccl"``, ``"gloo"``, ``"cpu:gloo,cuda:nccl"``...;
+    ``""`` when no group exists."""
+    if not is_initialized():
+        return ""
+    return str(dist.get_backend(group))
+
+
+def available_backends() -> dict[str, bool]:
+    """Which process-group backends this torch build offers (for ``shardwise report``)."""
+    available = dist.is_available()
+    return {
+        "gloo": available and dist.is_gloo_available(),
+        "nccl": available and dist.is_nccl_available(),
+        "mpi": available and dist.is_mpi_available(),
+        "ucc": available and bool(getattr(dist, "is_ucc_available", lambda: False)()),
+    }
 
 
 def get_local_rank() -> int:

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardwise.comm.init import is_initialized
+
 __all__ = [
     "CLIP_EPS",
     "clip_coefficient",
@@ -89,7 +91,7 @@ def global_norm(local_sq_sum: Tensor, group: object | Sequence[object] | None = 
         tensor(5.)
     """
     total = local_sq_sum.detach().to(torch.float32).clone()
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         groups = list(group) if isinstance(group, (list, tuple)) else [group]
         from shardwise.comm import collectives  # the one door to torch.distributed (and its logger)
 

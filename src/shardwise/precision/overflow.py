@@ -12,6 +12,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from shardwise.comm.init import get_backend, is_initialized
+
 __all__ = ["all_reduce_overflow", "has_inf_or_nan", "overflow_flag"]
 
 
@@ -78,7 +80,7 @@ def has_inf_or_nan(tensors: Iterable[torch.Tensor]) -> bool:
 
 def _device_for_group(group: dist.ProcessGroup | None, hint: torch.device | None) -> torch.device:
     """Pick a device the group's backend can reduce on (nccl needs CUDA, gloo takes CPU)."""
-    backend = str(dist.get_backend(group)).lower()
+    backend = get_backend(group).lower()
     if "nccl" in backend and torch.cuda.is_available():
         if hint is not None and hint.type == "cuda":
             return hint
@@ -108,7 +110,7 @@ def all_reduce_overflow(
         >>> all_reduce_overflow(False)  # no process group: the local flag
         False
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_initialized():
         if isinstance(overflow, torch.Tensor):
             return bool(overflow.item())
         return bool(overflow)

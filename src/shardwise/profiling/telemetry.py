@@ -7,7 +7,7 @@ hands over the loss of each backward, and at each accumulation boundary calls
 * the wall-clock timers (``wall_clock_breakdown``) and the throughput timer;
 * the window loss, averaged over ranks;
 * every ``steps_per_print`` steps, one progress line (and with the timers, one timer
-  line aggregated over ranks), through :func:`shardwise.profiling.report.report_logger`
+  line aggregated over ranks), through :func:`shardwise.utils.report.report_logger`
   so it shows on rank 0 at the default log level;
 * at every boundary, monitor events (rank 0 writes);
 * the flops profiler at ``profile_step`` (rank 0), and the start-up memory report.
@@ -32,7 +32,7 @@ from shardwise.precision.loss_scaler import NoOpLossScaler
 from shardwise.profiling import progress
 from shardwise.profiling.flops_profiler import FlopsProfiler
 from shardwise.profiling.memory import memory_report
-from shardwise.profiling.report import report_logger
+from shardwise.utils.report import report_logger
 from shardwise.profiling.timers import FORWARD, PHASES, ThroughputTimer, WallClockTimers
 
 __all__ = ["Telemetry", "build_telemetry"]
@@ -229,9 +229,9 @@ class Telemetry:
         return loss, window_mean, interval_mean, interval_max
 
     def _all_gather(self, row: list[float]) -> list[list[float]]:
-        import torch.distributed as dist
+        from shardwise.comm.init import is_initialized
 
-        if self.world_size == 1 or not dist.is_initialized():
+        if self.world_size == 1 or not is_initialized():
             return [row]
         from shardwise.comm.collectives import all_gather_flat
 
