@@ -49,7 +49,7 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from shardwise.config.explain import explain
+    from shardwise.cli.explain import explain
     from shardwise.utils.logging import set_log_level
 
     set_log_level("ERROR")  # warnings are printed below, once, next to their file

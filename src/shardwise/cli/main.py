@@ -26,7 +26,7 @@ SUBCOMMANDS = ("config", "report", "elastic", "checkpoint")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The sub-command parser (the launch parser is :func:`shardwise.cli.launch_cmd.build_parser`)."""
+    """The sub-command parser (the launch parser is :func:`shardwise.launcher.command.build_parser`)."""
     parser = argparse.ArgumentParser(prog="shardwise", description="DeepSpeed-config training on PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
     config_cmd.add_parser(sub)
@@ -43,9 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args and args[0] in SUBCOMMANDS:
         parsed = build_parser().parse_args(args)
         return int(parsed.func(parsed))
-    from shardwise.cli import launch_cmd
+    from shardwise.launcher import command
 
-    return launch_cmd.main(args)
+    return command.main(args)
 
 
 if __name__ == "__main__":

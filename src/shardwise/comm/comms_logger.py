@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardwise.utils.logging import logger
+from shardwise.utils.report import report_logger
 
 __all__ = [
     "COMMS_LOGGER",
@@ -369,8 +370,6 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict
         >>> # comm.log_summary()
         >>> # -> Comm. Op            Message Size        Count  ...
     """
-    from shardwise.profiling.report import report_logger
-
     summary = COMMS_LOGGER.summary()
     straggler = _straggler_effect(summary) if show_straggler else None
     rank, world = _rank_and_world()

@@ -8,7 +8,9 @@
 * :mod:`~shardwise.launcher.worker`: what each rank runs around the user's script;
 * :mod:`~shardwise.launcher.lifeline`: parent-death signals, so no rank outlives its launcher;
 * :mod:`~shardwise.launcher.node`: the per-node entry used by pdsh;
-* :mod:`~shardwise.launcher.failures`: failure records and the closing summary.
+* :mod:`~shardwise.launcher.failures`: failure records and the closing summary;
+* :mod:`~shardwise.launcher.command`: the launch command line (``shardwise script.py ...``), which
+  the ``shardwise`` CLI dispatches to.
 
 ``python -m shardwise.launcher [options] script.py args`` is the same as ``shardwise``.
 Importing this package does not import torch.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from shardwise.cli.launch_cmd import main
+from shardwise.launcher.command import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="python -m shardwise.launcher"))

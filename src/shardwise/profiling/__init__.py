@@ -23,7 +23,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "ThroughputTimer": ("shardwise.profiling.timers", "ThroughputTimer"),
     "Telemetry": ("shardwise.profiling.telemetry", "Telemetry"),
     "build_telemetry": ("shardwise.profiling.telemetry", "build_telemetry"),
-    "report_logger": ("shardwise.profiling.report", "report_logger"),
+    "report_logger": ("shardwise.utils.report", "report_logger"),
 }
 
 __all__ = sorted(_LAZY)

@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from torch.utils.hooks import RemovableHandle
 
-from shardwise.profiling.report import report_logger
+from shardwise.utils.report import report_logger
 
 __all__ = [
     "FlopsProfiler",

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from shardwise.profiling.report import report_logger
+from shardwise.comm.init import get_rank, is_initialized
+from shardwise.utils.report import report_logger
 
 __all__ = [
     "ModelStateBytes",
@@ -194,6 +195,6 @@ def memory_report(model: torch.nn.Module, optimizer: Any = None, device: torch.d
 
 
 def _rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
+    if is_initialized():
+        return get_rank()
     return int(os.environ.get("RANK", "0"))
