@@ -65,7 +65,7 @@ def main() -> None:
         )
     interactive = sys.stderr.isatty()
     # with "steps_per_print" the engine logs a progress line itself; print our own only without it
-    engine_prints = bool(engine.config.steps_per_print)
+    engine_prints = bool(engine.config.config.steps_per_print)
     bar = tqdm(total=args.steps, disable=not (rank0 and interactive), desc="train", unit="step")
     first = last = None
     batches = deepspeed.RepeatingLoader(loader)

@@ -79,7 +79,8 @@ class ShardwiseEngine(nn.Module):
     # ------------------------------------------------------------------ config accessors
     @property
     def config(self) -> ResolvedConfig:
-        """The resolved config (``engine.config.zero_optimization.stage``...)."""
+        """The resolved config: sections under ``engine.config.config`` (``.zero_optimization.stage``...),
+        the batch triple as ``engine.config.batch``."""
         return self._config
 
     def train_batch_size(self) -> int:
@@ -104,7 +105,7 @@ class ShardwiseEngine(nn.Module):
 
     def zero_optimization_stage(self) -> int:
         """The ZeRO stage, 0-3."""
-        return self._config.zero_stage
+        return self._config.config.zero_stage
 
     @property
     def dp_world_size(self) -> int:
@@ -312,20 +313,8 @@ class ShardwiseEngine(nn.Module):
         self._set_batch(micro_batch_size * gas * self.dp_world_size, micro_batch_size, gas)
 
     def _set_batch(self, tbs: int, mbs: int, gas: int) -> None:
-        """The new batch triple everywhere it is read: the engine's getters, ``engine.config``
-        and the config a checkpoint records."""
-        from dataclasses import replace
-
-        self._config.batch = replace(
-            self._config.batch, train_batch_size=tbs, micro_batch_per_gpu=mbs, gradient_accumulation_steps=gas
-        )
-        self._config.config = self._config.config.model_copy(
-            update={
-                "train_batch_size": tbs,
-                "train_micro_batch_size_per_gpu": mbs,
-                "gradient_accumulation_steps": gas,
-            }
-        )
+        """The new batch triple, stored once in the config (the getters and checkpoints read it there)."""
+        self._config.set_batch(tbs, mbs, gas)
 
     # ------------------------------------------------------------------ data
     def deepspeed_io(
@@ -346,7 +335,7 @@ class ShardwiseEngine(nn.Module):
             batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
             dp_rank=self.topology.dp_rank,
             dp_world_size=self.dp_world_size,
-            drop_last=self._config.dataloader_drop_last,
+            drop_last=self._config.config.dataloader_drop_last,
             collate_fn=collate_fn or self.collate_fn,
             num_workers=num_local_io_workers or 0,
             pin_memory=pin_memory and self.device.type == "cuda",

@@ -107,9 +107,9 @@ def _optimizer_factory(
         return lambda groups: cls(groups, **defaults)
     if callable(client_optimizer):
         return lambda groups: client_optimizer(groups)
-    if cfg.optimizer is not None:
-        spec = cfg.optimizer
-        offload = cfg.zero_optimization.offload_optimizer_device != "none"
+    if cfg.config.optimizer is not None:
+        spec = cfg.config.optimizer
+        offload = cfg.config.zero_optimization.offload_optimizer_device != "none"
         return lambda groups: build_optimizer(spec.type, dict(spec.params), groups, offload=offload)
     return None
 
@@ -117,7 +117,11 @@ def _optimizer_factory(
 def _check_zero_optimizer(cfg: ResolvedConfig, optimizer: torch.optim.Optimizer) -> None:
     from shardwise.optim import is_zero_supported
 
-    if cfg.zero_stage >= 1 and not is_zero_supported(optimizer) and not cfg.zero_allow_untested_optimizer:
+    if (
+        cfg.config.zero_stage >= 1
+        and not is_zero_supported(optimizer)
+        and not cfg.config.zero_allow_untested_optimizer
+    ):
         raise ConfigError(
             "zero_allow_untested_optimizer",
             f"{type(optimizer).__name__} is not known to be correct on ZeRO's sharded flat tensors "
@@ -141,9 +145,9 @@ def _build_scheduler(cfg: ResolvedConfig, client_scheduler: Any, optimizer: Any)
         if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
             return client_scheduler(optimizer.optimizer if optimizer is not None else None)
         return client_scheduler
-    if cfg.scheduler is None or optimizer is None:
+    if cfg.config.scheduler is None or optimizer is None:
         return None
-    return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), optimizer)
+    return build_scheduler(cfg.config.scheduler.type, dict(cfg.config.scheduler.params), optimizer)
 
 
 def initialize(
@@ -182,10 +186,10 @@ def initialize(
         hidden_size=_hidden_size(model),
     )
     cfg = load_config(source, context=context)
-    if cfg.log_level:
-        set_log_level(cfg.log_level)
-    if cfg.comms_logger is not None:  # before the first broadcast, so start-up traffic is recorded too
-        configure_comms_logger(cfg.comms_logger)
+    if cfg.config.log_level:
+        set_log_level(cfg.config.log_level)
+    if cfg.config.comms_logger is not None:  # before the first broadcast, so start-up traffic is recorded too
+        configure_comms_logger(cfg.config.comms_logger)
     precision = build_precision(cfg.config)
     device = _device()
     from shardwise.zero.factory import prepare_module
@@ -229,7 +233,7 @@ def initialize(
         engine.training_dataloader = loader
     logger.info(
         "engine ready: ZeRO stage %d, %s, batch %d = %d x %d x %d ranks",
-        cfg.zero_stage,
+        cfg.config.zero_stage,
         precision.name,
         cfg.batch.train_batch_size,
         cfg.batch.micro_batch_per_gpu,

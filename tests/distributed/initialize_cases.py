@@ -60,12 +60,12 @@ def api_scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["set_tbs"] = engine.get_batch_info()
     saved = engine.config.to_ds_dict()
     out["set_tbs_config"] = (
-        engine.config.train_batch_size,
+        engine.config.config.train_batch_size,
         saved["train_micro_batch_size_per_gpu"],
         saved["gradient_accumulation_steps"],
     )
     out["bad_tbs"] = _error(lambda: engine.set_train_batch_size(3))
     engine.set_train_micro_batch_size(1)
     out["set_mbs"] = engine.get_batch_info()
-    out["getattr"] = engine.config.zero_optimization.stage, engine.wte is engine.module.wte
+    out["getattr"] = engine.config.config.zero_optimization.stage, engine.wte is engine.module.wte
     return out

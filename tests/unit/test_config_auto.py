@@ -85,7 +85,7 @@ def test_override_fills_auto() -> None:
     cfg = load_config(
         {**BASE, "zero_optimization": {"stage": "auto"}}, overrides={"zero_optimization.stage": 2}
     )
-    assert cfg.zero_stage == 2
+    assert cfg.config.zero_stage == 2
     prov = cfg.sources["zero_optimization.stage"]
     assert prov.source is Source.OVERRIDE and "auto" in prov.note
 
@@ -94,15 +94,15 @@ def test_override_fills_missing_key() -> None:
     cfg = load_config(
         BASE, overrides={"zero_optimization.stage": 3, "optimizer.type": "AdamW", "optimizer.params.lr": 0.02}
     )
-    assert cfg.zero_stage == 3
-    assert cfg.optimizer.params == {"lr": 0.02}
+    assert cfg.config.zero_stage == 3
+    assert cfg.config.optimizer.params == {"lr": 0.02}
     for key in ("zero_optimization.stage", "optimizer.type", "optimizer.params.lr"):
         assert cfg.sources[key].source is Source.OVERRIDE
 
 
 def test_override_equal_to_file_is_fine() -> None:
     cfg = load_config({**BASE, "gradient_clipping": 0.5}, overrides={"gradient_clipping": 0.5})
-    assert cfg.gradient_clipping == 0.5
+    assert cfg.config.gradient_clipping == 0.5
     assert cfg.sources["gradient_clipping"].source is Source.OVERRIDE
 
 
@@ -117,7 +117,7 @@ def test_override_conflicting_with_file_is_an_error() -> None:
 
 def test_override_of_auto_is_case_insensitive() -> None:
     cfg = load_config({**BASE, "gradient_clipping": " AUTO "}, overrides={"gradient_clipping": 0.25})
-    assert cfg.gradient_clipping == 0.25
+    assert cfg.config.gradient_clipping == 0.25
 
 
 def test_override_of_a_block_records_its_leaves_as_override() -> None:
@@ -126,7 +126,7 @@ def test_override_of_a_block_records_its_leaves_as_override() -> None:
         {**BASE, "zero_optimization": {"stage": 2}},
         overrides={"zero_optimization.offload_optimizer": {"device": "cpu"}},
     )
-    assert cfg.zero_optimization.offload_optimizer_device == "cpu"
+    assert cfg.config.zero_optimization.offload_optimizer_device == "cpu"
     assert cfg.sources["zero_optimization.offload_optimizer.device"].source is Source.OVERRIDE
 
 
@@ -137,7 +137,7 @@ def test_context_overrides_merge_with_keyword_overrides() -> None:
         context=ctx,
         overrides={"steps_per_print": 7},
     )
-    assert (cfg.gradient_clipping, cfg.steps_per_print) == (0.3, 7)
+    assert (cfg.config.gradient_clipping, cfg.config.steps_per_print) == (0.3, 7)
 
 
 # ------------------------------------------------------------------ batch autos
@@ -146,7 +146,11 @@ def test_context_overrides_merge_with_keyword_overrides() -> None:
 def test_micro_batch_auto_from_loader() -> None:
     ctx = ResolutionContext(world_size=2, loader_batch_size=3)
     cfg = load_config({TBS: "auto", MBS: "auto", GAS: "auto"}, context=ctx)
-    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
+    assert (
+        cfg.config.train_batch_size,
+        cfg.config.train_micro_batch_size_per_gpu,
+        cfg.config.gradient_accumulation_steps,
+    ) == (
         6,
         3,
         1,
@@ -159,7 +163,11 @@ def test_micro_batch_auto_from_loader() -> None:
 
 def test_micro_batch_auto_defaults_to_one_with_warning() -> None:
     cfg = load_config({MBS: "auto", GAS: 2}, world_size=2)
-    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
+    assert (
+        cfg.config.train_batch_size,
+        cfg.config.train_micro_batch_size_per_gpu,
+        cfg.config.gradient_accumulation_steps,
+    ) == (
         4,
         1,
         2,
@@ -171,7 +179,11 @@ def test_micro_batch_auto_defaults_to_one_with_warning() -> None:
 
 def test_train_batch_auto_alone_uses_default_micro_batch() -> None:
     cfg = load_config({TBS: "auto"}, world_size=2)
-    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
+    assert (
+        cfg.config.train_batch_size,
+        cfg.config.train_micro_batch_size_per_gpu,
+        cfg.config.gradient_accumulation_steps,
+    ) == (
         2,
         1,
         1,
@@ -182,33 +194,33 @@ def test_train_batch_auto_alone_uses_default_micro_batch() -> None:
 
 def test_train_batch_auto_with_explicit_micro_batch() -> None:
     cfg = load_config({TBS: "auto", MBS: 4, GAS: 2}, world_size=3)
-    assert cfg.train_batch_size == 24
+    assert cfg.config.train_batch_size == 24
     assert cfg.sources[TBS].source is Source.DERIVED and cfg.sources[MBS].source is Source.FILE
     assert cfg.warnings == []
 
 
 def test_micro_batch_auto_with_explicit_train_batch_is_derived() -> None:
     cfg = load_config({TBS: 16, MBS: "auto", GAS: 2}, world_size=2)
-    assert cfg.train_micro_batch_size_per_gpu == 4
+    assert cfg.config.train_micro_batch_size_per_gpu == 4
     assert cfg.sources[MBS].source is Source.DERIVED
     assert cfg.warnings == []
 
 
 def test_gas_auto_derived_when_train_and_micro_given() -> None:
     cfg = load_config({TBS: 16, MBS: 2, GAS: "auto"}, world_size=2)
-    assert cfg.gradient_accumulation_steps == 4
+    assert cfg.config.gradient_accumulation_steps == 4
     assert cfg.sources[GAS].source is Source.DERIVED
 
 
 def test_gas_auto_defaults_to_one_otherwise() -> None:
     cfg = load_config({MBS: 2, GAS: "auto"}, world_size=2)
-    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (4, 1)
+    assert (cfg.config.train_batch_size, cfg.config.gradient_accumulation_steps) == (4, 1)
     assert cfg.sources[GAS].source is Source.AUTO and "default 1" in cfg.sources[GAS].note
 
 
 def test_batch_override_replaces_auto() -> None:
     cfg = load_config({TBS: "auto", MBS: "auto"}, world_size=2, overrides={TBS: 16})
-    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (16, 8)
+    assert (cfg.config.train_batch_size, cfg.config.train_micro_batch_size_per_gpu) == (16, 8)
     assert cfg.sources[TBS].source is Source.OVERRIDE
 
 
@@ -217,19 +229,23 @@ def test_batch_override_replaces_auto() -> None:
 
 def test_gradient_clipping_auto() -> None:
     cfg = load_config({**BASE, "gradient_clipping": "auto"})
-    assert cfg.gradient_clipping == 1.0
+    assert cfg.config.gradient_clipping == 1.0
     assert cfg.sources["gradient_clipping"].source is Source.AUTO
 
 
 def test_bf16_enabled_auto_is_false() -> None:
     cfg = load_config({**BASE, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}})
-    assert cfg.bf16.enabled is False and cfg.fp16.enabled is False and cfg.precision == "fp32"
+    assert (
+        cfg.config.bf16.enabled is False
+        and cfg.config.fp16.enabled is False
+        and cfg.config.precision == "fp32"
+    )
     assert cfg.sources["bf16.enabled"].source is Source.AUTO
 
 
 def test_zero_stage_auto_is_zero() -> None:
     cfg = load_config({**BASE, "zero_optimization": {"stage": "auto"}})
-    assert cfg.zero_stage == 0
+    assert cfg.config.zero_stage == 0
     assert cfg.sources["zero_optimization.stage"].source is Source.AUTO
 
 
@@ -241,8 +257,8 @@ def test_auto_in_nested_section_takes_the_field_default() -> None:
             "steps_per_print": "auto",
         }
     )
-    assert cfg.zero_optimization.offload_param.buffer_count == 5
-    assert cfg.steps_per_print is None
+    assert cfg.config.zero_optimization.offload_param.buffer_count == 5
+    assert cfg.config.steps_per_print is None
 
 
 @pytest.mark.parametrize(
@@ -258,7 +274,7 @@ def test_bucket_sizes_from_hidden_size(hidden: int, expected: tuple[int, int, in
         "stage3_param_persistence_threshold": "auto",
     }
     cfg = load_config({**BASE, "zero_optimization": zero}, context=ResolutionContext(hidden_size=hidden))
-    z = cfg.zero_optimization
+    z = cfg.config.zero_optimization
     assert (
         z.reduce_bucket_size,
         z.stage3_prefetch_bucket_size,
@@ -274,7 +290,7 @@ def test_bucket_size_short_alias_auto_uses_hidden_size() -> None:
         {**BASE, "zero_optimization": {"stage": 3, "prefetch_bucket_size": "auto"}},
         context=ResolutionContext(hidden_size=100),
     )
-    assert cfg.zero_optimization.stage3_prefetch_bucket_size == 9000
+    assert cfg.config.zero_optimization.stage3_prefetch_bucket_size == 9000
 
 
 def test_bucket_sizes_without_hidden_size_take_section_defaults() -> None:
@@ -285,7 +301,7 @@ def test_bucket_sizes_without_hidden_size_take_section_defaults() -> None:
         "stage3_param_persistence_threshold": "auto",
     }
     cfg = load_config({**BASE, "zero_optimization": zero})
-    z = cfg.zero_optimization
+    z = cfg.config.zero_optimization
     assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (
         500_000_000,
         50_000_000,
@@ -304,8 +320,8 @@ def test_optimizer_params_from_client_hparams() -> None:
     )
     opt = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
     cfg = load_config({**BASE, "optimizer": opt}, context=ctx)
-    assert cfg.optimizer.params == {"lr": 5e-5, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}
-    assert isinstance(cfg.optimizer.params["betas"], list)
+    assert cfg.config.optimizer.params == {"lr": 5e-5, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+    assert isinstance(cfg.config.optimizer.params["betas"], list)
     prov = cfg.sources["optimizer.params.lr"]
     assert prov.source is Source.AUTO and "optimizer passed to initialize" in prov.note
 
@@ -323,7 +339,7 @@ def test_optimizer_params_from_client_hparams() -> None:
 def test_optimizer_params_from_default_table(opt_type: str, expected: dict[str, Any]) -> None:
     params = dict.fromkeys(expected, "auto")
     cfg = load_config({**BASE, "optimizer": {"type": opt_type, "params": params}})
-    assert cfg.optimizer.params == expected
+    assert cfg.config.optimizer.params == expected
     assert cfg.sources["optimizer.params.lr"].source is Source.AUTO
 
 
@@ -332,7 +348,7 @@ def test_client_hparams_win_over_the_default_table() -> None:
         {**BASE, "optimizer": {"type": "AdamW", "params": {"lr": "auto", "eps": "auto"}}},
         context=ResolutionContext(optimizer_hparams={"lr": 0.5}),
     )
-    assert cfg.optimizer.params == {"lr": 0.5, "eps": 1e-8}
+    assert cfg.config.optimizer.params == {"lr": 0.5, "eps": 1e-8}
 
 
 def test_torch_optimizer_defaults_from_signature() -> None:
@@ -342,7 +358,7 @@ def test_torch_optimizer_defaults_from_signature() -> None:
             "optimizer": {"type": "RMSprop", "params": {"lr": 0.01, "alpha": "auto", "momentum": "auto"}},
         }
     )
-    assert cfg.optimizer.params == {"lr": 0.01, "alpha": 0.99, "momentum": 0}
+    assert cfg.config.optimizer.params == {"lr": 0.01, "alpha": 0.99, "momentum": 0}
     assert cfg.sources["optimizer.params.alpha"].source is Source.AUTO
 
 
@@ -357,8 +373,8 @@ def test_sgd_lr_auto_follows_torch_signature() -> None:
         assert info.value.key == "optimizer.params.lr"
     else:
         cfg = load_config(source)
-        assert cfg.optimizer.params == {"lr": lr_param.default, "momentum": 0}
-        assert cfg.optimizer.params["lr"] == 1e-3
+        assert cfg.config.optimizer.params == {"lr": lr_param.default, "momentum": 0}
+        assert cfg.config.optimizer.params["lr"] == 1e-3
 
 
 def test_optimizer_param_without_any_default_is_an_error() -> None:
@@ -392,7 +408,7 @@ def test_warmup_max_lr_derived_from_file_optimizer_lr() -> None:
             "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}},
         }
     )
-    assert cfg.scheduler.params["warmup_max_lr"] == 3e-4
+    assert cfg.config.scheduler.params["warmup_max_lr"] == 3e-4
     prov = cfg.sources["scheduler.params.warmup_max_lr"]
     assert prov.source is Source.DERIVED and "lr" in prov.note
 
@@ -407,8 +423,8 @@ def test_warmup_max_lr_follows_optimizer_lr_that_was_itself_auto() -> None:
         },
         context=ResolutionContext(optimizer_hparams={"lr": 7e-5}),
     )
-    assert cfg.optimizer.params["lr"] == 7e-5
-    assert cfg.scheduler.params["warmup_max_lr"] == 7e-5
+    assert cfg.config.optimizer.params["lr"] == 7e-5
+    assert cfg.config.scheduler.params["warmup_max_lr"] == 7e-5
 
 
 def test_warmup_max_lr_from_client_hparams_without_config_optimizer() -> None:
@@ -416,13 +432,13 @@ def test_warmup_max_lr_from_client_hparams_without_config_optimizer() -> None:
         {**BASE, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}},
         context=ResolutionContext(optimizer_hparams={"lr": 0.02}),
     )
-    assert cfg.scheduler.params["warmup_max_lr"] == 0.02
+    assert cfg.config.scheduler.params["warmup_max_lr"] == 0.02
     assert cfg.sources["scheduler.params.warmup_max_lr"].source is Source.DERIVED
 
 
 def test_warmup_max_lr_default_without_any_lr() -> None:
     cfg = load_config({**BASE, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}})
-    assert cfg.scheduler.params["warmup_max_lr"] == 1e-3
+    assert cfg.config.scheduler.params["warmup_max_lr"] == 1e-3
     assert cfg.sources["scheduler.params.warmup_max_lr"].source is Source.AUTO
 
 
@@ -434,7 +450,7 @@ def test_one_cycle_autos() -> None:
         },
         context=ResolutionContext(optimizer_hparams={"lr": 0.05}),
     )
-    assert cfg.scheduler.params == {"cycle_min_lr": 0.0, "cycle_max_lr": 0.05}
+    assert cfg.config.scheduler.params == {"cycle_min_lr": 0.0, "cycle_max_lr": 0.05}
 
 
 def test_total_num_steps_from_planned_steps() -> None:
@@ -442,14 +458,14 @@ def test_total_num_steps_from_planned_steps() -> None:
         {**BASE, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
         context=ResolutionContext(total_training_steps=1234),
     )
-    assert cfg.scheduler.params["total_num_steps"] == 1234
+    assert cfg.config.scheduler.params["total_num_steps"] == 1234
     assert cfg.sources["scheduler.params.total_num_steps"].source is Source.DERIVED
     assert not any("total_num_steps" in w for w in cfg.warnings)
 
 
 def test_total_num_steps_default_with_warning() -> None:
     cfg = load_config({**BASE, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}})
-    assert cfg.scheduler.params["total_num_steps"] == 10_000
+    assert cfg.config.scheduler.params["total_num_steps"] == 10_000
     assert cfg.sources["scheduler.params.total_num_steps"].source is Source.AUTO
     warning = next(w for w in cfg.warnings if "total_num_steps" in w)
     assert "10000" in warning and "overrides=" in warning
@@ -465,7 +481,7 @@ def test_total_num_steps_default_is_at_least_the_warmup() -> None:
             },
         }
     )
-    assert cfg.scheduler.params["total_num_steps"] == 20_000
+    assert cfg.config.scheduler.params["total_num_steps"] == 20_000
 
 
 def test_scheduler_defaults_table() -> None:
@@ -476,7 +492,7 @@ def test_scheduler_defaults_table() -> None:
         "cos_min_ratio": "auto",
     }
     cfg = load_config({**BASE, "scheduler": {"type": "WarmupCosineLR", "params": params}})
-    assert cfg.scheduler.params == {
+    assert cfg.config.scheduler.params == {
         "warmup_min_lr": 0.0,
         "warmup_num_steps": 1000,
         "warmup_type": "log",
@@ -525,14 +541,14 @@ def test_auto_in_free_form_dict_is_an_error(block: dict[str, Any], path: str) ->
 def test_free_form_auto_can_be_filled_by_override() -> None:
     path = "tensor_parallel.partition_config.x"
     cfg = load_config({**BASE, "tensor_parallel": {"partition_config": {"x": "auto"}}}, overrides={path: 3})
-    assert cfg.tensor_parallel.partition_config == {"x": 3}
+    assert cfg.config.tensor_parallel.partition_config == {"x": 3}
 
 
 def test_literal_auto_fields_are_kept() -> None:
     cfg = load_config(
         {**BASE, "pipeline": {"stages": "auto"}, "data_types": {"keep_in_fp32_modules": "auto"}}
     )
-    assert cfg.pipeline.stages == "auto" and cfg.data_types.keep_in_fp32_modules == "auto"
+    assert cfg.config.pipeline.stages == "auto" and cfg.config.data_types.keep_in_fp32_modules == "auto"
 
 
 # ------------------------------------------------------------------ the whole HF file
@@ -547,20 +563,29 @@ def test_hf_file_resolves_completely_with_provenance() -> None:
         optimizer_hparams={"lr": 5e-5, "betas": (0.9, 0.98), "eps": 1e-6, "weight_decay": 0.01},
     )
     cfg = load_config(HF_ZERO3, context=ctx)
-    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
+    assert (
+        cfg.config.train_batch_size,
+        cfg.config.train_micro_batch_size_per_gpu,
+        cfg.config.gradient_accumulation_steps,
+    ) == (
         16,
         8,
         1,
     )
-    assert cfg.precision == "fp32" and cfg.gradient_clipping == 1.0
-    assert cfg.optimizer.params == {"lr": 5e-5, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.01}
-    assert cfg.scheduler.params == {
+    assert cfg.config.precision == "fp32" and cfg.config.gradient_clipping == 1.0
+    assert cfg.config.optimizer.params == {
+        "lr": 5e-5,
+        "betas": [0.9, 0.98],
+        "eps": 1e-6,
+        "weight_decay": 0.01,
+    }
+    assert cfg.config.scheduler.params == {
         "warmup_min_lr": 0.0,
         "warmup_max_lr": 5e-5,
         "warmup_num_steps": 1000,
         "total_num_steps": 500,
     }
-    z = cfg.zero_optimization
+    z = cfg.config.zero_optimization
     assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (
         589_824,
         530_841,
@@ -590,6 +615,6 @@ def test_hf_file_resolves_completely_with_provenance() -> None:
 def test_hf_file_without_context_still_resolves_with_warnings() -> None:
     cfg = load_config(HF_ZERO3, world_size=4)
     assert [p for p in _walk_autos(cfg.to_ds_dict()) if p not in LITERAL_AUTO_FIELDS] == []
-    assert cfg.train_batch_size == 4
-    assert cfg.optimizer.params["lr"] == 1e-3 and cfg.scheduler.params["warmup_max_lr"] == 1e-3
+    assert cfg.config.train_batch_size == 4
+    assert cfg.config.optimizer.params["lr"] == 1e-3 and cfg.config.scheduler.params["warmup_max_lr"] == 1e-3
     assert any(MBS in w for w in cfg.warnings) and any("total_num_steps" in w for w in cfg.warnings)

@@ -75,7 +75,11 @@ def test_spec_table_ok_rows_through_load_config(
     world: int, tbs: object, mbs: object, gas: object, expected: tuple[int, int, int]
 ) -> None:
     cfg = load_config(_inputs(tbs, mbs, gas), world_size=world)
-    got = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps)
+    got = (
+        cfg.config.train_batch_size,
+        cfg.config.train_micro_batch_size_per_gpu,
+        cfg.config.gradient_accumulation_steps,
+    )
     assert got == expected
     assert all(type(v) is int for v in got)
 
@@ -300,7 +304,11 @@ def test_non_number_rejected(value: object) -> None:
 def test_sequence_parallel_divides_the_world_for_batch_arithmetic() -> None:
     cfg = load_config({TBS: 8, "sequence_parallel_size": 2}, world_size=4)
     assert cfg.batch.world_size == 2
-    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
+    assert (
+        cfg.config.train_batch_size,
+        cfg.config.train_micro_batch_size_per_gpu,
+        cfg.config.gradient_accumulation_steps,
+    ) == (
         8,
         4,
         1,
@@ -310,12 +318,12 @@ def test_sequence_parallel_divides_the_world_for_batch_arithmetic() -> None:
 
 def test_sequence_parallel_with_micro_batch() -> None:
     cfg = load_config({MBS: 3, GAS: 2, "sequence_parallel_size": 4}, world_size=8)
-    assert cfg.train_batch_size == 3 * 2 * 2
+    assert cfg.config.train_batch_size == 3 * 2 * 2
 
 
 def test_sequence_parallel_one_keeps_world() -> None:
     cfg = load_config({TBS: 8, "sequence_parallel_size": 1}, world_size=4)
-    assert cfg.batch.world_size == 4 and cfg.train_micro_batch_size_per_gpu == 2
+    assert cfg.batch.world_size == 4 and cfg.config.train_micro_batch_size_per_gpu == 2
 
 
 def test_sequence_parallel_must_divide_world() -> None:

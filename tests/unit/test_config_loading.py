@@ -50,9 +50,9 @@ def test_dict_input_is_not_mutated() -> None:
     before = copy.deepcopy(user)
     cfg = load_config(user, world_size=2, overrides={"train_micro_batch_size_per_gpu": 2})
     assert user == before
-    assert cfg.train_batch_size == 4 and cfg.zero_optimization.offload_optimizer_device == "cpu"
+    assert cfg.config.train_batch_size == 4 and cfg.config.zero_optimization.offload_optimizer_device == "cpu"
     # and the resolved config does not alias the caller's nested objects
-    assert cfg.optimizer.params["betas"] is not user["optimizer"]["params"]["betas"]
+    assert cfg.config.optimizer.params["betas"] is not user["optimizer"]["params"]["betas"]
 
 
 def test_read_config_source_copies_dict() -> None:
@@ -66,21 +66,25 @@ def test_read_config_source_copies_dict() -> None:
 def test_hjson_file_with_comments_unquoted_keys_and_trailing_commas(tmp_path: Path) -> None:
     path = _write(tmp_path, HJSON_TEXT)
     cfg = load_config(str(path), world_size=2)
-    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
+    assert (
+        cfg.config.train_batch_size,
+        cfg.config.train_micro_batch_size_per_gpu,
+        cfg.config.gradient_accumulation_steps,
+    ) == (
         16,
         4,
         2,
     )
-    assert cfg.zero_stage == 2
-    assert cfg.zero_optimization.offload_optimizer_device == "cpu"
-    assert cfg.bf16.enabled is True
+    assert cfg.config.zero_stage == 2
+    assert cfg.config.zero_optimization.offload_optimizer_device == "cpu"
+    assert cfg.config.bf16.enabled is True
     assert cfg.origin == str(path)
 
 
 def test_pathlike_is_accepted(tmp_path: Path) -> None:
     path = _write(tmp_path, json.dumps({"train_batch_size": 6}))
     cfg = load_config(path, world_size=3)
-    assert cfg.train_micro_batch_size_per_gpu == 2
+    assert cfg.config.train_micro_batch_size_per_gpu == 2
 
 
 def test_duplicate_key_in_file_names_the_key(tmp_path: Path) -> None:
@@ -101,7 +105,7 @@ def test_duplicate_nested_key_names_the_key(tmp_path: Path) -> None:
 
 def test_json_string() -> None:
     cfg = load_config('  {"train_batch_size": 8, "fp16": {"enabled": true}}  ', world_size=2)
-    assert cfg.train_micro_batch_size_per_gpu == 4 and cfg.precision == "fp16"
+    assert cfg.config.train_micro_batch_size_per_gpu == 4 and cfg.config.precision == "fp16"
     assert cfg.origin == "<json string>"
 
 
@@ -117,14 +121,14 @@ def test_urlsafe_base64_string() -> None:
     encoded = base64.urlsafe_b64encode(json.dumps(payload).encode()).decode()
     assert "-" in encoded or "_" in encoded
     cfg = load_config(encoded, world_size=4)
-    assert cfg.train_micro_batch_size_per_gpu == 2
-    assert cfg.wandb.project == "??>>~~"
+    assert cfg.config.train_micro_batch_size_per_gpu == 2
+    assert cfg.config.wandb.project == "??>>~~"
     assert cfg.origin == "<base64 string>"
 
 
 def test_base64_without_padding() -> None:
     encoded = base64.urlsafe_b64encode(b'{"train_batch_size": 2}').decode().rstrip("=")
-    assert load_config(encoded, world_size=2).train_micro_batch_size_per_gpu == 1
+    assert load_config(encoded, world_size=2).config.train_micro_batch_size_per_gpu == 1
 
 
 @pytest.mark.parametrize("missing", ["does/not/exist.json", "no_such_config.json"])

@@ -248,12 +248,13 @@ def test_defaults_are_recorded_as_default(default_dump: dict[str, Any]) -> None:
 def test_overlap_comm_default_depends_on_stage() -> None:
     # spec 3.7: None -> True for stage 3, else False
     assert [
-        _load({"zero_optimization": {"stage": s}}).zero_optimization.overlap_comm_effective for s in range(4)
+        _load({"zero_optimization": {"stage": s}}).config.zero_optimization.overlap_comm_effective
+        for s in range(4)
     ] == [False, False, False, True]
     assert (
         _load(
             {"zero_optimization": {"stage": 3, "overlap_comm": False}}
-        ).zero_optimization.overlap_comm_effective
+        ).config.zero_optimization.overlap_comm_effective
         is False
     )
 
@@ -284,7 +285,7 @@ def test_offload_block_defaults() -> None:
 
 
 def test_comms_logger_absent_by_default_and_spec_defaults_when_present() -> None:
-    assert load_config(BASE).comms_logger is None  # spec 3.15: active only when the key is present
+    assert load_config(BASE).config.comms_logger is None  # spec 3.15: active only when the key is present
     dump = _load({"comms_logger": {}}).to_ds_dict()["comms_logger"]
     assert dump == {"enabled": False, "verbose": False, "prof_all": True, "debug": False, "prof_ops": []}
 
@@ -330,7 +331,7 @@ def test_checkpoint_writer_defaults() -> None:
 
 def test_removed_section_defaults() -> None:
     cfg = _load({"elasticity": {}, "progressive_layer_drop": {}, "eigenvalue": {}, "sparse_attention": {}})
-    e = cfg.elasticity
+    e = cfg.config.elasticity
     assert (e.enabled, e.max_train_batch_size, e.micro_batch_sizes, e.min_gpus, e.max_gpus, e.version) == (
         False,
         2000,
@@ -346,9 +347,9 @@ def test_removed_section_defaults() -> None:
         e.prefer_larger_batch,
         e.ignore_non_elastic_batch_info,
     ) == (1, 1, 0, True, False)
-    pld = cfg.progressive_layer_drop
+    pld = cfg.config.progressive_layer_drop
     assert (pld.enabled, pld.theta, pld.gamma) == (False, 1.0, 0.001)
-    ev = cfg.eigenvalue
+    ev = cfg.config.eigenvalue
     assert (ev.max_iter, ev.tol, ev.stability, ev.gas_boundary_resolution, ev.layer_name, ev.layer_num) == (
         100,
         1e-2,
@@ -357,7 +358,7 @@ def test_removed_section_defaults() -> None:
         "bert.encoder.layer",
         0,
     )
-    sa = cfg.sparse_attention
+    sa = cfg.config.sparse_attention
     assert (
         sa.mode,
         sa.block,
@@ -376,20 +377,20 @@ def test_removed_section_defaults() -> None:
 
 def test_bfloat16_is_bf16() -> None:
     cfg = _load({"bfloat16": {"enabled": True}})
-    assert cfg.bf16.enabled is True and cfg.precision == "bf16"
+    assert cfg.config.bf16.enabled is True and cfg.config.precision == "bf16"
     assert "bfloat16" not in cfg.to_ds_dict() and cfg.to_ds_dict()["bf16"]["enabled"] is True
 
 
 def test_bfloat16_ignored_when_bf16_present() -> None:
     cfg = _load({"bfloat16": {"enabled": True}, "bf16": {"enabled": False}})
-    assert cfg.bf16.enabled is False
+    assert cfg.config.bf16.enabled is False
     assert any("'bfloat16' is ignored" in w for w in cfg.warnings)
 
 
 @pytest.mark.parametrize(("flag", "stage"), [(True, 1), (False, 0)])
 def test_zero_optimization_boolean_form(flag: bool, stage: int) -> None:
     cfg = _load({"zero_optimization": flag})
-    assert cfg.zero_stage == stage
+    assert cfg.config.zero_stage == stage
     assert any("old boolean form" in w for w in cfg.warnings)
     prov = cfg.sources["zero_optimization.stage"]
     assert prov.source is Source.FILE and "legacy spelling" in prov.note
@@ -397,13 +398,13 @@ def test_zero_optimization_boolean_form(flag: bool, stage: int) -> None:
 
 def test_zero_boolean_form_reads_top_level_allgather_size() -> None:
     cfg = _load({"zero_optimization": True, "allgather_size": 123_456})
-    assert cfg.zero_optimization.allgather_bucket_size == 123_456
+    assert cfg.config.zero_optimization.allgather_bucket_size == 123_456
     assert "allgather_size" not in cfg.unknown_keys
 
 
 def test_cpu_offload() -> None:
     cfg = _load({"zero_optimization": {"stage": 2, "cpu_offload": True}})
-    assert cfg.zero_optimization.offload_optimizer_device == "cpu"
+    assert cfg.config.zero_optimization.offload_optimizer_device == "cpu"
     assert any("cpu_offload" in w for w in cfg.warnings)
     assert cfg.sources["zero_optimization.offload_optimizer.device"].note == (
         "legacy spelling 'zero_optimization.cpu_offload'"
@@ -412,7 +413,7 @@ def test_cpu_offload() -> None:
 
 def test_cpu_offload_false_is_dropped() -> None:
     cfg = _load({"zero_optimization": {"stage": 2, "cpu_offload": False}})
-    assert cfg.zero_optimization.offload_optimizer is None
+    assert cfg.config.zero_optimization.offload_optimizer is None
 
 
 def test_cpu_offload_with_offload_optimizer_names_both() -> None:
@@ -425,7 +426,7 @@ def test_cpu_offload_with_offload_optimizer_names_both() -> None:
 
 def test_cpu_offload_param() -> None:
     cfg = _load({"zero_optimization": {"stage": 3, "cpu_offload_param": True}})
-    assert cfg.zero_optimization.offload_param_device == "cpu"
+    assert cfg.config.zero_optimization.offload_param_device == "cpu"
     err = _error(
         {"zero_optimization": {"stage": 3, "cpu_offload_param": True, "offload_param": {"device": "cpu"}}}
     )
@@ -439,7 +440,7 @@ def test_cpu_offload_use_pin_memory_is_ignored_with_warning() -> None:
 
 def test_stage3_gather_fp16_weights_on_model_save() -> None:
     cfg = _load({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True}})
-    assert cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
+    assert cfg.config.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
 
 
 @pytest.mark.parametrize(
@@ -474,14 +475,14 @@ def test_both_spellings_is_an_error_naming_both() -> None:
 
 def test_fp32_allreduce_is_communication_data_type_fp32() -> None:
     cfg = _load({"fp32_allreduce": True})
-    assert cfg.communication_data_type == "fp32"
+    assert cfg.config.communication_data_type == "fp32"
     assert "fp32_allreduce" not in cfg.unknown_keys
     assert cfg.sources["communication_data_type"].source is Source.FILE
 
 
 def test_fp32_allreduce_false_is_dropped() -> None:
     cfg = _load({"fp32_allreduce": False})
-    assert cfg.communication_data_type is None and cfg.warnings == []
+    assert cfg.config.communication_data_type is None and cfg.warnings == []
 
 
 def test_fp32_allreduce_conflicting_with_communication_data_type() -> None:
@@ -490,31 +491,31 @@ def test_fp32_allreduce_conflicting_with_communication_data_type() -> None:
 
 
 def test_aio_thread_count() -> None:
-    assert _load({"aio": {"thread_count": 4}}).aio.intra_op_parallelism == 4
+    assert _load({"aio": {"thread_count": 4}}).config.aio.intra_op_parallelism == 4
     err = _error({"aio": {"thread_count": 4, "intra_op_parallelism": 2}})
     assert "aio.thread_count" in str(err) and "aio.intra_op_parallelism" in str(err)
 
 
 def test_partitioned_activations_spelling() -> None:
     cfg = _load({"activation_checkpointing": {"partitioned_activations": True}})
-    assert cfg.activation_checkpointing.partition_activations is True
+    assert cfg.config.activation_checkpointing.partition_activations is True
 
 
 def test_fp16_only_keys_in_bf16_are_a_warning() -> None:
     cfg = _load({"bf16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2}})
-    assert cfg.bf16.enabled is True
+    assert cfg.config.bf16.enabled is True
     warning = next(w for w in cfg.warnings if "bf16 section has fp16-only keys" in w)
     assert "loss_scale" in warning and "initial_scale_power" in warning and "hysteresis" in warning
 
 
 def test_amp_keys_in_fp16_are_a_warning() -> None:
     cfg = _load({"fp16": {"enabled": True, "opt_level": "O2"}})
-    assert cfg.fp16.enabled and any("opt_level" in w for w in cfg.warnings)
+    assert cfg.config.fp16.enabled and any("opt_level" in w for w in cfg.warnings)
 
 
 @pytest.mark.parametrize(("text", "expected"), [("BFloat16", "bf16"), ("FP16", "fp16"), ("float32", "fp32")])
 def test_communication_data_type_aliases(text: str, expected: str) -> None:
-    assert _load({"communication_data_type": text}).communication_data_type == expected
+    assert _load({"communication_data_type": text}).config.communication_data_type == expected
 
 
 def test_communication_data_type_invalid() -> None:
@@ -597,7 +598,7 @@ def test_lenient_unknown_key_does_not_hide_other_errors() -> None:
 
 def test_unknown_top_level_key_is_a_warning_with_did_you_mean() -> None:
     cfg = _load({"gradient_accumulation": 2})
-    assert cfg.gradient_accumulation_steps == 1
+    assert cfg.config.gradient_accumulation_steps == 1
     assert cfg.unknown_keys == {"gradient_accumulation": 2}
     assert any("did you mean 'gradient_accumulation_steps'?" in w for w in cfg.warnings)
 
@@ -610,7 +611,7 @@ def test_unknown_top_level_key_strict() -> None:
 
 def test_top_level_key_that_lives_in_a_section() -> None:
     cfg = _load({"stage": 2})
-    assert cfg.zero_stage == 0
+    assert cfg.config.zero_stage == 0
     assert any("zero_optimization.stage" in w for w in cfg.warnings)
 
 
@@ -628,7 +629,7 @@ def test_integral_floats_accepted_for_ints() -> None:
             }
         }
     )
-    z = cfg.zero_optimization
+    z = cfg.config.zero_optimization
     assert (z.reduce_bucket_size, z.stage3_max_live_parameters, z.stage3_prefetch_bucket_size) == (
         500_000_000,
         1_000_000_000,
@@ -645,7 +646,7 @@ def test_fractional_float_rejected_for_int() -> None:
 
 @pytest.mark.parametrize("stage", ["2", 2.0, " 2 "])
 def test_stage_text_accepted(stage: object) -> None:
-    assert _load({"zero_optimization": {"stage": stage}}).zero_stage == 2
+    assert _load({"zero_optimization": {"stage": stage}}).config.zero_stage == 2
 
 
 @pytest.mark.parametrize("stage", [4, -1, "three"])
@@ -664,7 +665,7 @@ def test_offload_device_validation(block: str) -> None:
     err = _error({"zero_optimization": {"stage": 3, block: {"device": "gpu"}}})
     assert err.key == f"zero_optimization.{block}.device" and "'nvme'" in err.fix
     cfg = _load({"zero_optimization": {"stage": 3, block: {"device": "CPU"}}})
-    assert getattr(cfg.zero_optimization, f"{block}_device") == "cpu"
+    assert getattr(cfg.config.zero_optimization, f"{block}_device") == "cpu"
 
 
 def test_nvme_offload_needs_a_path() -> None:
@@ -673,7 +674,7 @@ def test_nvme_offload_needs_a_path() -> None:
     cfg = _load(
         {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local"}}}
     )
-    assert str(cfg.zero_optimization.offload_param.nvme_path) == "/local"
+    assert str(cfg.config.zero_optimization.offload_param.nvme_path) == "/local"
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -683,7 +684,7 @@ def test_partial_offload_needs_stage_3(stage: int) -> None:
     )
     assert "offload_optimizer.ratio=0.5" in err.rule and "stage 3" in err.rule
     cfg = _load({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})
-    assert cfg.zero_optimization.offload_optimizer.ratio == 0.5
+    assert cfg.config.zero_optimization.offload_optimizer.ratio == 0.5
 
 
 def test_ratio_out_of_range() -> None:
@@ -708,12 +709,12 @@ def test_fp16_value_rules() -> None:
     assert "min_loss_scale" in _error({"fp16": {"enabled": True, "min_loss_scale": 0}}).rule
     assert _error({"fp16": {"loss_scale_window": 0}}).key == "fp16.loss_scale_window"
     # a fractional minimum is accepted (0.19.8 types it as int; see docs/config-defaults.md)
-    assert _load({"fp16": {"enabled": True, "min_loss_scale": 1e-4}}).fp16.min_loss_scale == 1e-4
+    assert _load({"fp16": {"enabled": True, "min_loss_scale": 1e-4}}).config.fp16.min_loss_scale == 1e-4
 
 
 @pytest.mark.parametrize(("text", "expected"), [("fail", "Fail"), ("IGNORE", "Ignore"), ("Warn", "Warn")])
 def test_tag_validation_case_insensitive(text: str, expected: str) -> None:
-    assert _load({"checkpoint": {"tag_validation": text}}).checkpoint.tag_validation == expected
+    assert _load({"checkpoint": {"tag_validation": text}}).config.checkpoint.tag_validation == expected
 
 
 def test_tag_validation_invalid() -> None:
@@ -726,7 +727,7 @@ def test_autotuning_dirs_must_be_non_empty() -> None:
 
 
 def test_torch_autocast_dtype_aliases() -> None:
-    assert _load({"torch_autocast": {"dtype": "torch.float16"}}).torch_autocast.dtype == "float16"
+    assert _load({"torch_autocast": {"dtype": "torch.float16"}}).config.torch_autocast.dtype == "float16"
     assert _error({"torch_autocast": {"dtype": "int8"}}).key == "torch_autocast.dtype"
 
 
@@ -778,14 +779,14 @@ def test_cross_section_rule_allowed_neighbours(extra: dict[str, Any]) -> None:
 
 def test_nebula_disabled_is_accepted() -> None:
     cfg = _load({"nebula": {"enabled": False, "persistent_storage_path": "/tmp/x"}})
-    assert cfg.nebula is not None and cfg.nebula.enabled is False
+    assert cfg.config.nebula is not None and cfg.config.nebula.enabled is False
 
 
 def test_mics_off_is_accepted() -> None:
     cfg = _load(
         {"zero_optimization": {"stage": 3, "mics_shard_size": -1, "mics_hierarchical_params_gather": False}}
     )
-    assert cfg.zero_optimization.mics_shard_size == -1
+    assert cfg.config.zero_optimization.mics_shard_size == -1
 
 
 # ------------------------------------------------------------------ removed sections accepted
@@ -817,18 +818,25 @@ def test_removed_sections_accepted_with_their_meaning() -> None:
             "quantize_training": {"enabled": True, "quantize_bits": {"start_bits": 16, "target_bits": 8}},
         }
     )
-    group = cfg.compression_training.weight_quantization.different_groups["wq1"]
+    group = cfg.config.compression_training.weight_quantization.different_groups["wq1"]
     assert group.params == {"start_bits": 8, "target_bits": 8} and group.modules == ["attention.self"]
-    assert cfg.compression_training.sparse_pruning.different_groups == {}
+    assert cfg.config.compression_training.sparse_pruning.different_groups == {}
     assert (
-        cfg.sparse_attention.mode,
-        cfg.sparse_attention.block,
-        cfg.sparse_attention.num_random_blocks,
+        cfg.config.sparse_attention.mode,
+        cfg.config.sparse_attention.block,
+        cfg.config.sparse_attention.num_random_blocks,
     ) == ("bigbird", 32, 2)
-    assert cfg.amp.enabled is True and cfg.amp.opt_level == "O2"
+    assert cfg.config.amp.enabled is True and cfg.config.amp.opt_level == "O2"
     assert cfg.to_ds_dict()["amp"]["loss_scale"] == "dynamic"  # apex options are kept
-    assert (cfg.curriculum_learning.min_difficulty, cfg.curriculum_learning.max_difficulty) == (8, 1024)
-    assert (cfg.progressive_layer_drop.theta, cfg.eigenvalue.max_iter, cfg.eigenvalue.layer_num) == (
+    assert (cfg.config.curriculum_learning.min_difficulty, cfg.config.curriculum_learning.max_difficulty) == (
+        8,
+        1024,
+    )
+    assert (
+        cfg.config.progressive_layer_drop.theta,
+        cfg.config.eigenvalue.max_iter,
+        cfg.config.eigenvalue.layer_num,
+    ) == (
         0.5,
         50,
         12,
@@ -839,7 +847,7 @@ def test_removed_sections_accepted_with_their_meaning() -> None:
 
 def test_compression_group_default_modules() -> None:
     cfg = _load({"compression_training": {"sparse_pruning": {"different_groups": {"sp1": {"params": {}}}}}})
-    assert cfg.compression_training.sparse_pruning.different_groups["sp1"].modules == ["*"]
+    assert cfg.config.compression_training.sparse_pruning.different_groups["sp1"].modules == ["*"]
 
 
 def test_sparse_attention_mode_validated() -> None:
@@ -859,7 +867,11 @@ ELASTIC_V01 = {
 def test_elasticity_sets_the_batch() -> None:
     # spec 10.4: v0.1 with world size 8 gives (1680, [...], 6); GAS = 1680 // (6 * 8)
     cfg = load_config({"elasticity": ELASTIC_V01}, world_size=8)
-    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
+    assert (
+        cfg.config.train_batch_size,
+        cfg.config.train_micro_batch_size_per_gpu,
+        cfg.config.gradient_accumulation_steps,
+    ) == (
         1680,
         6,
         35,
@@ -880,12 +892,12 @@ def test_elasticity_overrides_explicit_batch_keys_when_told_to() -> None:
     cfg = load_config(
         {"train_batch_size": 8, "gradient_accumulation_steps": 1, "elasticity": block}, world_size=8
     )
-    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (1680, 6)
+    assert (cfg.config.train_batch_size, cfg.config.train_micro_batch_size_per_gpu) == (1680, 6)
 
 
 def test_elasticity_disabled_leaves_batch_alone() -> None:
     cfg = load_config({"train_batch_size": 8, "elasticity": {**ELASTIC_V01, "enabled": False}}, world_size=2)
-    assert cfg.train_batch_size == 8 and cfg.elasticity.enabled is False
+    assert cfg.config.train_batch_size == 8 and cfg.config.elasticity.enabled is False
 
 
 def test_elasticity_block_validation() -> None:

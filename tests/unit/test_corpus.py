@@ -43,15 +43,15 @@ def corpus():
 
 def _ours(cfg) -> dict:
     return {
-        "train_batch_size": cfg.train_batch_size,
-        "train_micro_batch_size_per_gpu": cfg.train_micro_batch_size_per_gpu,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "zero_stage": cfg.zero_stage,
-        "fp16_enabled": cfg.fp16.enabled,
-        "bf16_enabled": cfg.bf16.enabled,
-        "gradient_clipping": cfg.gradient_clipping,
-        "optimizer_name": cfg.optimizer.type.lower() if cfg.optimizer else None,
-        "scheduler_name": cfg.scheduler.type if cfg.scheduler else None,
+        "train_batch_size": cfg.config.train_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.config.train_micro_batch_size_per_gpu,
+        "gradient_accumulation_steps": cfg.config.gradient_accumulation_steps,
+        "zero_stage": cfg.config.zero_stage,
+        "fp16_enabled": cfg.config.fp16.enabled,
+        "bf16_enabled": cfg.config.bf16.enabled,
+        "gradient_clipping": cfg.config.gradient_clipping,
+        "optimizer_name": cfg.config.optimizer.type.lower() if cfg.config.optimizer else None,
+        "scheduler_name": cfg.config.scheduler.type if cfg.config.scheduler else None,
     }
 
 

@@ -17,10 +17,10 @@ from shardwise.monitor.base import Monitor
 from shardwise.profiling import progress
 from shardwise.profiling.flops_profiler import FlopsProfiler
 from shardwise.profiling.memory import format_bytes, memory_report, model_state_bytes
-from shardwise.utils.report import report_logger
 from shardwise.profiling.telemetry import Telemetry, build_telemetry
 from shardwise.profiling.timers import PHASES, ThroughputTimer, WallClockTimers
 from shardwise.utils.logging import get_logger, set_log_level
+from shardwise.utils.report import report_logger
 
 
 class _Clock:

@@ -175,7 +175,7 @@ def save_16bit_model(
 
     state = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
     sharded = engine.zero_optimization_stage() == 3
-    if sharded and not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+    if sharded and not engine.config.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
         save_checkpoint(engine, save_dir, exclude_frozen_parameters=exclude_frozen_parameters)
         wait_for_checkpoint(engine)
         logger.warning(

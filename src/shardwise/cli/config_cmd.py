@@ -68,10 +68,11 @@ def _run(args: argparse.Namespace) -> int:
             print(explain(resolved, show_defaults=not args.no_defaults))
         else:
             note = f" ({len(resolved.warnings)} warning(s))" if resolved.warnings else ""
+            batch, config = resolved.batch, resolved.config
             print(
-                f"OK   {path}: batch {resolved.train_batch_size} = {resolved.train_micro_batch_size_per_gpu} x "
-                f"{resolved.gradient_accumulation_steps} x {resolved.batch.world_size}, ZeRO {resolved.zero_stage}, "
-                f"{resolved.precision}{note}"
+                f"OK   {path}: batch {batch.train_batch_size} = {batch.micro_batch_per_gpu} x "
+                f"{batch.gradient_accumulation_steps} x {batch.world_size}, ZeRO {config.zero_stage}, "
+                f"{config.precision}{note}"
             )
             for warning in resolved.warnings:
                 print(f"     warning: {warning}")

@@ -41,18 +41,19 @@ def explain(resolved: ResolvedConfig, show_defaults: bool = True) -> str:
         ...
     """
     flat = resolved.flat()
+    config, batch = resolved.config, resolved.batch
     lines = [f"config: {resolved.origin}  (world size {resolved.world_size})"]
     summary = (
-        f"batch: train_batch_size={resolved.train_batch_size} = micro {resolved.train_micro_batch_size_per_gpu}"
-        f" x accumulation {resolved.gradient_accumulation_steps} x world {resolved.batch.world_size}; "
-        f"ZeRO stage {resolved.zero_stage}; precision {resolved.precision}; "
-        f"gradient_clipping {resolved.gradient_clipping}"
+        f"batch: train_batch_size={batch.train_batch_size} = micro {batch.micro_batch_per_gpu}"
+        f" x accumulation {batch.gradient_accumulation_steps} x world {batch.world_size}; "
+        f"ZeRO stage {config.zero_stage}; precision {config.precision}; "
+        f"gradient_clipping {config.gradient_clipping}"
     )
     lines.append(summary)
     shown = [k for k in flat if show_defaults or resolved.sources[k].source is not Source.DEFAULT]
     width = max((len(k) for k in shown), default=10)
     user_set = {k for k in flat if resolved.sources[k].source is not Source.DEFAULT}
-    on_engine = engine_notes(flat, resolved.zero_stage, only=user_set)
+    on_engine = engine_notes(flat, config.zero_stage, only=user_set)
     for source in _ORDER:
         if source is Source.DEFAULT and not show_defaults:
             continue

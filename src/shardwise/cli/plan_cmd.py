@@ -76,9 +76,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"FAIL {args.file}\n  {str(exc).replace(chr(10), chr(10) + '  ')}", file=sys.stderr)
         return 1
     from_file = {k for k, p in resolved.sources.items() if p.source is Source.FILE}
-    notes = (
-        engine_notes(resolved.flat(), resolved.zero_stage, only=from_file) if resolved.zero_stage == 3 else {}
-    )
+    config = resolved.config
+    notes = engine_notes(resolved.flat(), config.zero_stage, only=from_file) if config.zero_stage == 3 else {}
     if args.json:
         data = {
             "file": args.file,
@@ -101,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     print(
-        f"{args.file}: {resolved.precision}, optimizer {resolved.optimizer.type if resolved.optimizer else 'AdamW (assumed)'}"
+        f"{args.file}: {config.precision}, optimizer {config.optimizer.type if config.optimizer else 'AdamW (assumed)'}"
     )
     print(plan.format())
     if notes:

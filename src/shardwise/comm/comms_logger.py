@@ -427,6 +427,10 @@ def configure(
         section = (
             config.get("comms_logger") if isinstance(config, Mapping) and "enabled" not in config else config
         )
+        from shardwise.config.resolve import ResolvedConfig
+
+        if isinstance(section, ResolvedConfig):
+            section = section.config
         section = getattr(section, "comms_logger", section)
         COMMS_LOGGER.configure(section)
     if prof_ops is not None:

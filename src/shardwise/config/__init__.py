@@ -4,7 +4,7 @@
 Example:
     >>> from shardwise.config import load_config
     >>> cfg = load_config({"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}}, world_size=2)
-    >>> cfg.train_batch_size, cfg.precision
+    >>> cfg.batch.train_batch_size, cfg.config.precision
     (8, 'bf16')
 """
 

@@ -46,21 +46,43 @@ _TOP_LEVEL_HOMES = {
 class ResolvedConfig:
     """A validated config with every ``"auto"`` resolved, plus where each value came from.
 
-    Attribute access falls through to the typed ``config`` (``resolved.zero_optimization.stage``).
+    Sections are reached through the typed ``config`` (``resolved.config.zero_optimization.stage``);
+    the batch triple lives there too and :attr:`batch` reads it.
     """
 
     config: ShardwiseConfig
-    batch: BatchSizes
     sources: dict[str, Provenance]
     warnings: list[str]
     origin: str
     world_size: int
+    batch_world_size: int  # the data-parallel size the batch rule used (world / sequence parallel)
+    batch_derived: frozenset[str] = frozenset()  # batch keys computed rather than given
     unknown_keys: dict[str, Any] = field(default_factory=dict)
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("config",):
-            raise AttributeError(name)
-        return getattr(self.config, name)
+    @property
+    def batch(self) -> BatchSizes:
+        """The batch triple, read from ``config`` (its one home), and the world size it was resolved for."""
+        config = self.config
+        tbs, mbs, gas = (
+            config.train_batch_size,
+            config.train_micro_batch_size_per_gpu,
+            config.gradient_accumulation_steps,
+        )
+        assert tbs is not None and mbs is not None and gas is not None  # filled by load_config
+        return BatchSizes(tbs, mbs, gas, self.batch_world_size, self.batch_derived)
+
+    def set_batch(
+        self, train_batch_size: int, micro_batch_per_gpu: int, gradient_accumulation_steps: int
+    ) -> None:
+        """Change the batch triple (``engine.set_train_batch_size``); :attr:`batch` and
+        :meth:`to_ds_dict` (what a checkpoint records) follow."""
+        self.config = self.config.model_copy(
+            update={
+                "train_batch_size": train_batch_size,
+                "train_micro_batch_size_per_gpu": micro_batch_per_gpu,
+                "gradient_accumulation_steps": gradient_accumulation_steps,
+            }
+        )
 
     def to_ds_dict(self) -> dict[str, Any]:
         """The fully resolved config as JSON-ready data with DeepSpeed's key names."""
@@ -326,7 +348,7 @@ def load_config(
 
     Example:
         >>> cfg = load_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, world_size=4)
-        >>> cfg.gradient_accumulation_steps, cfg.zero_optimization.stage
+        >>> cfg.batch.gradient_accumulation_steps, cfg.config.zero_optimization.stage
         (2, 0)
     """
     ctx = context or ResolutionContext()
@@ -414,7 +436,16 @@ def load_config(
         logger.warning(text)
     final = config.model_dump(mode="json", by_alias=True)
     sources = _provenance(final, normalized, resolver, compat.renamed, batch)
-    return ResolvedConfig(config, batch, sources, warnings, origin, ctx.world_size, unknown)
+    return ResolvedConfig(
+        config,
+        sources,
+        warnings,
+        origin,
+        ctx.world_size,
+        batch_world_size=batch.world_size,
+        batch_derived=batch.derived,
+        unknown_keys=unknown,
+    )
 
 
 def section_names() -> list[str]:

@@ -10,8 +10,9 @@ TensorBoard file exists once per job.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
+from shardwise.config.model import ShardwiseConfig
+from shardwise.config.resolve import ResolvedConfig
 from shardwise.monitor.base import Event, Monitor, check_events
 
 
@@ -65,7 +66,7 @@ class MonitorMaster:
         self.monitors = []
 
 
-def build_monitor(config: Any, rank: int) -> MonitorMaster:
+def build_monitor(config: ResolvedConfig | ShardwiseConfig, rank: int) -> MonitorMaster:
     """The monitors a config enables, constructed on rank 0 only.
 
     Args:
@@ -83,7 +84,10 @@ def build_monitor(config: Any, rank: int) -> MonitorMaster:
         >>> build_monitor(cfg.config, rank=1).enabled  # rank 1: enabled, writes nothing
         True
     """
-    sections = {name: getattr(config, name) for name in ("tensorboard", "csv_monitor", "wandb", "comet")}
+    resolved = config if isinstance(config, ResolvedConfig) else None
+    root = resolved.config if resolved is not None else config
+    assert isinstance(root, ShardwiseConfig)
+    sections = {name: getattr(root, name) for name in ("tensorboard", "csv_monitor", "wandb", "comet")}
     enabled = any(section.enabled for section in sections.values())
     if not enabled or rank != 0:
         return MonitorMaster([], enabled=enabled)
@@ -102,13 +106,12 @@ def build_monitor(config: Any, rank: int) -> MonitorMaster:
     if wb.enabled:
         from shardwise.monitor.wandb_monitor import WandbMonitor
 
-        to_dict = getattr(config, "to_ds_dict", None)  # a resolved config: log it as the run's config
         monitors.append(
             WandbMonitor(
                 project=wb.project,
                 group=wb.group,
                 team=wb.team,
-                run_config=to_dict() if callable(to_dict) else None,
+                run_config=resolved.to_ds_dict() if resolved is not None else None,  # the run's config
             )
         )
     comet = sections["comet"]

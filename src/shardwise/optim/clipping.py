@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from shardwise.comm.init import is_initialized

@@ -27,13 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.config.resolve import ResolvedConfig
 from shardwise.monitor.master import MonitorMaster, build_monitor
 from shardwise.precision.loss_scaler import NoOpLossScaler
 from shardwise.profiling import progress
 from shardwise.profiling.flops_profiler import FlopsProfiler
 from shardwise.profiling.memory import memory_report
-from shardwise.utils.report import report_logger
 from shardwise.profiling.timers import FORWARD, PHASES, ThroughputTimer, WallClockTimers
+from shardwise.utils.report import report_logger
 
 __all__ = ["Telemetry", "build_telemetry"]
 
@@ -264,7 +265,7 @@ class Telemetry:
 
 
 def build_telemetry(
-    config: Any,
+    config: ResolvedConfig,
     model: nn.Module,
     device: torch.device,
     rank: int,
@@ -278,7 +279,7 @@ def build_telemetry(
     """Build the engine's telemetry from a resolved config.
 
     Args:
-        config: the resolved config (``ResolvedConfig``; its ``batch`` gives the sizes).
+        config: the resolved config (its ``batch`` gives the sizes).
         model: the module (profiled by the flops profiler).
         device: the training device.
         rank: global rank.
@@ -297,35 +298,35 @@ def build_telemetry(
         >>> build_telemetry(cfg, torch.nn.Linear(2, 2), torch.device("cpu"), 0, 1).steps_per_print
         10
     """
-    flops_cfg = config.flops_profiler
+    sections, batch = config.config, config.batch
+    flops_cfg = sections.flops_profiler
     # Enabling the profiler forces the timers on: its report needs bwd and step latency.
-    timers_on = bool(config.wall_clock_breakdown or flops_cfg.enabled)
-    throughput_cfg = config.timers.throughput
-    batch = config.batch
+    timers_on = bool(sections.wall_clock_breakdown or flops_cfg.enabled)
+    throughput_cfg = sections.timers.throughput
     loss_scaling = precision is not None and not isinstance(precision.loss_scaler, NoOpLossScaler)
     monitor = monitor if monitor is not None else build_monitor(config, rank)
     profiler = None
     if flops_cfg.enabled and rank == 0 and flops_cfg.profile_step >= 0:
         profiler = FlopsProfiler(model, recompute_fwd_factor=flops_cfg.recompute_fwd_factor)
     return Telemetry(
-        steps_per_print=config.steps_per_print,
+        steps_per_print=sections.steps_per_print,
         timers=WallClockTimers(timers_on, device),
         throughput=ThroughputTimer(
             # measured only when reported: no clock reads or device syncs otherwise
-            throughput_cfg.enabled and bool(config.steps_per_print or monitor.enabled),
+            throughput_cfg.enabled and bool(sections.steps_per_print or monitor.enabled),
             batch.train_batch_size,
             device=device,
             synchronized=throughput_cfg.synchronized,
         ),
         monitor=monitor,
-        gradient_clipping=float(config.gradient_clipping),
+        gradient_clipping=float(sections.gradient_clipping),
         loss_scaling=loss_scaling,
         rank=rank,
         world_size=world_size,
         device=device,
         flops_profiler=profiler,
         flops_settings=flops_cfg,
-        memory_breakdown=bool(config.memory_breakdown),
+        memory_breakdown=bool(sections.memory_breakdown),
         context={
             "world_size": world_size,
             "dp_size": dp_size if dp_size is not None else world_size,

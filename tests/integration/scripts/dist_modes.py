@@ -56,9 +56,9 @@ def main() -> None:
 
             cfg = load_config(args.deepspeed_config, world_size=world)
             info["batch"] = [
-                cfg.train_batch_size,
-                cfg.train_micro_batch_size_per_gpu,
-                cfg.gradient_accumulation_steps,
+                cfg.config.train_batch_size,
+                cfg.config.train_micro_batch_size_per_gpu,
+                cfg.config.gradient_accumulation_steps,
             ]
         # one write() of under PIPE_BUF bytes is atomic: ranks sharing the pipe never interleave
         os.write(1, ("ENV " + json.dumps(info, sort_keys=True) + "\n").encode())
