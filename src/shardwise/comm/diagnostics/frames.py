@@ -111,6 +111,7 @@ def frames_from_traceback(tb: Any) -> list[Frame]:
 
 
 def frames_from_frame(frame: Any) -> list[Frame]:
+    """The frames of a live stack (e.g. another thread's current frame), outermost first."""
     frames = [
         Frame(f.f_code.co_filename, line or 0, f.f_code.co_name) for f, line in traceback.walk_stack(frame)
     ]
@@ -149,6 +150,7 @@ def parse_faulthandler_dump(text: str) -> list[Frame]:
 
 
 def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a collective (torch.distributed, or a wait in shardwise's comm)."""
     try:
         import torch.distributed as dist
 

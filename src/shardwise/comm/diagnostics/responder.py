@@ -27,6 +27,7 @@ from shardwise.utils.logging import logger
 __all__ = [
     "ANSWER_GRACE_S",
     "STORE_KEY",
+    "ResponderState",
     "current",
     "install",
     "is_installed",
@@ -45,7 +46,7 @@ _STOP = b"__stop__"
 ANSWER_GRACE_S = 5.0
 
 
-class _State:
+class ResponderState:
     """What the installed diagnostics of this process hold."""
 
     def __init__(self, store: Any, rank: int, world_size: int, group: Any) -> None:
@@ -65,13 +66,13 @@ class _State:
         self.thread: threading.Thread | None = None
 
 
-_state: _State | None = None
+_state: ResponderState | None = None
 
 _previous_excepthook: Any = None
 _diagnose: Callable[[BaseException], str | None] | None = None  # what the excepthook logs
 
 
-def current() -> _State | None:
+def current() -> ResponderState | None:
     """This process's diagnostics state; None when not installed."""
     return _state
 
@@ -81,7 +82,8 @@ def is_installed() -> bool:
     return _state is not None
 
 
-def own_status(state: _State, frames: list[Frame] | None = None) -> dict[str, Any]:
+def own_status(state: ResponderState, frames: list[Frame] | None = None) -> dict[str, Any]:
+    """This rank's status: its failure if it failed, else where its main thread is now."""
     if state.failure is not None:
         status = dict(state.failure)
         status["fr"] = summarize_flight_record(read_flight_record())
@@ -103,7 +105,7 @@ def own_status(state: _State, frames: list[Frame] | None = None) -> dict[str, An
     }
 
 
-def _respond(state: _State) -> None:
+def _respond(state: ResponderState) -> None:
     """The responder thread: answer each status request until told to stop."""
     queue = f"{STORE_KEY}/q/{state.rank}"
     while True:
@@ -186,7 +188,7 @@ def install(diagnose: Callable[[BaseException], str | None], group: Any = None) 
         store = dist.distributed_c10d._get_default_store()
         if not hasattr(store, "queue_pop"):
             return False
-        state = _State(store, dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+        state = ResponderState(store, dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
     except Exception as exc:  # private API moved, or no store: no responder
         logger.debug("hang diagnosis not available: %s", exc)
         return False
@@ -223,7 +225,9 @@ def uninstall() -> None:
         pass
 
 
-def request_statuses(state: _State, ranks: Iterable[int], grace: float) -> dict[int, dict[str, Any] | None]:
+def request_statuses(
+    state: ResponderState, ranks: Iterable[int], grace: float
+) -> dict[int, dict[str, Any] | None]:
     """Ask ranks where they are; wait up to ``grace`` seconds for the answers."""
     ranks = [r for r in ranks if r != state.rank]
     answers: dict[int, dict[str, Any] | None] = dict.fromkeys(ranks)
