@@ -78,10 +78,6 @@ class FlatShards:
         """The boxes' tensors (views), in flat order."""
         return [t for _, t in self._boxes]
 
-    def local_numel(self) -> int:
-        """Elements held here."""
-        return sum(box.numel for box, _ in self._boxes)
-
     def fill_from(self, full: torch.Tensor) -> None:
         """Copy this rank's boxes out of the full tensor (imports, full-state loads)."""
         if tuple(full.shape) != tuple(self.shape):

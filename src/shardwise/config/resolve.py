@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from shardwise.config.auto import BATCH_KEYS, AutoResolver, ResolutionContext, get_path, model_field_at
 from shardwise.config.batch import BatchSizes, resolve_batch_sizes
@@ -446,13 +446,3 @@ def load_config(
         batch_derived=batch.derived,
         unknown_keys=unknown,
     )
-
-
-def section_names() -> list[str]:
-    """Every top-level key the config understands."""
-    return list(ShardwiseConfig.model_fields)
-
-
-def is_model(obj: Any) -> bool:
-    """True for pydantic models (used by explain to walk nested sections)."""
-    return isinstance(obj, BaseModel)

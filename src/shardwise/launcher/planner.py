@@ -167,11 +167,6 @@ class LaunchPlan:
         """Total number of processes (for an elastic run: with every host present)."""
         return sum(len(slots) for slots in self.resources.values())
 
-    @property
-    def multi_node(self) -> bool:
-        """Whether more than one node takes part."""
-        return len(self.nodes) > 1
-
 
 def load_pool(hostfile: str | None) -> dict[str, int] | None:
     """Read the hostfile: an explicit path must exist, the default may be missing.

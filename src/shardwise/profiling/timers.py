@@ -143,10 +143,6 @@ class WallClockTimers:
         self._window = dict.fromkeys(PHASES, 0.0)
         return dict(self._last_window)
 
-    def last_window(self) -> dict[str, float]:
-        """Totals (ms) of the last closed window."""
-        return dict(self._last_window)
-
     def as_dict(self) -> dict[str, float]:
         """DeepSpeed's ``get_wall_clock_timers()``: the last micro step and window, in ms.
 

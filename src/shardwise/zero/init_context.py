@@ -34,7 +34,7 @@ import contextlib
 import enum
 import itertools
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -502,8 +502,3 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
 def is_external(parameter: nn.Parameter) -> bool:
     """Whether the parameter was registered as external."""
     return bool(getattr(parameter, "_shardwise_external", False))
-
-
-def partitioned_parameters(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    """The placeholders among ``params``."""
-    return [p for p in params if stash_of(p) is not None]

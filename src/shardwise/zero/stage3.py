@@ -489,8 +489,3 @@ class Stage3Optimizer:
         if self.record.swapper is not None:
             self.record.swapper.close()
             self.record.swapper = None
-
-
-def world_of(group: Any) -> int:
-    """Size of a process group (1 without a process group)."""
-    return dist.get_world_size(group) if dist.is_initialized() else 1
