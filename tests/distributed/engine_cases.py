@@ -321,7 +321,7 @@ def reduction_overlaps_backward(rank: int, world: int, case: dict[str, int]) -> 
     """Stages 0-1 (gloo) reduce finished parts of a bucket while backward runs (pieces of
     ``case['chunk']`` elements: all-reduced at stage 0, exchanged between the shard owners at
     stage 1); the results must equal the one-bucket-at-the-end reduction."""
-    import shardwise.zero.reducer as reducer
+    import shardwise.zero.launch_order as launch_order
     from shardwise.comm import collectives, exchange
 
     torch.set_num_threads(1)
@@ -336,7 +336,7 @@ def reduction_overlaps_backward(rank: int, world: int, case: dict[str, int]) -> 
 
         return call
 
-    reducer.CHUNK_NUMEL = case["chunk"]
+    launch_order.CHUNK_NUMEL = case["chunk"]
     collectives.all_reduce = counting(original_all_reduce, "all_reduce")  # type: ignore[assignment]
     exchange.reduce_owned = counting(original_exchange, "exchange")  # type: ignore[assignment]
     try:
@@ -384,10 +384,10 @@ def divergent_gradient_patterns(rank: int, world: int, case: dict[str, Any]) -> 
     """Stages 0-2 with small reduction pieces: ranks whose hooks fire differently (rank 1 skips
     a parameter rank 0 uses) or twice per backward (reentrant checkpointing of a shared weight)
     still issue matching collectives and get the same result as plain backward."""
-    import shardwise.zero.reducer as reducer
+    import shardwise.zero.launch_order as launch_order
 
     torch.set_num_threads(1)
-    reducer.CHUNK_NUMEL = 64
+    launch_order.CHUNK_NUMEL = 64
     torch.manual_seed(0)
     net = _SharedBlocks()
     engine, _, _, _ = shardwise.initialize(

@@ -28,8 +28,10 @@ from shardwise.checkpoint.param_state import install_optimizer_state, master_sou
 from shardwise.comm import collectives
 from shardwise.optim.clipping import clip_coefficient, squared_norm
 from shardwise.zero.flat_group import FlatGroup
+from shardwise.zero.full_buffer_reducer import FullBufferReducer
 from shardwise.zero.offload import checkpoint_view
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
+from shardwise.zero.shard_accumulator_reducer import ShardAccumulatorReducer
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
@@ -98,7 +100,8 @@ class ZeroOptimizer:
                 masters.extend(flat.master_params())
             inner_groups.append({"params": masters, **hyper})
         self.optimizer = optimizer_factory(inner_groups)
-        self.reducer = GradientReducer(
+        reducer_class = FullBufferReducer if policy.stage < 2 else ShardAccumulatorReducer
+        self.reducer: GradientReducer = reducer_class(
             self.groups,
             ReducePolicy(
                 shard=shard,
