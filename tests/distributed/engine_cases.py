@@ -407,3 +407,58 @@ def divergent_gradient_patterns(rank: int, world: int, case: dict[str, Any]) -> 
         engine.step()
         losses.append(loss.item())
     return {"losses": losses, "params": _flat_params(engine)}
+
+
+def destroy_detaches_gradient_hooks(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """After ``engine.destroy()`` a backward on the module is plain autograd: no shardwise
+    hook fires, nothing is reduced, and every parameter keeps autograd's own gradient."""
+    from shardwise.comm import collectives
+
+    torch.set_num_threads(1)
+    engine, _, _, _ = shardwise.initialize(model=make_model(), config=_cfg(stage))
+    _train(engine, rank, 2)  # the reducer has learned to launch reductions during backward
+    reducer = engine.optimizer.reducer
+    fired: list[tuple[int, int]] = []
+    on_grad = reducer._on_grad
+
+    def counting_hook(gi: int, pi: int, param: torch.Tensor) -> None:
+        fired.append((gi, pi))
+        on_grad(gi, pi, param)
+
+    reducer._on_grad = counting_hook
+    calls: list[str] = []
+    names = ("all_reduce", "reduce_scatter_flat", "reduce_scatter_ranges")
+    originals = {name: getattr(collectives, name) for name in names}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(collectives, name, counting(name))
+    try:
+        x, y = batch(2, 0, rank, 2)
+        engine.backward(engine(x, y))
+        engine.step()
+        before = {"fired": len(fired), "collectives": len(calls)}
+        fired.clear()
+        calls.clear()
+        engine.destroy()
+        module = engine.module
+        params = [p for p in module.parameters() if p.requires_grad]
+        x, y = batch(3, 0, rank, 2)
+        expected = torch.autograd.grad(module(x, y), params)
+        module(x, y).backward()
+    finally:
+        for name in names:
+            setattr(collectives, name, originals[name])
+    return {
+        "before": before,
+        "after": {"fired": len(fired), "collectives": len(calls)},
+        "grads_are_autograds": all(
+            p.grad is not None and torch.equal(p.grad, g) for p, g in zip(params, expected)
+        ),
+    }

@@ -134,3 +134,11 @@ def test_ranks_with_different_or_repeated_gradients_reduce_the_same_pieces():
                 assert a["losses"] == b["losses"], (stage, reentrant)
                 assert torch.equal(a["params"], b["params"]), (stage, reentrant)
         assert torch.equal(plain[0]["params"], plain[1]["params"])  # the ranks agree
+
+
+def test_destroy_removes_the_gradient_hooks():
+    for stage, ranks in _run_grid(cases.destroy_detaches_gradient_hooks).items():
+        for result in ranks:
+            assert result["before"]["fired"] > 0 and result["before"]["collectives"] > 0, stage
+            assert result["after"] == {"fired": 0, "collectives": 0}, stage
+            assert result["grads_are_autograds"], stage

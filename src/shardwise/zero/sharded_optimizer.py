@@ -447,7 +447,8 @@ class ZeroOptimizer:
             flat.refresh_masters()
 
     def close(self) -> None:
-        """Delete optimizer-offload swap files (nvme), if any."""
+        """Detach the gradient hooks and delete optimizer-offload swap files (nvme), if any."""
+        self.reducer.remove_hooks()
         store = getattr(self.optimizer, "store", None)
         if store is not None:
             store.close()
