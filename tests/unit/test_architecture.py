@@ -94,8 +94,6 @@ KNOWN_DIST_CALLS: frozenset[tuple[str, str]] = frozenset(
         ("shardwise.zero.stage3", "torch.distributed.ReduceOp.SUM"),
         ("shardwise.zero.stage3", "torch.distributed.ReduceOp.AVG"),
         ("shardwise.zero.stage3", "torch.distributed.reduce_scatter_single"),
-        ("shardwise.zero.stage3", "torch.distributed.get_world_size"),
-        ("shardwise.zero.stage3", "torch.distributed.is_initialized"),
         # B (checkpoint seam): the checkpointer asks the process group for its ranks
         ("shardwise.checkpoint.checkpointer", "torch.distributed.get_process_group_ranks"),
     }
