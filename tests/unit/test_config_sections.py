@@ -706,8 +706,8 @@ def test_legacy_stage1_rejected() -> None:
 def test_fp16_value_rules() -> None:
     assert "boolean" in _error({"fp16": {"enabled": True, "loss_scale": True}}).rule
     assert "finite" in _error({"fp16": {"enabled": True, "loss_scale": float("inf")}}).rule
-    assert "min_loss_scale" in _error({"fp16": {"enabled": True, "min_loss_scale": 0}}).rule
-    assert _error({"fp16": {"loss_scale_window": 0}}).key == "fp16.loss_scale_window"
+    assert _error({"fp16": {"enabled": True, "min_loss_scale": 0}}).key == "fp16.min_loss_scale"
+    assert _error({"fp16": {"enabled": True, "loss_scale_window": 0}}).key == "fp16.loss_scale_window"
     # a fractional minimum is accepted (0.19.8 types it as int; see docs/config-defaults.md)
     assert _load({"fp16": {"enabled": True, "min_loss_scale": 1e-4}}).config.fp16.min_loss_scale == 1e-4
 
@@ -921,7 +921,7 @@ def test_several_problems_reported_together() -> None:
             {
                 "train_batch_size": 30,
                 "zero_optimization": {"stage": 9, "overlap_com": True},
-                "fp16": {"hysteresis": 0},
+                "fp16": {"hysteresis": True},
             },
             world_size=4,
         )

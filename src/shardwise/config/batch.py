@@ -13,6 +13,12 @@ from shardwise.config.errors import ConfigError, looks_like_placeholder
 
 TBS, MBS, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 
+MAX_BATCH_SIZE = 2**31 - 1
+"""The largest batch value accepted (each key, and the resolved ``train_batch_size``).
+
+No data loader draws two billion samples per step, and a larger value overflows the int32
+indices that samplers and collectives use; such a value is a typo (an exponent too many)."""
+
 
 @dataclass(frozen=True)
 class BatchSizes:
@@ -42,7 +48,14 @@ def _as_int(key: str, value: object) -> int | None:
             raise ConfigError(
                 key, "must be a whole number", f"use {int(value)} or {int(value) + 1}", value=value
             )
-        return int(value)
+        value = int(value)
+    if value > MAX_BATCH_SIZE:
+        raise ConfigError(
+            key,
+            f"is larger than the largest batch accepted, 2**31 - 1 = {MAX_BATCH_SIZE}",
+            "check the value for a typo; batch sizes are counts of samples",
+            value=value,
+        )
     return value
 
 
@@ -135,6 +148,14 @@ def resolve_batch_sizes(
         )
     assert tbs is not None and mbs is not None and gas is not None  # internal: all branches filled them
 
+    if tbs > MAX_BATCH_SIZE:
+        raise ConfigError(
+            TBS,
+            f"(micro {mbs} x accumulation {gas} x world {world_size}) is larger than the largest batch accepted, "
+            f"2**31 - 1 = {MAX_BATCH_SIZE}",
+            f"lower {MBS} or {GAS}",
+            value=tbs,
+        )
     if tbs != mbs * gas * world_size:
         product = mbs * gas * world_size
         if TBS in given and MBS in given and GAS in given:

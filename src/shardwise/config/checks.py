@@ -52,6 +52,32 @@ def _precision_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
     return errors
 
 
+def _loss_scaling_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
+    """The fp16 scaler's settings, checked by the scaler itself and only where it is used.
+
+    DeepSpeed checks ``loss_scale_window``, ``hysteresis`` and ``min_loss_scale`` only
+    under dynamic loss scaling; a static scale or a run without fp16 math ignores them.
+    """
+    if not cfg.fp16_loss_scaling:
+        return []
+    from shardwise.precision.loss_scaler import build_loss_scaler  # pure; imported late (it imports config)
+
+    fp16 = cfg.fp16
+    try:
+        build_loss_scaler(
+            fp16_enabled=True,
+            loss_scale=fp16.loss_scale,
+            initial_scale_power=fp16.initial_scale_power,
+            loss_scale_window=fp16.loss_scale_window,
+            hysteresis=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
+            min_loss_scale=fp16.min_loss_scale,
+        )
+    except ConfigError as exc:
+        return [exc]
+    return []
+
+
 def _communication_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
     errors = []
     zero = cfg.zero_optimization
@@ -117,4 +143,9 @@ def _unsupported_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
 
 def cross_section_errors(cfg: ShardwiseConfig) -> list[ConfigError]:
     """Every cross-section problem of a config whose sections are individually valid."""
-    return [*_precision_rules(cfg), *_communication_rules(cfg), *_unsupported_rules(cfg)]
+    return [
+        *_precision_rules(cfg),
+        *_loss_scaling_rules(cfg),
+        *_communication_rules(cfg),
+        *_unsupported_rules(cfg),
+    ]

@@ -91,10 +91,11 @@ def _normalize_zero(raw: dict[str, Any], report: CompatReport) -> None:
     p = "zero_optimization."
     if "cpu_offload" in zero:
         flag = zero.pop("cpu_offload")
-        if "offload_optimizer" in zero and flag:
+        if "offload_optimizer" in zero:
             raise ConfigError(
                 f"{p}cpu_offload",
-                "cpu_offload is the old spelling of offload_optimizer",
+                f"'{p}cpu_offload' and '{p}offload_optimizer' are two spellings of the same setting "
+                "; both together are an error, whatever the old one says",
                 "keep only offload_optimizer",
                 value=flag,
             )
@@ -106,10 +107,11 @@ def _normalize_zero(raw: dict[str, Any], report: CompatReport) -> None:
             )
     if "cpu_offload_param" in zero:
         flag = zero.pop("cpu_offload_param")
-        if "offload_param" in zero and flag:
+        if "offload_param" in zero:
             raise ConfigError(
                 f"{p}cpu_offload_param",
-                "cpu_offload_param is the old spelling of offload_param",
+                f"'{p}cpu_offload_param' and '{p}offload_param' are two spellings of the same setting "
+                "; both together are an error, whatever the old one says",
                 "keep only offload_param",
                 value=flag,
             )

@@ -63,6 +63,28 @@ def _to_plain(obj: Any) -> Any:
     return obj
 
 
+def _read_file(path: Path) -> str:
+    """The file's text, or a ConfigError naming the file and what went wrong."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            "",
+            f"config file {str(path)!r} cannot be read: {exc.strerror or exc}",
+            "check that the file exists and that this user may read it (ls -l)",
+        ) from exc
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            "",
+            f"config file {str(path)!r} is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start} (line {line}) cannot be decoded",
+            "save the file as UTF-8 (JSON files must be UTF-8), e.g. iconv -f latin1 -t utf-8",
+        ) from exc
+
+
 def read_config_source(source: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     """Return ``(config dict, description of where it came from)``.
 
@@ -84,7 +106,7 @@ def read_config_source(source: str | os.PathLike[str] | Mapping[str, Any]) -> tu
         )
     path = Path(source)
     if len(source) < 4096 and path.is_file():
-        return _parse_text(path.read_text(encoding="utf-8"), str(path)), str(path)
+        return _parse_text(_read_file(path), str(path)), str(path)
     stripped = source.strip()
     if stripped.startswith("{"):
         return _parse_text(stripped, "the config string"), "<json string>"

@@ -156,6 +156,18 @@ class ShardwiseConfig(Section):
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
 
     @property
+    def fp16_loss_scaling(self) -> bool:
+        """True when the run computes in fp16 and so scales its loss (``fp16``, legacy ``amp``,
+        or ``torch_autocast`` to float16); the ``fp16`` section's scaler settings apply then."""
+        if self.fp16.enabled:
+            return True
+        if self.bf16.enabled:
+            return False
+        if self.amp.enabled:
+            return True
+        return self.torch_autocast.enabled and self.torch_autocast.dtype == "float16"
+
+    @property
     def zero_stage(self) -> int:
         """The ZeRO stage, 0-3."""
         return int(self.zero_optimization.stage)

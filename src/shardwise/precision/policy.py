@@ -98,7 +98,7 @@ def build_precision(cfg: ShardwiseConfig) -> PrecisionPolicy:
             autocast_dtype = torch.float16
         elif cfg.torch_autocast.enabled:
             autocast_dtype = torch.float16 if cfg.torch_autocast.dtype == "float16" else torch.bfloat16
-    fp16_math = param_dtype == torch.float16 or autocast_dtype == torch.float16
+    fp16_math = cfg.fp16_loss_scaling
     scaler = build_loss_scaler(fp16_enabled=fp16_math, **scaler_args)  # type: ignore[arg-type]
     accum = cfg.data_types.grad_accum_dtype
     return PrecisionPolicy(

@@ -5,24 +5,30 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from shardwise.config.sections.base import OpenSection, Section
 
 
 class FP16Config(Section):
-    """``fp16``: half precision with dynamic (``loss_scale: 0``) or static loss scaling."""
+    """``fp16``: half precision with dynamic (``loss_scale: 0``) or static loss scaling.
+
+    The dynamic-scaling settings (``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
+    ``min_loss_scale``) are only type-checked here. Their ranges are checked where they are
+    used, by :func:`shardwise.precision.build_loss_scaler`, and only when the run scales
+    dynamically (``shardwise.config.checks``), as in DeepSpeed.
+    """
 
     enabled: bool = False
     auto_cast: bool = False
     loss_scale: float = Field(0.0, ge=0)
     initial_scale_power: int = Field(16, ge=0)
-    loss_scale_window: int = Field(1000, gt=0)
-    hysteresis: int = Field(2, ge=1)
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
     consecutive_hysteresis: bool = False
     # DeepSpeed 0.19.8 types this as int and rejects 1e-4; earlier releases took any
     # number and fractional minimums are meaningful, so we accept a positive float.
-    min_loss_scale: float = Field(1.0, ge=0)
+    min_loss_scale: float = 1.0
     fp16_master_weights_and_grads: bool = False
 
     @field_validator("loss_scale", mode="before")
@@ -33,15 +39,6 @@ class FP16Config(Section):
         if isinstance(value, int | float) and not math.isfinite(value):
             raise ValueError("loss_scale must be finite")
         return value
-
-    @model_validator(mode="after")
-    def _dynamic_needs_positive_minimum(self) -> FP16Config:
-        if self.enabled and self.loss_scale == 0 and self.min_loss_scale <= 0:
-            raise ValueError(
-                f"min_loss_scale={self.min_loss_scale} with dynamic loss scaling would let the scale reach 0; "
-                "use a positive minimum such as 1"
-            )
-        return self
 
     @property
     def dynamic(self) -> bool:
