@@ -1,4 +1,10 @@
-"""``shardwise config check|explain FILE``: validate and explain ds_config files."""
+"""``shardwise config check|explain FILE``: validate and explain ds_config files.
+
+``check`` runs the validation ``initialize`` runs (everything but what needs the model),
+prints the warnings ``initialize`` would give, and lists the settings shardwise accepts
+without acting on them under their own heading. Those do not change the exit code unless
+``--strict`` is given, which makes them (and unknown keys) errors.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +27,11 @@ def add_parser(subparsers: Any) -> None:
         p = sub.add_parser(name, help=text)
         p.add_argument("files", nargs="+", metavar="FILE")
         p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks for the batch rule")
-        p.add_argument("--strict", action="store_true", help="unknown keys are errors, not warnings")
+        p.add_argument(
+            "--strict",
+            action="store_true",
+            help="unknown keys and settings shardwise ignores are errors, not warnings",
+        )
         p.add_argument(
             "--set",
             action="append",
@@ -67,13 +77,22 @@ def _run(args: argparse.Namespace) -> int:
         elif args.config_command == "explain":
             print(explain(resolved, show_defaults=not args.no_defaults))
         else:
-            note = f" ({len(resolved.warnings)} warning(s))" if resolved.warnings else ""
-            batch, config = resolved.batch, resolved.config
+            counts = [
+                f"{len(items)} {label}"
+                for items, label in ((resolved.warnings, "warning(s)"), (resolved.ignored, "ignored setting(s)"))
+                if items
+            ]
+            note = f" ({', '.join(counts)})" if counts else ""
+            batch = resolved.batch
             print(
                 f"OK   {path}: batch {batch.train_batch_size} = {batch.micro_batch_per_gpu} x "
-                f"{batch.gradient_accumulation_steps} x {batch.world_size}, ZeRO {config.zero_stage}, "
-                f"{config.precision}{note}"
+                f"{batch.gradient_accumulation_steps} x {batch.world_size}, ZeRO {resolved.config.zero_stage}, "
+                f"{resolved.config.precision}{note}"
             )
             for warning in resolved.warnings:
                 print(f"     warning: {warning}")
+            if resolved.ignored:
+                print("     accepted but ignored (--strict makes these errors):")
+                for setting in resolved.ignored:
+                    print(f"       - {setting.message}")
     return 1 if failed else 0

@@ -120,6 +120,15 @@ def _communication_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
 
 def _unsupported_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
     errors = []
+    if cfg.zero_optimization.offload_optimizer_device != "none" and cfg.zero_stage == 0:
+        errors.append(
+            ConfigError(
+                "zero_optimization.offload_optimizer.device",
+                "optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps no optimizer partition to offload)",
+                "set zero_optimization.stage to 1 or more, or remove the offload_optimizer block",
+                value=cfg.zero_optimization.offload_optimizer_device,
+            )
+        )
     if cfg.nebula is not None and cfg.nebula.enabled:
         errors.append(
             ConfigError(

@@ -94,7 +94,7 @@ def _normalize_zero(raw: dict[str, Any], report: CompatReport) -> None:
         if "offload_optimizer" in zero:
             raise ConfigError(
                 f"{p}cpu_offload",
-                f"'{p}cpu_offload' and '{p}offload_optimizer' are two spellings of the same setting "
+                f"'{p}cpu_offload' and '{p}offload_optimizer' are two spellings of the same setting"
                 "; both together are an error, whatever the old one says",
                 "keep only offload_optimizer",
                 value=flag,
@@ -110,7 +110,7 @@ def _normalize_zero(raw: dict[str, Any], report: CompatReport) -> None:
         if "offload_param" in zero:
             raise ConfigError(
                 f"{p}cpu_offload_param",
-                f"'{p}cpu_offload_param' and '{p}offload_param' are two spellings of the same setting "
+                f"'{p}cpu_offload_param' and '{p}offload_param' are two spellings of the same setting"
                 "; both together are an error, whatever the old one says",
                 "keep only offload_param",
                 value=flag,

@@ -86,3 +86,35 @@ class ConfigErrors(ConfigError):
             body = err._format().replace("\n", "\n     ")
             lines.append(f"  {i}. {body}")
         return "\n".join(lines)
+
+
+class KeyedValueError(ValueError):
+    """A ``ValueError`` from a builder (optimizer, scheduler) that knows the config key it is about.
+
+    The builders keep their own wording; :meth:`as_config_error` gives the ``ConfigError``
+    that ``load_config`` reports, with the key path and the value.
+
+    Example:
+        >>> err = KeyedValueError('unknown key "lrr". Did you mean "lr"?', "optimizer.params.lrr", 0.1)
+        >>> print(err.as_config_error())
+        'optimizer.params.lrr' = 0.1: unknown key "lrr".
+          fix: did you mean "lr"?
+    """
+
+    _FIX_MARKERS = (" Fix: ", " Did you mean ", " did you mean ")
+
+    def __init__(self, message: str, key: str, value: Any = _MISSING) -> None:
+        super().__init__(message)
+        self.key = key
+        self.value = value
+
+    def as_config_error(self) -> ConfigError:
+        """This error as a ConfigError: the message up to its fix is the rule, the rest the fix."""
+        message = str(self)
+        cut = min((message.find(m) for m in self._FIX_MARKERS if m in message), default=-1)
+        if cut < 0:
+            rule, fix = message, "correct the value as the rule says"
+        else:
+            rule, fix = message[:cut], message[cut:].strip().removeprefix("Fix: ")
+            fix = fix[0].lower() + fix[1:]
+        return ConfigError(self.key, rule.strip(), fix.strip(), self.value)

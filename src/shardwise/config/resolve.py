@@ -5,9 +5,11 @@ The pipeline, in order (each step is a function of its own module):
 1. read the source (``loading``), 2. rewrite legacy spellings (``compat``),
 3. set aside unknown top-level keys (warning with did-you-mean; an error when strict),
 4. resolve ``"auto"`` (``auto``), 5. resolve the batch triple (``batch``),
-6. validate every section (pydantic models in ``sections``), 7. record provenance.
+6. validate every section (pydantic models in ``sections``), the rules across sections
+   (``checks``) and the optimizer and scheduler by building them on a probe (``components``),
+7. list the settings shardwise ignores (``inert``; errors when strict), 8. record provenance.
 
-All problems found in steps 5-6 are reported together in one ``ConfigError``.
+All problems found in steps 5-7 are reported together in one ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from shardwise.config.auto import BATCH_KEYS, AutoResolver, ResolutionContext, g
 from shardwise.config.batch import BatchSizes, resolve_batch_sizes
 from shardwise.config.checks import cross_section_errors
 from shardwise.config.compat import FP16_ONLY_KEYS, normalize_legacy
+from shardwise.config.components import component_problems
 from shardwise.config.errors import ConfigError, ConfigErrors, did_you_mean, looks_like_placeholder
+from shardwise.config.inert import IgnoredSetting, ignored_settings
 from shardwise.config.loading import read_config_source
 from shardwise.config.model import ShardwiseConfig
 from shardwise.config.provenance import Provenance, Source
@@ -47,7 +51,9 @@ class ResolvedConfig:
     """A validated config with every ``"auto"`` resolved, plus where each value came from.
 
     Sections are reached through the typed ``config`` (``resolved.config.zero_optimization.stage``);
-    the batch triple lives there too and :attr:`batch` reads it.
+    the batch triple lives there too and :attr:`batch` reads it. ``warnings`` are the notes of
+    resolution (legacy spellings, unknown keys, builders' warnings); ``ignored`` the settings
+    shardwise accepts without acting on them (``config.inert``).
     """
 
     config: ShardwiseConfig
@@ -58,6 +64,7 @@ class ResolvedConfig:
     batch_world_size: int  # the data-parallel size the batch rule used (world / sequence parallel)
     batch_derived: frozenset[str] = frozenset()  # batch keys computed rather than given
     unknown_keys: dict[str, Any] = field(default_factory=dict)
+    ignored: list[IgnoredSetting] = field(default_factory=list)
 
     @property
     def batch(self) -> BatchSizes:
@@ -341,7 +348,7 @@ def load_config(
         world_size: data-parallel world size for the batch rule (default: ``context`` or 1).
         overrides: dotted key path -> value, filling ``"auto"`` or missing keys.
         context: objects from ``initialize`` that can resolve ``"auto"``.
-        strict: unknown top-level keys become errors instead of warnings.
+        strict: unknown keys and ignored settings (``config.inert``) become errors instead of warnings.
 
     Raises:
         ConfigError: every problem found, each with key, value, rule and fix.
@@ -426,14 +433,26 @@ def load_config(
         for e in validation_errors
         if (e.key not in BATCH_KEYS or batch is not None) and e.key.split(".")[0] not in reported
     )
+    ignored: list[IgnoredSetting] = []
+    build_warnings: list[str] = []
     if config is not None:
         errors.extend(cross_section_errors(config))
+        component_errors, build_warnings = component_problems(config)
+        errors.extend(component_errors)
+        ignored = ignored_settings(config, batch.world_size if batch is not None else ctx.world_size)
+        if strict:
+            errors.extend(setting.as_error() for setting in ignored)
     if errors:
         raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
     assert config is not None and batch is not None  # internal: no errors means both exist
 
     for text in warnings:
         logger.warning(text)
+    for setting in ignored:
+        logger.warning(setting.message)
+    # The builders log these themselves when initialize builds the real optimizer and scheduler;
+    # they are kept (not logged twice) for `config check` to show.
+    warnings.extend(build_warnings)
     final = config.model_dump(mode="json", by_alias=True)
     sources = _provenance(final, normalized, resolver, compat.renamed, batch)
     return ResolvedConfig(
@@ -445,4 +464,5 @@ def load_config(
         batch_world_size=batch.world_size,
         batch_derived=batch.derived,
         unknown_keys=unknown,
+        ignored=ignored,
     )

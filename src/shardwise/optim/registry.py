@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
+from shardwise.config.errors import KeyedValueError
 from shardwise.optim.adam import AdamNoBiasCorrection
+from shardwise.optim.hyperparameters import check_hyperparameters
 from shardwise.optim.lamb import Lamb
 from shardwise.optim.lion import Lion
 from shardwise.utils.logging import logger
@@ -109,15 +111,17 @@ def _accepted_keys(cls: type) -> set[str] | None:
 
 
 def _check_keys(type_name: str, target: str, params: dict[str, Any], accepted: Iterable[str]) -> None:
-    """Raise a ValueError for the first key of ``params`` not in ``accepted``."""
+    """Raise a KeyedValueError for the first key of ``params`` not in ``accepted``."""
     accepted = sorted(set(accepted))
     for key in params:
         if key not in accepted:
             close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
             hint = f' Did you mean "{close[0]}"?' if close else ""
-            raise ValueError(
+            raise KeyedValueError(
                 f'optimizer "{type_name}" ({target}): unknown key "optimizer.params.{key}".{hint} '
-                f"Accepted keys: {', '.join(accepted)}."
+                f"Accepted keys: {', '.join(accepted)}.",
+                f"optimizer.params.{key}",
+                params[key],
             )
 
 
@@ -157,19 +161,23 @@ def _build_adam(
     params.pop("fp32_optimizer_states", None)
     bias_correction = bool(params.pop("bias_correction", True))
     if params.get("amsgrad", False) and not torch_adam:
-        raise ValueError(
+        raise KeyedValueError(
             f'optimizer "{type_name}": "amsgrad": true is not supported by DeepSpeed\'s FusedAdam, '
-            'whose behaviour shardwise follows. Remove it, or add "torch_adam": true to use '
-            "torch's AMSGrad."
+            'whose behaviour shardwise follows. Fix: remove it, or add "torch_adam": true to use '
+            "torch's AMSGrad.",
+            "optimizer.params.amsgrad",
+            params["amsgrad"],
         )
     if not torch_adam:
         params.pop("amsgrad", None)
     if not bias_correction:
         if torch_adam:
-            raise ValueError(
+            raise KeyedValueError(
                 f'optimizer "{type_name}": "bias_correction": false cannot be combined with '
-                '"torch_adam": true, because torch.optim.Adam/AdamW always bias-correct. Drop '
-                "torch_adam to get the uncorrected FusedAdam update, or drop bias_correction."
+                '"torch_adam": true, because torch.optim.Adam/AdamW always bias-correct. Fix: drop '
+                "torch_adam to get the uncorrected FusedAdam update, or drop bias_correction.",
+                "optimizer.params.bias_correction",
+                False,
             )
         # torch has no switch for it; our foreach implementation of FusedAdam's uncorrected update.
         for key in ("fused", "foreach"):
@@ -252,20 +260,16 @@ def _onebit(type_name: str, params: dict[str, Any], model_parameters: list[Any],
     if base == "adam":
         _check_keys(type_name, "uncompressed AdamW", params, _ONEBIT_ADAM_KEYS | comm_keys)
         if params.pop("eps_inside_sqrt", False):
-            raise ValueError(
+            raise KeyedValueError(
                 f'optimizer "{type_name}": "eps_inside_sqrt": true is not supported for the Adam '
-                "update; remove it (the default, false, adds eps after the square root)."
+                "update. Fix: remove it (the default, false, adds eps after the square root).",
+                "optimizer.params.eps_inside_sqrt",
+                True,
             )
-    ignored = sorted(k for k in params if k in comm_keys)
-    for key in ignored:
-        params.pop(key)
-    logger.warning(
-        "optimizer %s: communication compression is not implemented in shardwise; the optimizer "
-        "math is the uncompressed %s update with full-precision gradient reduction%s.",
-        type_name,
-        "AdamW" if base == "adam" else "Lamb",
-        f" (ignored keys: {', '.join(ignored)})" if ignored else "",
-    )
+    # The compression keys steer communication shardwise does not compress; the config's
+    # ignored-settings registry (shardwise.config.inert) warns about them, once.
+    for key in comm_keys:
+        params.pop(key, None)
     if base == "adam":
         # 1-bit Adam and 0/1 Adam add weight decay to the update: the AdamW form.
         return _build_adam(type_name, params, model_parameters, offload=offload, force_adamw=True)
@@ -277,9 +281,11 @@ def _mup(class_name: str) -> OptimizerFactory:
         try:
             import mup  # optional dependency, imported only when asked for
         except ImportError as exc:
-            raise ValueError(
+            raise KeyedValueError(
                 f'optimizer "{type_name}" comes from the muP package, which is not installed. '
-                "Install it with `pip install mup`, or choose another optimizer type."
+                "Fix: install it with `pip install mup`, or choose another optimizer type.",
+                "optimizer.type",
+                type_name,
             ) from exc
         return _construct(type_name, getattr(mup, class_name), model_parameters, params)
 
@@ -287,11 +293,13 @@ def _mup(class_name: str) -> OptimizerFactory:
 
 
 def _muon(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
-    raise ValueError(
+    raise KeyedValueError(
         f'optimizer "{type_name}": DeepSpeed\'s Muon (Newton-Schulz updates for 2-D weights plus an '
-        "auxiliary Adam for embeddings, heads and vectors) is not available in shardwise. Pass a "
+        "auxiliary Adam for embeddings, heads and vectors) is not available in shardwise. Fix: pass a "
         "client optimizer to initialize(optimizer=...) instead, for example torch.optim.Muon for "
-        "the 2-D weights in one optimizer and AdamW for the rest, or pick another optimizer type."
+        "the 2-D weights in one optimizer and AdamW for the rest, or pick another optimizer type.",
+        "optimizer.type",
+        type_name,
     )
 
 
@@ -322,7 +330,7 @@ def _torch_optimizer_names() -> list[str]:
     )
 
 
-def _unknown_type_error(type_name: str) -> ValueError:
+def _unknown_type_error(type_name: str) -> KeyedValueError:
     torch_names = _torch_optimizer_names()
     same_case = [n for n in torch_names if n.lower() == type_name.lower()]
     if same_case:
@@ -332,10 +340,12 @@ def _unknown_type_error(type_name: str) -> ValueError:
         lowered = {c.lower(): c for c in [*torch_names, *sorted(OPTIMIZERS)]}
         close = difflib.get_close_matches(type_name.lower(), list(lowered), n=3, cutoff=0.6)
         hint = f" Did you mean {', '.join(repr(lowered[c]) for c in close)}?" if close else ""
-    return ValueError(
+    return KeyedValueError(
         f'optimizer.type "{type_name}" is not a supported optimizer.{hint} Choices: '
         f"{', '.join(sorted(OPTIMIZERS))} (any case), or a torch.optim class by its exact name: "
-        f"{', '.join(torch_names)}."
+        f"{', '.join(torch_names)}.",
+        "optimizer.type",
+        type_name,
     )
 
 
@@ -397,7 +407,9 @@ def build_optimizer(
 
     Raises:
         ValueError: unknown type, unknown or unsupported key, ``max_grad_norm`` in params,
-            an unresolved ``"auto"`` value, or a parameter in two groups.
+            an unresolved ``"auto"`` value, a learning rate (or other common hyperparameter)
+            out of range, or a parameter in two groups. Errors about a config key are
+            :class:`~shardwise.config.errors.KeyedValueError` and name it.
 
     Example:
         >>> import torch
@@ -408,20 +420,27 @@ def build_optimizer(
         ('AdamW', 0.0)
     """
     if not isinstance(type_name, str) or not type_name:
-        raise ValueError(f"optimizer.type must be a non-empty string, got {type_name!r}.")
+        raise KeyedValueError(
+            f"optimizer.type must be a non-empty string, got {type_name!r}.", "optimizer.type", type_name
+        )
     params = dict(params_cfg or {})
     if "max_grad_norm" in params:
-        raise ValueError(
+        raise KeyedValueError(
             f'optimizer "{type_name}": "optimizer.params.max_grad_norm" is not supported (DeepSpeed '
-            'rejects it too). Remove it and set the top-level "gradient_clipping": '
-            f"{params['max_grad_norm']} instead."
+            'rejects it too). Fix: remove it and set the top-level "gradient_clipping": '
+            f"{params['max_grad_norm']} instead.",
+            "optimizer.params.max_grad_norm",
+            params["max_grad_norm"],
         )
     for key, value in params.items():
         if isinstance(value, str) and value == "auto":
-            raise ValueError(
+            raise KeyedValueError(
                 f'optimizer "{type_name}": "optimizer.params.{key}" is still "auto". "auto" values '
-                "are filled in by the Hugging Face Trainer integration; outside it, write a number."
+                "are filled in by the Hugging Face Trainer integration; outside it, write a number.",
+                f"optimizer.params.{key}",
+                value,
             )
+    check_hyperparameters(type_name, params)
     groups = _clean_param_groups(model_parameters)
     factory = OPTIMIZERS.get(type_name.lower())
     if factory is not None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from shardwise.config.errors import KeyedValueError
 from shardwise.schedulers.formulas import (
     LRRangeTestSchedule,
     OneCycleSchedule,
@@ -96,27 +97,33 @@ def _did_you_mean(name: str, choices: list[str]) -> str:
 
 def _resolve_class(type_name: str) -> type:
     if not isinstance(type_name, str):
-        raise ValueError(
-            f"scheduler.type must be a string, got {type_name!r}. Fix: use a name such as 'WarmupLR'."
+        raise KeyedValueError(
+            f"scheduler.type must be a string, got {type_name!r}. Fix: use a name such as 'WarmupLR'.",
+            "scheduler.type",
+            type_name,
         )
     if type_name in SCHEDULERS:
         return SCHEDULERS[type_name]
     if type_name in torch_scheduler_names():
         return getattr(torch.optim.lr_scheduler, type_name)
     choices = scheduler_names()
-    raise ValueError(
+    raise KeyedValueError(
         f"scheduler.type={type_name!r} is not a known scheduler.{_did_you_mean(type_name, choices)} Names are case-sensitive; "
         f"DeepSpeed's are {list(SCHEDULERS)} and torch.optim.lr_scheduler offers {torch_scheduler_names()}. "
-        "Fix: set scheduler.type to one of these."
+        "Fix: set scheduler.type to one of these.",
+        "scheduler.type",
+        type_name,
     )
 
 
 def _check_params(type_name: str, cls: type, params: dict[str, Any], skip: set[str]) -> None:
     """Reject unknown and missing parameters with the accepted names, before calling ``cls``."""
     if not isinstance(params, dict):
-        raise ValueError(
+        raise KeyedValueError(
             f"scheduler.params for {type_name} must be a mapping, got {type(params).__name__}. "
-            'Fix: write it as {"name": value, ...}.'
+            'Fix: write it as {"name": value, ...}.',
+            "scheduler.params",
+            params,
         )
     signature = inspect.signature(cls)
     accepted = [
@@ -129,9 +136,11 @@ def _check_params(type_name: str, cls: type, params: dict[str, Any], skip: set[s
         for key in params:
             if key not in accepted:
                 hint = _did_you_mean(str(key), accepted)
-                raise ValueError(
+                raise KeyedValueError(
                     f"scheduler.params.{key} is not a parameter of {type_name}.{hint} "
-                    f"Accepted parameters: {accepted}. Fix: remove or rename it."
+                    f"Accepted parameters: {accepted}. Fix: remove or rename it.",
+                    f"scheduler.params.{key}",
+                    params[key],
                 )
     missing = [
         name
@@ -139,9 +148,10 @@ def _check_params(type_name: str, cls: type, params: dict[str, Any], skip: set[s
         if signature.parameters[name].default is inspect.Parameter.empty and name not in params
     ]
     if missing:
-        raise ValueError(
+        raise KeyedValueError(
             f"scheduler {type_name} requires params {missing}, which are missing. "
-            f"Fix: add them under scheduler.params (accepted parameters: {accepted})."
+            f"Fix: add them under scheduler.params (accepted parameters: {accepted}).",
+            f"scheduler.params.{missing[0]}",
         )
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
 
+from shardwise.config.errors import KeyedValueError
 from shardwise.utils.logging import logger
 
 WARMUP_TYPES: tuple[str, ...] = ("log", "linear")
@@ -41,8 +42,12 @@ BETA2: float = 0.99
 # --------------------------------------------------------------------------- validation
 
 
-def _invalid(name: str, value: Any, rule: str, fix: str) -> ValueError:
-    return ValueError(f"scheduler parameter {name}={value!r} is invalid: {rule}. Fix: {fix}.")
+def _invalid(name: str, value: Any, rule: str, fix: str) -> KeyedValueError:
+    return KeyedValueError(
+        f"scheduler parameter {name}={value!r} is invalid: {rule}. Fix: {fix}.",
+        f"scheduler.params.{name}",
+        value,
+    )
 
 
 def check_int(name: str, value: Any, *, minimum: int, fix: str) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shardwise.config.errors import KeyedValueError
 from shardwise.schedulers.formulas import (
     BETA2,
     LRRangeTestSchedule,
@@ -87,10 +88,12 @@ def per_group(name: str, value: Any, num_groups: int) -> list[Any]:
     """
     if isinstance(value, (list, tuple)):
         if len(value) != num_groups:
-            raise ValueError(
+            raise KeyedValueError(
                 f"expected {num_groups} value for {name}, got {len(value)}: a list must give one value per "
                 f"optimizer param group. Fix: give a single number to use for every group, or a list of "
-                f"{num_groups}."
+                f"{num_groups}.",
+                f"scheduler.params.{name}",
+                value,
             )
         return list(value)
     return [value] * num_groups
@@ -178,9 +181,11 @@ class _IterationScheduler:
 
 def _check_iteration(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, Integral) or value < -1:
-        raise ValueError(
+        raise KeyedValueError(
             f"last_batch_iteration={value!r} is invalid: it must be an integer >= -1. "
-            "Fix: use -1 for a fresh run or the iteration to resume from."
+            "Fix: use -1 for a fresh run or the iteration to resume from.",
+            "scheduler.params.last_batch_iteration",
+            value,
         )
     return int(value)
 

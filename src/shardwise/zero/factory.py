@@ -21,7 +21,6 @@ from shardwise.comm.topology import Topology
 from shardwise.config.errors import ConfigError
 from shardwise.config.model import ShardwiseConfig
 from shardwise.precision.policy import DTYPES, PrecisionPolicy
-from shardwise.utils.logging import logger
 from shardwise.zero.init_context import stash_of
 from shardwise.zero.offload import (
     OffloadedOptimizer,
@@ -63,10 +62,6 @@ def _check_offload(cfg: ShardwiseConfig) -> None:
             "optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps no optimizer partition to offload)",
             "set zero_optimization.stage to 1 or more, or remove the offload_optimizer block",
             value=zero.offload_optimizer_device,
-        )
-    if zero.offload_param_device != "none" and stage != 3:
-        logger.warning(
-            "zero_optimization.offload_param is only used at stage 3 (stage is %d); it is ignored", stage
         )
 
 

@@ -1,0 +1,99 @@
+"""The ``optimizer`` and ``scheduler`` sections, checked by building them.
+
+``load_config`` (so both ``shardwise config check`` and ``initialize``) builds the
+configured optimizer and scheduler once over a one-element probe parameter, with the same
+builders ``initialize`` uses afterwards (:func:`shardwise.optim.build_optimizer`,
+:func:`shardwise.schedulers.build_scheduler`). Every check those builders make (names with
+did-you-mean, parameter names against the class's signature, learning-rate and step ranges)
+therefore runs without a model, and fails as a :class:`ConfigError` naming the key. Warnings
+the builders give (a scheduler that decays before its warm-up ends, ...) are returned for
+``config check`` to show; ``initialize`` logs them when it builds the real ones.
+
+torch is imported here only when the config has one of the two sections.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from shardwise.config.errors import ConfigError, KeyedValueError
+from shardwise.config.model import ShardwiseConfig
+from shardwise.utils.logging import logger
+
+
+@contextmanager
+def _captured_log() -> Iterator[list[str]]:
+    """Collect the library's warnings instead of printing them (the probe is not the run)."""
+    captured: list[str] = []
+
+    class _Capture(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.levelno >= logging.WARNING:
+                captured.append(record.getMessage())
+            return False
+
+    capture = _Capture()
+    level = logger.level
+    logger.addFilter(capture)
+    logger.setLevel(min(level, logging.WARNING) if level else logging.WARNING)
+    try:
+        yield captured
+    finally:
+        logger.removeFilter(capture)
+        logger.setLevel(level)
+
+
+def _as_config_error(exc: Exception, section: str) -> ConfigError:
+    if isinstance(exc, ConfigError):
+        return exc
+    if isinstance(exc, KeyedValueError):
+        return exc.as_config_error()
+    return ConfigError(
+        f"{section}.params",
+        f"{type(exc).__name__} while building the {section}: {exc}",
+        f"correct the {section} parameters (see the {section}'s documentation)",
+    )
+
+
+def component_problems(cfg: ShardwiseConfig) -> tuple[list[ConfigError], list[str]]:
+    """Build the config's optimizer and scheduler on a probe parameter.
+
+    Returns:
+        ``(errors, warnings)``: at most one error per section, and the warnings building them gave.
+
+    Example:
+        >>> from shardwise.config import load_config
+        >>> cfg = load_config({"train_batch_size": 2}).config
+        >>> component_problems(cfg)
+        ([], [])
+    """
+    if cfg.optimizer is None and cfg.scheduler is None:
+        return [], []
+    import torch
+
+    from shardwise.optim import build_optimizer
+    from shardwise.schedulers import build_scheduler
+
+    errors: list[ConfigError] = []
+    probe = torch.nn.Parameter(torch.zeros(1))
+    optimizer: Any = None
+    with _captured_log() as warnings:
+        if cfg.optimizer is not None:
+            offload = cfg.zero_optimization.offload_optimizer_device != "none"
+            try:
+                optimizer = build_optimizer(
+                    cfg.optimizer.type, dict(cfg.optimizer.params), [probe], offload=offload
+                )
+            except (ValueError, TypeError) as exc:
+                errors.append(_as_config_error(exc, "optimizer"))
+        if cfg.scheduler is not None and not errors:
+            # Without an optimizer section the client's optimizer is scheduled; any lr stands in for it.
+            target = optimizer if optimizer is not None else torch.optim.SGD([probe], lr=1e-3)
+            try:
+                build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), target)
+            except (ValueError, TypeError) as exc:
+                errors.append(_as_config_error(exc, "scheduler"))
+    return errors, warnings

@@ -1,0 +1,353 @@
+"""Settings shardwise accepts but does not act on: the one registry.
+
+A ds_config file written for DeepSpeed may set keys whose feature shardwise does not have
+(yet), or whose meaning is fixed here by design. Each such key is listed in
+:data:`INERT_KEYS` with what happens instead. ``load_config`` reports every entry that
+applies to a config as one warning (``initialize`` logs it; ``shardwise config check``
+lists them under their own heading), and ``strict=True`` (``--strict``) makes them errors.
+
+A key is reported only when the file sets it to something other than its default (or
+enables the section): a key left at its default changes nothing, so it is not reported.
+When a feature is implemented, its entries are removed from this table.
+
+Example:
+    >>> from shardwise.config import load_config
+    >>> cfg = load_config({"train_batch_size": 2, "zero_optimization": {"contiguous_gradients": False}})
+    >>> print(cfg.ignored[0].message)
+    'zero_optimization.contiguous_gradients' = False has no effect: always on: gradients are always contiguous (flat buffers at stages 0-2, one contiguous shard per unit at stage 3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from shardwise.config.errors import ConfigError
+from shardwise.config.model import ShardwiseConfig
+
+Applies = Callable[[ShardwiseConfig, Any, int], bool]
+"""``applies(config, value_at_path, world_size)``: True when the file's setting is ignored."""
+
+_ABSENT = object()
+
+
+def _value_at(cfg: BaseModel, path: str) -> Any:
+    node: Any = cfg
+    for part in path.split("."):
+        if not isinstance(node, BaseModel) or part not in type(node).model_fields:
+            return _ABSENT
+        node = getattr(node, part)
+    return node
+
+
+def _default_at(path: str) -> Any:
+    from shardwise.config.auto import _model_in
+
+    model: Any = ShardwiseConfig
+    default: Any = _ABSENT
+    for part in path.split("."):
+        if model is None or part not in model.model_fields:
+            return _ABSENT
+        info = model.model_fields[part]
+        default = info.get_default(call_default_factory=True)
+        model = _model_in(info.annotation)
+    return default
+
+
+def _enabled(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
+    return value is not None and bool(getattr(value, "enabled", False))
+
+
+def _present(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
+    return value is not None
+
+
+@dataclass(frozen=True)
+class InertKey:
+    """One key or section accepted without effect.
+
+    Attributes:
+        path: dotted key path, as in the file (``"zero_optimization.reduce_scatter"``).
+        instead: what happens instead, or why the key means nothing here.
+        applies: when the setting is ignored; by default, whenever it differs from its default.
+        stages: the ZeRO stages at which the key is ignored.
+        verdict: how the message says it (``"has no effect"``, or what is left out).
+    """
+
+    path: str
+    instead: str
+    applies: Applies | None = None
+    stages: frozenset[int] = frozenset({0, 1, 2, 3})
+    verdict: str = "has no effect"
+
+    def ignored_in(self, cfg: ShardwiseConfig, world_size: int) -> bool:
+        """True when ``cfg`` sets this key and shardwise ignores it."""
+        if cfg.zero_stage not in self.stages:
+            return False
+        value = _value_at(cfg, self.path)
+        if value is _ABSENT:
+            return False
+        if self.applies is not None:
+            return self.applies(cfg, value, world_size)
+        default = _default_at(self.path)
+        return value is not None and default is not _ABSENT and value != default
+
+
+@dataclass(frozen=True)
+class IgnoredSetting:
+    """A setting of one config that shardwise ignores, with the reason."""
+
+    path: str
+    value: Any
+    instead: str
+    verdict: str = "has no effect"
+
+    @property
+    def message(self) -> str:
+        """One line naming the key, its value and what happens instead."""
+        subject = (
+            f"section '{self.path}'"
+            if isinstance(self.value, BaseModel)
+            else f"'{self.path}' = {self.value!r}"
+        )
+        return f"{subject} {self.verdict}: {self.instead}"
+
+    def as_error(self) -> ConfigError:
+        """The strict-mode form: a ConfigError with the key, the value and a fix."""
+        rule = f"{self.verdict} ({self.instead}), and strict mode allows no ignored settings"
+        fix = "remove the key (or leave it at its default), or run without --strict"
+        if isinstance(self.value, BaseModel):  # a whole section: its dump would bury the message
+            return ConfigError(self.path, f"section {rule}", fix)
+        return ConfigError(self.path, rule, fix, value=self.value)
+
+
+def _onebit(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
+    return isinstance(value, str) and value.lower() in ("onebitadam", "zerooneadam", "onebitlamb")
+
+
+def _hpz_unused(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
+    if value <= 1:
+        return False
+    return cfg.zero_stage != 3 or not (value < world and world % value == 0)
+
+
+def _param_offload_below_stage3(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
+    return cfg.zero_optimization.offload_param_device != "none"
+
+
+_BELOW_3 = frozenset({0, 1, 2})
+_AT_3 = frozenset({3})
+
+_ONEBIT_TEXT = (
+    "communication compression is not implemented: the optimizer math is the uncompressed AdamW "
+    "(OneBitAdam, ZeroOneAdam) or uncompressed Lamb (OneBitLamb) update with full-precision gradient "
+    "reduction, and the compression keys (freeze_step, var_freeze_step, cuda_aware, comm_backend_name, "
+    "coeff_beta, factor_max, factor_min, factor_threshold, ...) are dropped"
+)
+
+INERT_KEYS: tuple[InertKey, ...] = (
+    # top level
+    InertKey("dump_state", "the config is not printed at start-up; `shardwise config explain FILE` shows it"),
+    InertKey("disable_allgather", "updated shards are always all-gathered"),
+    InertKey("sparse_gradients", "gradients are always reduced densely"),
+    InertKey("disable_python_gc", "Python's garbage collector is left as it is"),
+    InertKey("vocabulary_size", "not read by shardwise"),
+    InertKey("zero_force_ds_cpu_optimizer", "an offloaded step always runs torch's optimizer on the CPU"),
+    InertKey("use_data_before_expert_parallelism", "there is no expert parallelism"),
+    InertKey(
+        "data_parallel_size", "the data-parallel size comes from the launch (world size / model parallel)"
+    ),
+    InertKey(
+        "sequence_parallel_size",
+        "no sequence parallelism is set up; only the batch arithmetic divides the world size by it",
+        lambda cfg, value, world: value is not None and value > 1,
+    ),
+    InertKey("seq_parallel_communication_data_type", "there is no sequence parallelism"),
+    InertKey("graph_harvesting", "CUDA graphs are not captured"),
+    InertKey("expert_parallel", "there is no expert parallelism", _present),
+    InertKey("weight_quantization", "weights are not quantized", _present),
+    InertKey("datastates", "checkpoints are written by shardwise's own writer", _present),
+    InertKey("optimizer.type", _ONEBIT_TEXT, _onebit, verdict="trains without its compression"),
+    InertKey(
+        "optimizer.legacy_fusion", "the optimizer's kernel is chosen by shardwise (fused where torch has it)"
+    ),
+    # precision
+    InertKey("fp16.fp16_master_weights_and_grads", "master weights and gradients are always fp32"),
+    InertKey("bf16.immediate_grad_update", "gradients are applied at the optimizer step"),
+    InertKey("bf16.bf16_master_weights_and_grads", "master weights and gradients are always fp32"),
+    InertKey("bf16.bf16_optimizer_states", "optimizer states are always fp32"),
+    InertKey(
+        "amp.opt_level",
+        "every opt_level means autocast to fp16 with dynamic loss scaling here",
+        lambda cfg, value, world: cfg.amp.enabled and value != "O1",
+    ),
+    InertKey("torch_autocast.lower_precision_safe_modules", "autocast applies torch's own per-op rules"),
+    InertKey("data_types.buffer_dtype", "buffers keep the dtype the model gives them"),
+    InertKey("data_types.keep_in_fp32_modules", "every module follows the run's precision"),
+    # ZeRO, every stage
+    InertKey(
+        "zero_optimization.contiguous_gradients",
+        "always on: gradients are always contiguous (flat buffers at stages 0-2, one contiguous shard "
+        "per unit at stage 3)",
+    ),
+    InertKey(
+        "zero_optimization.reduce_scatter",
+        "gradients are always all-reduced at stage 0 and reduce-scattered at stages 1-3",
+    ),
+    InertKey(
+        "zero_optimization.allgather_bucket_size",
+        "updated shards are all-gathered a flat buffer at a time (stages 1-2); FSDP2 gathers one unit per "
+        "collective (stage 3)",
+    ),
+    InertKey("zero_optimization.allgather_partitions", "updated shards are always gathered with all-gather"),
+    InertKey("zero_optimization.round_robin_gradients", "gradient shards are assigned to ranks in order"),
+    InertKey("zero_optimization.use_multi_rank_bucket_allreduce", "buckets are reduced one collective each"),
+    InertKey(
+        "zero_optimization.ignore_unused_parameters",
+        "parameters without a gradient are always accepted (their gradient is zero); no error is raised",
+    ),
+    InertKey(
+        "zero_optimization.elastic_checkpoint",
+        "always on: checkpoints are topology-free, any number of ranks at any stage can load them",
+    ),
+    InertKey(
+        "zero_optimization.load_from_fp32_weights",
+        "master weights are always restored from the checkpoint's fp32 copy",
+    ),
+    InertKey(
+        "zero_optimization.compute_grad_norm",
+        "the global gradient norm is always computed (get_global_grad_norm works)",
+    ),
+    InertKey(
+        "zero_optimization.zero_quantized_weights",
+        "quantized weight all-gather (ZeRO++ qwZ) is not implemented; weights travel in the training dtype",
+    ),
+    InertKey(
+        "zero_optimization.zero_quantized_nontrainable_weights",
+        "frozen weights are not quantized; they stay in the training dtype",
+    ),
+    InertKey(
+        "zero_optimization.zero_quantized_gradients",
+        "quantized gradient reduction (ZeRO++ qgZ) is not implemented; gradients travel in the "
+        "communication dtype",
+    ),
+    InertKey(
+        "zero_optimization.zero_hpz_partition_size",
+        "hpZ secondary partitions are used only at stage 3 with a size that divides the data-parallel "
+        "world size and is smaller than it; parameters are gathered from all ranks",
+        _hpz_unused,
+    ),
+    InertKey("zero_optimization.parameter_alignment", "flat buffers use shardwise's own alignment"),
+    InertKey("zero_optimization.save_muon_momentum_buffer_in_memory", "there is no Muon optimizer"),
+    InertKey("zero_optimization.zenflow", "ZenFlow is not implemented", _present),
+    InertKey("zero_optimization.mics_hierarchical_params_gather", "MiCS is not supported"),
+    InertKey("zero_optimization.offload_optimizer.fast_init", "state files are created at the first step"),
+    InertKey("zero_optimization.offload_optimizer.super_offload", "SuperOffload is not implemented"),
+    InertKey(
+        "zero_optimization.offload_optimizer.cpuadam_cores_perc",
+        "the CPU step uses torch's kernels and thread setting",
+    ),
+    InertKey("zero_optimization.offload_param.max_in_cpu", "there is no separate CPU parameter cache"),
+    InertKey("aio.use_gds", "GPUDirect Storage is not used; reads go through host memory"),
+    # ZeRO, by stage
+    InertKey(
+        "zero_optimization.offload_param",
+        "parameter offload is used at stage 3 only; at this stage parameters stay on the device",
+        _param_offload_below_stage3,
+        _BELOW_3,
+    ),
+    InertKey(
+        "zero_optimization.overlap_comm",
+        "always on at stage 3: FSDP2 overlaps its collectives with compute",
+        lambda cfg, value, world: value is False,
+        _AT_3,
+    ),
+    InertKey(
+        "zero_optimization.stage3_use_all_reduce_for_fetch_params",
+        "FSDP2 gathers with all-gather",
+        None,
+        _AT_3,
+    ),
+    InertKey(
+        "zero_optimization.memory_efficient_linear",
+        "FSDP2 frees gathered weights itself; no custom linear is used",
+        None,
+        _AT_3,
+    ),
+    InertKey(
+        "zero_optimization.override_module_apply", "module.apply works on the sharded module", None, _AT_3
+    ),
+    InertKey("zero_optimization.pipeline_loading_checkpoint", "checkpoints load shard-wise", None, _AT_3),
+    InertKey("zero_optimization.log_trace_cache_warnings", "there is no trace cache", None, _AT_3),
+    InertKey("zero_optimization.enable_sanity_checks", "there are no DeepSpeed sanity checks", None, _AT_3),
+    # feature sections
+    InertKey(
+        "activation_checkpointing",
+        "shardwise has no deepspeed.checkpointing module for these settings to configure; checkpoint "
+        "activations in the model with torch.utils.checkpoint",
+    ),
+    InertKey(
+        "sparse_attention", "no block-sparse attention kernels: the model's own attention runs", _present
+    ),
+    InertKey(
+        "compression_training",
+        "no quantization, pruning or layer reduction is applied: the model trains at full size and precision",
+    ),
+    InertKey(
+        "data_efficiency",
+        "no curriculum sampling or random layerwise token dropping: batches come from the data loader "
+        "as they are, and every layer sees every token",
+        _enabled,
+    ),
+    InertKey(
+        "curriculum_learning",
+        "no curriculum: the model's forward gets no curriculum_seqlen, every batch trains at full difficulty",
+        _enabled,
+    ),
+    InertKey("progressive_layer_drop", "no layers are dropped: every layer runs every step", _enabled),
+    InertKey("eigenvalue", "no Hessian eigenvalues are computed", _enabled),
+    InertKey("quantize_training", "no MoQ quantization: weights stay in the training precision", _enabled),
+    InertKey("autotuning", "no autotuning: the run trains with the config as written", _enabled),
+    InertKey("hybrid_engine", "there is no generation engine; the model trains as a plain module", _enabled),
+    InertKey("tensor_parallel", "no automatic tensor parallelism: the model is not split"),
+    InertKey("pipeline", "there is no pipeline engine: the section is used only with a PipelineModule"),
+    InertKey("compile", "the model is not compiled by shardwise; call torch.compile on it yourself"),
+    InertKey("checkpoint.writer", "checkpoints are written by shardwise's own writer", _present),
+    InertKey("checkpoint.parallel_write", "every rank writes its own files"),
+    InertKey(
+        "checkpoint.checkpoint_serialization", "checkpoints are written with torch.distributed.checkpoint"
+    ),
+)
+"""Every accepted-but-ignored key, in the order they are reported."""
+
+
+def _stage3_keys_below_stage3() -> tuple[InertKey, ...]:
+    from shardwise.config.sections.zero import ZeroConfig
+
+    return tuple(
+        InertKey(f"zero_optimization.{name}", "a stage-3 setting; no effect at stages 0-2", None, _BELOW_3)
+        for name in ZeroConfig.model_fields
+        if name.startswith("stage3_")
+    )
+
+
+def ignored_settings(cfg: ShardwiseConfig, world_size: int = 1) -> list[IgnoredSetting]:
+    """The settings of ``cfg`` that shardwise accepts without acting on them.
+
+    Args:
+        cfg: a validated config.
+        world_size: the data-parallel world size (some keys matter only for some sizes).
+
+    Example:
+        >>> cfg = ShardwiseConfig(zero_optimization={"stage": 2, "round_robin_gradients": True})
+        >>> [s.path for s in ignored_settings(cfg)]
+        ['zero_optimization.round_robin_gradients']
+    """
+    found = []
+    for entry in (*INERT_KEYS, *_stage3_keys_below_stage3()):
+        if entry.ignored_in(cfg, world_size):
+            found.append(IgnoredSetting(entry.path, _value_at(cfg, entry.path), entry.instead, entry.verdict))
+    return found
