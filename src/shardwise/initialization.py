@@ -115,21 +115,11 @@ def _optimizer_factory(
 
 
 def _check_zero_optimizer(cfg: ResolvedConfig, optimizer: torch.optim.Optimizer) -> None:
-    from shardwise.optim import is_zero_supported
+    from shardwise.config.components import zero_optimizer_error
 
-    if (
-        cfg.config.zero_stage >= 1
-        and not is_zero_supported(optimizer)
-        and not cfg.config.zero_allow_untested_optimizer
-    ):
-        raise ConfigError(
-            "zero_allow_untested_optimizer",
-            f"{type(optimizer).__name__} is not known to be correct on ZeRO's sharded flat tensors "
-            "(optimizers with per-tensor maths, such as Lamb's trust ratio, would see shard pieces)",
-            "use stage 0, an element-wise optimizer (Adam, AdamW, Adagrad, Lion), or set "
-            '"zero_allow_untested_optimizer": true to run it anyway',
-            value=False,
-        )
+    error = zero_optimizer_error(cfg.config, optimizer)
+    if error is not None:
+        raise error
 
 
 def _device() -> torch.device:

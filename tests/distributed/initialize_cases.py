@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from zero_reference import batch, make_model
 
 import shardwise
 from shardwise.config import ConfigError
+from shardwise.utils.logging import logger
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
@@ -68,4 +70,34 @@ def api_scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     engine.set_train_micro_batch_size(1)
     out["set_mbs"] = engine.get_batch_info()
     out["getattr"] = engine.config.config.zero_optimization.stage, engine.wte is engine.module.wte
+    out.update(_config_trust_scenarios(tmp))
+    return out
+
+
+def _config_trust_scenarios(tmp: str) -> dict[str, Any]:
+    """Bad learning rates and unreadable files name the key or file; ignored settings warn once."""
+    out: dict[str, Any] = {}
+    for name, lr in (("fast", "fast"), ("nan", float("nan")), ("negative", -1e-3)):
+        config = {**BASE, "optimizer": {"type": "AdamW", "params": {"lr": lr}}}
+        out[f"lr_{name}"] = _error(
+            lambda config=config: shardwise.initialize(model=make_model(), config=config)
+        )
+    latin1 = f"{tmp}/latin1.json"
+    with open(latin1, "wb") as fh:
+        fh.write(b'{"train_batch_size": 2, "name": "caf\xe9"}')
+    out["not_utf8"] = _error(lambda: shardwise.initialize(model=make_model(), config=latin1))
+    records: list[logging.LogRecord] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    keep = _Keep(level=logging.WARNING)
+    logger.addHandler(keep)
+    try:
+        ignored = {**BASE, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
+        shardwise.initialize(model=make_model(), config=ignored)
+    finally:
+        logger.removeHandler(keep)
+    out["offload_param_warnings"] = [r.getMessage() for r in records if "offload_param" in r.getMessage()]
     return out

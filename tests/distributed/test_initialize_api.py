@@ -27,3 +27,13 @@ def test_initialize_api(tmp_path):
     assert tuple(out["set_mbs"]) == (4, 1, 4)
     assert "multiple of micro batch" in out["bad_tbs"]
     assert out["getattr"] == (0, True)
+    # bad learning rates are ConfigErrors naming the key, not torch's TypeError/ValueError
+    assert out["lr_fast"].startswith("ConfigError: 'optimizer.params.lr' = 'fast'")
+    assert out["lr_nan"].startswith("ConfigError: 'optimizer.params.lr' = nan")
+    assert out["lr_negative"].startswith("ConfigError: 'optimizer.params.lr' = -0.001")
+    assert all("fix:" in out[f"lr_{name}"] for name in ("fast", "nan", "negative"))
+    assert out["not_utf8"].startswith("ConfigError:") and "latin1.json" in out["not_utf8"]
+    assert "not UTF-8" in out["not_utf8"] and "fix:" in out["not_utf8"]
+    # a setting shardwise ignores is named once, with what happens instead
+    (warning,) = out["offload_param_warnings"]
+    assert "'zero_optimization.offload_param'" in warning and "stage 3 only" in warning

@@ -58,6 +58,26 @@ def _as_config_error(exc: Exception, section: str) -> ConfigError:
     )
 
 
+def zero_optimizer_error(cfg: ShardwiseConfig, optimizer: Any) -> ConfigError | None:
+    """The error for an optimizer ZeRO cannot shard safely, unless the config allows it.
+
+    ``initialize`` asks this for the optimizer it builds (config or client); ``load_config``
+    for the config's optimizer, built on the probe.
+    """
+    from shardwise.optim import is_zero_supported
+
+    if cfg.zero_stage >= 1 and not is_zero_supported(optimizer) and not cfg.zero_allow_untested_optimizer:
+        return ConfigError(
+            "zero_allow_untested_optimizer",
+            f"{type(optimizer).__name__} is not known to be correct on ZeRO's sharded flat tensors "
+            "(optimizers with per-tensor maths, such as Lamb's trust ratio, would see shard pieces)",
+            "use stage 0, an element-wise optimizer (Adam, AdamW, Adagrad, Lion), or set "
+            '"zero_allow_untested_optimizer": true to run it anyway',
+            value=False,
+        )
+    return None
+
+
 def component_problems(cfg: ShardwiseConfig) -> tuple[list[ConfigError], list[str]]:
     """Build the config's optimizer and scheduler on a probe parameter.
 
@@ -89,7 +109,10 @@ def component_problems(cfg: ShardwiseConfig) -> tuple[list[ConfigError], list[st
                 )
             except (ValueError, TypeError) as exc:
                 errors.append(_as_config_error(exc, "optimizer"))
-        if cfg.scheduler is not None and not errors:
+            else:
+                unsafe = zero_optimizer_error(cfg, optimizer)
+                errors.extend([unsafe] if unsafe is not None else [])
+        if cfg.scheduler is not None and (cfg.optimizer is None or optimizer is not None):
             # Without an optimizer section the client's optimizer is scheduled; any lr stands in for it.
             target = optimizer if optimizer is not None else torch.optim.SGD([probe], lr=1e-3)
             try:
