@@ -98,8 +98,8 @@ class DataEfficiencyConfig(Section):
 class LegacyCurriculumConfig(Section):
     """Top-level ``curriculum_learning`` (removed in DeepSpeed 0.19.8; kept here).
 
-    With ``curriculum_type: "seqlen"`` the engine passes ``curriculum_seqlen=<difficulty>``
-    to the model's forward.
+    Accepted and validated; not acted on yet (``shardwise.config.inert`` warns when it is
+    enabled): the model's forward does not receive ``curriculum_seqlen``.
     """
 
     enabled: bool = False
