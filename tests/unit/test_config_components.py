@@ -107,8 +107,8 @@ def test_a_valid_optimizer_and_scheduler_pass_without_warnings() -> None:
     assert cfg.warnings == [] and cfg.ignored == []
 
 
-def test_config_without_optimizer_or_scheduler_does_not_import_torch() -> None:
-    # tests/unit/test_package.py checks the import graph; here: nothing is built without the sections
+def test_nothing_is_built_without_the_sections() -> None:
+    # (tests/unit/test_package.py checks that such a config loads without importing torch)
     from shardwise.config.components import component_problems
 
     assert component_problems(load_config(BASE).config) == ([], [])

@@ -79,7 +79,10 @@ def _run(args: argparse.Namespace) -> int:
         else:
             counts = [
                 f"{len(items)} {label}"
-                for items, label in ((resolved.warnings, "warning(s)"), (resolved.ignored, "ignored setting(s)"))
+                for items, label in (
+                    (resolved.warnings, "warning(s)"),
+                    (resolved.ignored, "ignored setting(s)"),
+                )
                 if items
             ]
             note = f" ({', '.join(counts)})" if counts else ""

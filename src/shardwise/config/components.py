@@ -38,7 +38,7 @@ def _captured_log() -> Iterator[list[str]]:
     capture = _Capture()
     level = logger.level
     logger.addFilter(capture)
-    logger.setLevel(min(level, logging.WARNING) if level else logging.WARNING)
+    logger.setLevel(min(level or logging.WARNING, logging.WARNING))  # seen even when the CLI quiets the log
     try:
         yield captured
     finally:

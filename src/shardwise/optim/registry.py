@@ -28,6 +28,7 @@ from shardwise.optim.adam import AdamNoBiasCorrection
 from shardwise.optim.hyperparameters import check_hyperparameters
 from shardwise.optim.lamb import Lamb
 from shardwise.optim.lion import Lion
+from shardwise.optim.names import unknown_type_error
 from shardwise.utils.logging import logger
 
 __all__ = [
@@ -266,9 +267,7 @@ def _onebit(type_name: str, params: dict[str, Any], model_parameters: list[Any],
                 "optimizer.params.eps_inside_sqrt",
                 True,
             )
-    # The compression keys steer communication shardwise does not compress; the config's
-    # ignored-settings registry (shardwise.config.inert) warns about them, once.
-    for key in comm_keys:
+    for key in comm_keys:  # no compression here; shardwise.config.inert warns about it, once
         params.pop(key, None)
     if base == "adam":
         # 1-bit Adam and 0/1 Adam add weight decay to the update: the AdamW form.
@@ -318,35 +317,6 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
     "muon": _muon,
 }
 """Lower-cased JSON ``optimizer.type`` -> factory. These names are matched case-insensitively."""
-
-
-def _torch_optimizer_names() -> list[str]:
-    return sorted(
-        name
-        for name in dir(torch.optim)
-        if isinstance(getattr(torch.optim, name), type)
-        and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
-        and name != "Optimizer"
-    )
-
-
-def _unknown_type_error(type_name: str) -> KeyedValueError:
-    torch_names = _torch_optimizer_names()
-    same_case = [n for n in torch_names if n.lower() == type_name.lower()]
-    if same_case:
-        hint = f' torch.optim names are case-sensitive: did you mean "{same_case[0]}"?'
-    else:
-        # our case-insensitive names win over torch's spelling of the same word
-        lowered = {c.lower(): c for c in [*torch_names, *sorted(OPTIMIZERS)]}
-        close = difflib.get_close_matches(type_name.lower(), list(lowered), n=3, cutoff=0.6)
-        hint = f" Did you mean {', '.join(repr(lowered[c]) for c in close)}?" if close else ""
-    return KeyedValueError(
-        f'optimizer.type "{type_name}" is not a supported optimizer.{hint} Choices: '
-        f"{', '.join(sorted(OPTIMIZERS))} (any case), or a torch.optim class by its exact name: "
-        f"{', '.join(torch_names)}.",
-        "optimizer.type",
-        type_name,
-    )
 
 
 # --------------------------------------------------------------------------- param groups
@@ -406,10 +376,8 @@ def build_optimizer(
         A ``torch.optim.Optimizer`` with empty param groups removed.
 
     Raises:
-        ValueError: unknown type, unknown or unsupported key, ``max_grad_norm`` in params,
-            an unresolved ``"auto"`` value, a learning rate (or other common hyperparameter)
-            out of range, or a parameter in two groups. Errors about a config key are
-            :class:`~shardwise.config.errors.KeyedValueError` and name it.
+        ValueError: unknown type or key, ``max_grad_norm``, ``"auto"``, a hyperparameter out of range
+            (these are ``KeyedValueError`` naming the key), or a parameter in two groups.
 
     Example:
         >>> import torch
@@ -452,7 +420,7 @@ def build_optimizer(
             and issubclass(cls, torch.optim.Optimizer)
             and cls is not torch.optim.Optimizer
         ):
-            raise _unknown_type_error(type_name)
+            raise unknown_type_error(type_name, OPTIMIZERS)
         optimizer = _construct(type_name, cls, groups, params)
     return _tidy_param_groups(optimizer)
 

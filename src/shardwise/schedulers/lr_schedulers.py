@@ -37,6 +37,7 @@ from shardwise.schedulers.formulas import (
     WarmupSchedule,
     resolve_warmup_type,
 )
+from shardwise.schedulers.optimizer_access import unwrap_optimizer
 from shardwise.utils.logging import logger
 
 __all__ = [
@@ -48,32 +49,6 @@ __all__ = [
     "per_group",
     "unwrap_optimizer",
 ]
-
-
-def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """Return the torch optimizer behind ``optimizer``, following ``.optimizer`` attributes.
-
-    Engines and ZeRO wrappers expose the real optimizer as ``.optimizer``; schedulers must
-    write into the param groups the update actually reads.
-
-    Raises:
-        ValueError: if no object in the chain has ``param_groups``.
-    """
-    current = optimizer
-    for _ in range(16):  # a bounded walk: a cycle of .optimizer references would otherwise hang
-        if isinstance(current, torch.optim.Optimizer):
-            return current
-        inner = getattr(current, "optimizer", None)
-        if inner is None:
-            break
-        current = inner
-    if hasattr(current, "param_groups") and hasattr(current, "defaults"):
-        return current  # duck-typed optimizer (e.g. a custom class not deriving from Optimizer)
-    raise ValueError(
-        f"a scheduler needs a torch optimizer, got {type(optimizer).__name__}: it is not a "
-        "torch.optim.Optimizer and has no .optimizer attribute leading to one. Fix: pass the optimizer "
-        "(or the object returned by shardwise.initialize, whose .optimizer is used)."
-    )
 
 
 def per_group(name: str, value: Any, num_groups: int) -> list[Any]:
