@@ -21,10 +21,11 @@ from torch import nn
 from shardwise import comm
 from shardwise.comm.comms_logger import configure_comms_logger
 from shardwise.comm.topology import build_topology
-from shardwise.config import ConfigError, ResolutionContext, load_config
+from shardwise.config import ConfigError, ResolutionContext
 from shardwise.config.resolve import ResolvedConfig
 from shardwise.engine import ShardwiseEngine
 from shardwise.precision.policy import build_precision
+from shardwise.preflight import load_checked_config, zero_optimizer_error
 from shardwise.profiling.telemetry import build_telemetry
 from shardwise.utils.logging import logger, set_log_level
 from shardwise.zero.sharded_optimizer import group_source_rank
@@ -115,8 +116,6 @@ def _optimizer_factory(
 
 
 def _check_zero_optimizer(cfg: ResolvedConfig, optimizer: torch.optim.Optimizer) -> None:
-    from shardwise.config.components import zero_optimizer_error
-
     error = zero_optimizer_error(cfg.config, optimizer)
     if error is not None:
         raise error
@@ -175,7 +174,7 @@ def initialize(
         optimizer_hparams=_client_hparams(optimizer),
         hidden_size=_hidden_size(model),
     )
-    cfg = load_config(source, context=context)
+    cfg = load_checked_config(source, context=context)
     if cfg.config.log_level:
         set_log_level(cfg.config.log_level)
     if cfg.config.comms_logger is not None:  # before the first broadcast, so start-up traffic is recorded too

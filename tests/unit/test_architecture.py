@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),  # pydantic sections, "auto", the batch rule; no torch
     ("comm",),  # the one door to torch.distributed: init, topology, collectives, diagnostics
     ("precision", "optim", "schedulers", "data", "monitor"),  # parts that only need comm/config
+    ("preflight",),  # the model-free checks of initialize, shared with `config check` (builds on a probe)
     ("zero",),  # ZeRO stages 0-3 (optimizers, reducer, FSDP2 wrapping)
     ("checkpoint",),  # DCP save/load, resharding, DeepSpeed import
     ("profiling",),  # timers, flops profiler, telemetry (reads monitor/precision)

@@ -486,22 +486,18 @@ def test_total_num_steps_default_is_at_least_the_warmup() -> None:
 
 def test_scheduler_defaults_table() -> None:
     params = {
-        "total_num_steps": 100,
-        "warmup_min_ratio": "auto",
+        "warmup_min_lr": "auto",
         "warmup_num_steps": "auto",
         "warmup_type": "auto",
         "cos_min_ratio": "auto",
     }
     cfg = load_config({**BASE, "scheduler": {"type": "WarmupCosineLR", "params": params}})
     assert cfg.config.scheduler.params == {
-        "total_num_steps": 100,
-        "warmup_min_ratio": 0.0,
+        "warmup_min_lr": 0.0,
         "warmup_num_steps": 1000,
         "warmup_type": "log",
         "cos_min_ratio": 0.0001,
     }
-    warmup = load_config({**BASE, "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto"}}})
-    assert warmup.config.scheduler.params == {"warmup_min_lr": 0.0}
 
 
 def test_scheduler_param_without_default_is_an_error() -> None:

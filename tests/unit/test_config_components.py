@@ -13,6 +13,7 @@ import pytest
 from shardwise.cli.main import main
 from shardwise.config import ConfigError, load_config
 from shardwise.config.errors import KeyedValueError
+from shardwise.preflight import component_problems, load_checked_config
 from shardwise.utils.logging import get_logger
 
 BASE: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2}
@@ -88,7 +89,7 @@ def test_config_check_fails_with_the_key_path(
         assert code == 1
         assert text.startswith("FAIL") and f"'{key}'" in text and words in text and "fix:" in text
     with pytest.raises(ConfigError) as info:  # the same path initialize takes
-        load_config({**BASE, **sections}, world_size=2)
+        load_checked_config({**BASE, **sections}, world_size=2)
     assert info.value.key == key and words in str(info.value) and "fix:" in str(info.value)
 
 
@@ -103,14 +104,12 @@ def test_builders_warnings_are_shown_by_config_check(
 
 def test_a_valid_optimizer_and_scheduler_pass_without_warnings() -> None:
     scheduler = {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
-    cfg = load_config({**BASE, "optimizer": ADAM, "scheduler": scheduler}, world_size=2)
+    cfg = load_checked_config({**BASE, "optimizer": ADAM, "scheduler": scheduler}, world_size=2)
     assert cfg.warnings == [] and cfg.ignored == []
 
 
 def test_nothing_is_built_without_the_sections() -> None:
     # (tests/unit/test_package.py checks that such a config loads without importing torch)
-    from shardwise.config.components import component_problems
-
     assert component_problems(load_config(BASE).config) == ([], [])
 
 

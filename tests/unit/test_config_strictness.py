@@ -94,7 +94,7 @@ def test_absurd_batch_sizes_are_rejected(config: dict[str, Any], key: str) -> No
 
 
 def test_the_largest_batch_is_accepted() -> None:
-    assert load_config({"train_batch_size": MAX_BATCH_SIZE}).train_batch_size == MAX_BATCH_SIZE
+    assert load_config({"train_batch_size": MAX_BATCH_SIZE}).batch.train_batch_size == MAX_BATCH_SIZE
 
 
 # ------------------------------------------------------------------ booleans are not numbers

@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "corpus"))
 
-from categories import ACCEPT, REJECT, REJECTED_AT_DS_INITIALIZE, accept_category, reject_category
+from categories import ACCEPT, REJECT, accept_category, reject_category
 from corpus_paths import corpus_dir, record_id, run_record
 
 from shardwise.utils.logging import logger
@@ -93,7 +93,7 @@ def test_every_record_lands_in_its_expected_category(corpus):
                     failures.append(f"{rid}: resolved values differ from DeepSpeed (ours, theirs): {diff}")
         else:
             assert category in REJECT
-            if record["accepted"] and category not in REJECTED_AT_DS_INITIALIZE:
+            if record["accepted"]:
                 failures.append(f"{rid}: expectation rejects a file DeepSpeed accepted")
             elif error is None:
                 failures.append(f"{rid}: expected rejection ({category}) but it was accepted")
@@ -117,14 +117,8 @@ def test_categories_cover_the_corpus_as_reviewed(corpus):
     for value in expectations.values():
         counts[value["category"]] = counts.get(value["category"], 0) + 1
     assert set(counts) <= set(ACCEPT) | set(REJECT)
-    # every DeepSpeed acceptance is ours too, and nothing DeepSpeed accepted is rejected, except
-    # files DeepSpeed's initialize rejects when it builds the optimizer or scheduler
-    at_initialize = sum(
-        1
-        for r in records
-        if r["accepted"] and expectations[record_id(r)]["category"] in REJECTED_AT_DS_INITIALIZE
-    )
-    assert counts["ds-accepted"] + at_initialize == sum(1 for r in records if r["accepted"])
+    # every DeepSpeed acceptance is ours too, and nothing DeepSpeed accepted is rejected
+    assert counts["ds-accepted"] == sum(1 for r in records if r["accepted"])
     # every removed-section or "auto"-only rejection by DeepSpeed is accepted unless the file is wrong
     for record in records:
         category = expectations[record_id(record)]["category"]
@@ -135,7 +129,6 @@ def test_categories_cover_the_corpus_as_reviewed(corpus):
                 "placeholder",
                 "unknown-key",
                 "unsupported",
-                "build-error",
             )
 
 

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from shardwise.config import ConfigError, load_config
+from shardwise.config import ConfigError
 
 
 def add_parser(subparsers: Any) -> None:
@@ -60,6 +60,7 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace) -> int:
     from shardwise.cli.explain import explain
+    from shardwise.preflight import load_checked_config
     from shardwise.utils.logging import set_log_level
 
     set_log_level("ERROR")  # warnings are printed below, once, next to their file
@@ -67,7 +68,9 @@ def _run(args: argparse.Namespace) -> int:
     overrides = _overrides(args.set)
     for path in args.files:
         try:
-            resolved = load_config(path, world_size=args.world_size, overrides=overrides, strict=args.strict)
+            resolved = load_checked_config(
+                path, world_size=args.world_size, overrides=overrides, strict=args.strict
+            )
         except ConfigError as exc:
             failed += 1
             print(f"FAIL {path}\n  {str(exc).replace(chr(10), chr(10) + '  ')}", file=sys.stderr)

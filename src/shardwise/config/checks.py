@@ -7,6 +7,7 @@ Each rule returns ``ConfigError``s naming the key that should change, so a user 
 from __future__ import annotations
 
 from shardwise.config.errors import ConfigError
+from shardwise.config.loss_scale_rules import dynamic_scale_settings
 from shardwise.config.model import ShardwiseConfig
 
 
@@ -53,25 +54,21 @@ def _precision_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
 
 
 def _loss_scaling_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
-    """The fp16 scaler's settings, checked by the scaler itself and only where it is used.
+    """The fp16 scaler's settings, checked by the scaler's own rules and only where they are used.
 
     DeepSpeed checks ``loss_scale_window``, ``hysteresis`` and ``min_loss_scale`` only
     under dynamic loss scaling; a static scale or a run without fp16 math ignores them.
     """
-    if not cfg.fp16_loss_scaling:
+    if not (cfg.fp16_loss_scaling and cfg.fp16.dynamic):
         return []
-    from shardwise.precision.loss_scaler import build_loss_scaler  # pure; imported late (it imports config)
-
     fp16 = cfg.fp16
     try:
-        build_loss_scaler(
-            fp16_enabled=True,
-            loss_scale=fp16.loss_scale,
-            initial_scale_power=fp16.initial_scale_power,
-            loss_scale_window=fp16.loss_scale_window,
-            hysteresis=fp16.hysteresis,
-            consecutive_hysteresis=fp16.consecutive_hysteresis,
-            min_loss_scale=fp16.min_loss_scale,
+        dynamic_scale_settings(
+            fp16.initial_scale_power,
+            fp16.loss_scale_window,
+            fp16.hysteresis,
+            fp16.consecutive_hysteresis,
+            fp16.min_loss_scale,
         )
     except ConfigError as exc:
         return [exc]

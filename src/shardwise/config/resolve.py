@@ -5,8 +5,8 @@ The pipeline, in order (each step is a function of its own module):
 1. read the source (``loading``), 2. rewrite legacy spellings (``compat``),
 3. set aside unknown top-level keys (warning with did-you-mean; an error when strict),
 4. resolve ``"auto"`` (``auto``), 5. resolve the batch triple (``batch``),
-6. validate every section (pydantic models in ``sections``), the rules across sections
-   (``checks``) and the optimizer and scheduler by building them on a probe (``components``),
+6. validate every section (pydantic models in ``sections``) and the rules across sections
+   (``checks``); the optimizer and scheduler are checked by ``shardwise.preflight``, above,
 7. list the settings shardwise ignores (``inert``; errors when strict), 8. record provenance.
 
 All problems found in steps 5-7 are reported together in one ``ConfigError``.
@@ -26,7 +26,6 @@ from shardwise.config.auto import BATCH_KEYS, AutoResolver, ResolutionContext, g
 from shardwise.config.batch import BatchSizes, resolve_batch_sizes
 from shardwise.config.checks import cross_section_errors
 from shardwise.config.compat import FP16_ONLY_KEYS, normalize_legacy
-from shardwise.config.components import component_problems
 from shardwise.config.errors import ConfigError, ConfigErrors, did_you_mean, looks_like_placeholder
 from shardwise.config.inert import IgnoredSetting, ignored_settings
 from shardwise.config.loading import read_config_source
@@ -434,11 +433,8 @@ def load_config(
         if (e.key not in BATCH_KEYS or batch is not None) and e.key.split(".")[0] not in reported
     )
     ignored: list[IgnoredSetting] = []
-    build_warnings: list[str] = []
     if config is not None:
         errors.extend(cross_section_errors(config))
-        component_errors, build_warnings = component_problems(config)
-        errors.extend(component_errors)
         ignored = ignored_settings(config, batch.world_size if batch is not None else ctx.world_size)
         if strict:
             errors.extend(setting.as_error() for setting in ignored)
@@ -450,9 +446,6 @@ def load_config(
         logger.warning(text)
     for setting in ignored:
         logger.warning(setting.message)
-    # The builders log these themselves when initialize builds the real optimizer and scheduler;
-    # they are kept (not logged twice) for `config check` to show.
-    warnings.extend(build_warnings)
     final = config.model_dump(mode="json", by_alias=True)
     sources = _provenance(final, normalized, resolver, compat.renamed, batch)
     return ResolvedConfig(

@@ -40,12 +40,13 @@ settings included.)
 from __future__ import annotations
 
 import math
-import operator
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
 from shardwise.config.errors import ConfigError
+from shardwise.config.loss_scale_rules import as_positive_float, dynamic_scale_settings
+from shardwise.config.loss_scale_rules import format_scale as _fmt
 from shardwise.utils.logging import logger
 
 _T = TypeVar("_T")
@@ -55,38 +56,6 @@ SCALE_FACTOR = 2.0
 
 # Keys every scaler's state_dict carries; the settings keys differ per kind.
 _STATE_KEYS = ("kind", "cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-
-
-def _fmt(value: float) -> str:
-    """Show a scale the way people read it: ``65536`` rather than ``65536.0``."""
-    if math.isfinite(value) and value == int(value) and abs(value) < 1e16:
-        return str(int(value))
-    return repr(value)
-
-
-def _as_int(key: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
-    """Validate an integer setting (bools are rejected: ``True`` is not a window size)."""
-    if isinstance(value, bool):
-        raise ConfigError(key, "must be an integer, not a bool", "write a whole number", value)
-    try:
-        result = operator.index(value)
-    except TypeError:
-        raise ConfigError(key, "must be an integer", "write a whole number", value) from None
-    if minimum is not None and result < minimum:
-        raise ConfigError(key, f"must be >= {minimum}", f"use a value of at least {minimum}", value)
-    if maximum is not None and result > maximum:
-        raise ConfigError(key, f"must be <= {maximum}", f"use a value of at most {maximum}", value)
-    return result
-
-
-def _as_positive_float(key: str, value: Any) -> float:
-    """Validate a finite, strictly positive number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(key, "must be a number", "write a positive number such as 1", value)
-    result = float(value)
-    if not math.isfinite(result) or result <= 0:
-        raise ConfigError(key, "must be finite and > 0", "write a positive number such as 1", value)
-    return result
 
 
 class LossScaleAtMinimumError(RuntimeError):
@@ -254,30 +223,17 @@ class DynamicLossScaler(LossScaler):
         min_loss_scale: float = 1.0,
         raise_error_at_min_scale: bool = True,
     ) -> None:
-        # 2**p must be a normal float32 so the scaled fp32 loss can represent it.
-        self.initial_scale_power = _as_int("fp16.initial_scale_power", initial_scale_power, -126, 127)
-        self.loss_scale_window = _as_int("fp16.loss_scale_window", loss_scale_window, minimum=1)
-        # hysteresis 0 would never lower the scale (the budget would count down past 1 forever).
-        self.hysteresis = _as_int("fp16.hysteresis", hysteresis, minimum=1)
-        if not isinstance(consecutive_hysteresis, bool):
-            raise ConfigError(
-                "fp16.consecutive_hysteresis",
-                "must be true or false",
-                "write true or false",
-                consecutive_hysteresis,
-            )
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.min_loss_scale = _as_positive_float("fp16.min_loss_scale", min_loss_scale)
+        (
+            self.initial_scale_power,
+            self.loss_scale_window,
+            self.hysteresis,
+            self.consecutive_hysteresis,
+            self.min_loss_scale,
+        ) = dynamic_scale_settings(
+            initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale
+        )
         self.raise_error_at_min_scale = bool(raise_error_at_min_scale)
         initial = 2.0**self.initial_scale_power
-        if initial < self.min_loss_scale:
-            raise ConfigError(
-                "fp16.initial_scale_power",
-                f"gives an initial loss scale 2**{self.initial_scale_power} = {_fmt(initial)}, below "
-                f"'fp16.min_loss_scale' = {_fmt(self.min_loss_scale)}",
-                "raise 'fp16.initial_scale_power' (16 is the usual value) or lower 'fp16.min_loss_scale'",
-                self.initial_scale_power,
-            )
         super().__init__(initial)
         self.cur_hysteresis = self.hysteresis
 
@@ -388,7 +344,7 @@ class StaticLossScaler(LossScaler):
     dynamic: ClassVar[bool] = False
 
     def __init__(self, scale: float) -> None:
-        super().__init__(_as_positive_float("fp16.loss_scale", scale))
+        super().__init__(as_positive_float("fp16.loss_scale", scale))
 
     def _settings(self) -> dict[str, Any]:
         return {"loss_scale": self.cur_scale}

@@ -29,12 +29,6 @@ Rejected by shardwise (and by DeepSpeed), with an error naming ``error_key``:
   invalid-value    a value outside its allowed range or type.
   unsupported      a feature we cannot run (MiCS sharding, the Nebula service,
                    an elastic config that has no batch for this world size).
-  build-error      the optimizer or scheduler section cannot be built (``optimizer.params.
-                   max_grad_norm``, a scheduler without a required parameter). DeepSpeed
-                   0.19.8 parses such a file and raises only when initialize builds the
-                   optimizer or scheduler; shardwise runs those checks when it loads the config,
-                   so ``config check`` fails where initialize would. The one reject category
-                   allowed for a file DeepSpeed's parser accepted.
 """
 
 from __future__ import annotations
@@ -42,17 +36,7 @@ from __future__ import annotations
 import re
 
 ACCEPT = ("ds-accepted", "auto", "removed-section", "misplaced-key", "legacy-key", "too-strict")
-REJECT = (
-    "batch-mismatch",
-    "missing-batch",
-    "placeholder",
-    "unknown-key",
-    "invalid-value",
-    "unsupported",
-    "build-error",
-)
-# DeepSpeed's parser accepts these; its initialize raises on them (spec 3.2, 4.3)
-REJECTED_AT_DS_INITIALIZE = ("build-error",)
+REJECT = ("batch-mismatch", "missing-batch", "placeholder", "unknown-key", "invalid-value", "unsupported")
 
 # DeepSpeed's rejection reason -> the accept category it justifies
 _DS_REASON_TO_ACCEPT = [
@@ -84,8 +68,6 @@ def reject_category(message: str) -> str:
         first = message.split("\n")[1]
     if "placeholder" in first:
         return "placeholder"
-    if re.match(r"\s*(\d+\. )?'(optimizer|scheduler)\.", first):
-        return "build-error"
     if "neither train_batch_size nor train_micro_batch_size_per_gpu" in first:
         return "missing-batch"
     if re.search(r"must equal train_micro|is smaller than|would get 0", first):

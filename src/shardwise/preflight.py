@@ -1,15 +1,18 @@
-"""The ``optimizer`` and ``scheduler`` sections, checked by building them.
+"""Preflight: the checks ``initialize`` runs that need no model, run before it builds anything.
 
-``load_config`` (so both ``shardwise config check`` and ``initialize``) builds the
-configured optimizer and scheduler once over a one-element probe parameter, with the same
-builders ``initialize`` uses afterwards (:func:`shardwise.optim.build_optimizer`,
-:func:`shardwise.schedulers.build_scheduler`). Every check those builders make (names with
-did-you-mean, parameter names against the class's signature, learning-rate and step ranges)
-therefore runs without a model, and fails as a :class:`ConfigError` naming the key. Warnings
-the builders give (a scheduler that decays before its warm-up ends, ...) are returned for
-``config check`` to show; ``initialize`` logs them when it builds the real ones.
+:func:`load_checked_config` is the one way both ``initialize`` and ``shardwise config check``
+read a config: :func:`shardwise.config.load_config` (sections, rules across sections, "auto",
+the batch rule, ignored settings), then the configured optimizer and scheduler built once over
+a one-element probe parameter with the builders ``initialize`` uses afterwards
+(:func:`shardwise.optim.build_optimizer`, :func:`shardwise.schedulers.build_scheduler`). Every
+check those builders make (names with did-you-mean, parameter names against the class's
+signature, learning-rate and step ranges, ZeRO's untested-optimizer rule) therefore fails
+as a :class:`ConfigError` naming the key before a model is touched. Warnings the builders
+give (a decay that starts before the warm-up ends, ...) are added to the config's warnings
+for ``config check`` to show; ``initialize`` logs them when it builds the real ones.
 
-torch is imported here only when the config has one of the two sections.
+It sits above ``optim`` and ``schedulers`` (which ``config`` may not import) and below
+``initialization`` and ``cli``. torch is imported only when the config has one of the sections.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from shardwise.config.errors import ConfigError, KeyedValueError
+from shardwise.config import ConfigError, ConfigErrors, ResolutionContext, ResolvedConfig, load_config
+from shardwise.config.errors import KeyedValueError
 from shardwise.config.model import ShardwiseConfig
 from shardwise.utils.logging import logger
 
@@ -61,8 +65,8 @@ def _as_config_error(exc: Exception, section: str) -> ConfigError:
 def zero_optimizer_error(cfg: ShardwiseConfig, optimizer: Any) -> ConfigError | None:
     """The error for an optimizer ZeRO cannot shard safely, unless the config allows it.
 
-    ``initialize`` asks this for the optimizer it builds (config or client); ``load_config``
-    for the config's optimizer, built on the probe.
+    ``initialize`` asks this for the optimizer it builds (config or client); the preflight for
+    the config's optimizer, built on the probe.
     """
     from shardwise.optim import is_zero_supported
 
@@ -85,7 +89,6 @@ def component_problems(cfg: ShardwiseConfig) -> tuple[list[ConfigError], list[st
         ``(errors, warnings)``: at most one error per section, and the warnings building them gave.
 
     Example:
-        >>> from shardwise.config import load_config
         >>> cfg = load_config({"train_batch_size": 2}).config
         >>> component_problems(cfg)
         ([], [])
@@ -120,3 +123,33 @@ def component_problems(cfg: ShardwiseConfig) -> tuple[list[ConfigError], list[st
             except (ValueError, TypeError) as exc:
                 errors.append(_as_config_error(exc, "scheduler"))
     return errors, warnings
+
+
+def load_checked_config(
+    source: Any,
+    *,
+    world_size: int | None = None,
+    overrides: Any = None,
+    context: ResolutionContext | None = None,
+    strict: bool = False,
+) -> ResolvedConfig:
+    """:func:`shardwise.config.load_config` (same arguments), then the optimizer and scheduler checks.
+
+    Raises:
+        ConfigError: the first problem ``load_config`` finds, or every optimizer/scheduler problem.
+
+    Example:
+        >>> try:
+        ...     load_checked_config({"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lrr": 1}}})
+        ... except ConfigError as err:
+        ...     print(err.key, "|", err.fix[:17])
+        optimizer.params.lrr | did you mean "lr"
+    """
+    resolved = load_config(source, world_size=world_size, overrides=overrides, context=context, strict=strict)
+    errors, warnings = component_problems(resolved.config)
+    if errors:
+        raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
+    # The builders log these themselves when initialize builds the real optimizer and scheduler;
+    # they are kept (not logged twice) for `config check` to show.
+    resolved.warnings.extend(warnings)
+    return resolved
