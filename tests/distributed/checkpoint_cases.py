@@ -7,7 +7,11 @@ optimizer's own ``full_state_dict`` (the same interface the checkpoint format us
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +118,7 @@ def resume_is_bit_exact(rank: int, world: int, case: dict[str, Any]) -> dict[str
 
     resumed, batches2 = build(stage, world, precision, seed=1, dropout=0.1, **extra)
     path, client = resumed.load_checkpoint(root)
+    unreadable = unreadable_tensors([resumed.optimizer])
     counters = (resumed.global_steps, resumed.global_samples, resumed.skipped_steps, resumed.micro_steps)
     again = train(resumed, batches2, n)
     state = resumed.optimizer.full_state_dict(param_names(resumed.module))
@@ -132,7 +137,61 @@ def resume_is_bit_exact(rank: int, world: int, case: dict[str, Any]) -> dict[str
         ),
         "lr_equal": resumed.get_lr() == engine.get_lr(),
         "scale_equal": resumed.loss_scale == engine.loss_scale,
+        "unreadable_after_load": unreadable,
     }
+
+
+def unreadable_tensors(roots: list[Any], max_objects: int = 200_000) -> list[str]:
+    """Tensors reachable from ``roots`` whose ``grad_fn`` or ``grad`` cannot be read, by path.
+
+    Follows object attributes, containers, closures and tensor attributes (as a memory walker
+    does). Reading fails for a view made by an autograd function (e.g. ``DTensor.to_local()``)
+    whose base was modified in place afterwards (e.g. by a checkpoint load).
+    """
+    seen: set[int] = set()
+    found: list[str] = []
+    stack: list[tuple[Any, str]] = [(root, type(root).__name__) for root in roots]
+    leaves = (str, bytes, int, float, bool, complex, type(None), type, types.ModuleType, torch.dtype)
+    while stack and len(seen) < max_objects:
+        obj, path = stack.pop()
+        if id(obj) in seen or isinstance(obj, leaves):
+            continue
+        seen.add(id(obj))
+        children: list[tuple[Any, str]] = []
+        if isinstance(obj, torch.Tensor):
+            try:
+                obj.grad_fn  # noqa: B018 (the read is the check)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # reading .grad of a non-leaf tensor warns
+                    grad = obj.grad
+            except RuntimeError as error:
+                found.append(f"{path}: {str(error).splitlines()[0][:120]}")
+                continue
+            children = [
+                (getattr(obj, "_local_tensor", None), f"{path}._local_tensor"),
+                (grad, f"{path}.grad"),
+            ]
+        elif isinstance(obj, dict):
+            # (tensor keys are named by position: their repr would read data that swapped-out
+            # optimizer state does not have)
+            named = [
+                (k if isinstance(k, str | int) else f"#{i}", k, v) for i, (k, v) in enumerate(obj.items())
+            ]
+            children = [(v, f"{path}[{label!r}]") for label, _, v in named]
+            children += [(k, f"{path}.key[{label!r}]") for label, k, _ in named]
+        elif isinstance(obj, list | tuple | set | frozenset):
+            children = [(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        elif isinstance(obj, functools.partial):
+            children = [(v, f"{path}.partial") for v in (obj.func, *obj.args, *obj.keywords.values())]
+        elif isinstance(obj, types.MethodType):
+            children = [(obj.__self__, f"{path}.__self__")]
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                with contextlib.suppress(ValueError):
+                    children.append((cell.cell_contents, f"{path}.<closure>"))
+        children += [(v, f"{path}.{name}") for name, v in (getattr(obj, "__dict__", None) or {}).items()]
+        stack.extend(children)
+    return found
 
 
 # ---------------------------------------------------------------------------- across world sizes and stages

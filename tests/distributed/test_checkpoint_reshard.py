@@ -39,8 +39,17 @@ def _offloaded(stage: int, nvme: str) -> dict:
     return {"zero_optimization": zero}
 
 
+def _sharded3() -> dict:
+    """Stage 3 with every parameter of the tiny model an FSDP2 DTensor shard (DeepSpeed's default
+    persistence threshold would keep all of them unsharded)."""
+    return {
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0}
+    }
+
+
 def test_save_on_two_ranks_resumes_on_one_two_and_four_at_any_stage(tmp_path):
     a, b = str(tmp_path / "stage2_on_2"), str(tmp_path / "stage3_on_2")
+    c = str(tmp_path / "sharded3_on_2")
     on_two = run_distributed_cases(
         cases.load_and_train_or_save,
         [
@@ -52,14 +61,25 @@ def test_save_on_two_ranks_resumes_on_one_two_and_four_at_any_stage(tmp_path):
             {"op": "save", "stage": 3, "dir": b, "n": N},
             {"op": "load", "stage": 3, "dir": b, "n": N},
             {"op": "load", "stage": 3, "dir": a, "n": N, "extra": _offloaded(3, str(tmp_path / "nvme"))},
+            {"op": "load", "stage": 3, "dir": a, "n": N, "extra": _sharded3()},
+            {"op": "save", "stage": 3, "dir": c, "n": N, "extra": _sharded3()},
+            {"op": "load", "stage": 3, "dir": c, "n": N, "extra": _sharded3()},
+            {"op": "load", "stage": 2, "dir": c, "n": N},
         ],
         world_size=2,
         timeout=600,
     )
     reference = on_two[0][0]["reference"]
-    same, stage1, stage0, stage3, saved3, same3, offloaded3 = (r[0] for r in on_two[1:])
+    same, stage1, stage0, stage3, saved3, same3, offloaded3 = (r[0] for r in on_two[1:8])
+    flat_to_shards, saved_shards, shards_to_shards, shards_to_flat = (r[0] for r in on_two[8:])
     for result in (same, stage1, stage0, stage3, same3, offloaded3):
         assert result["state_equal"] and result["global_steps"] == 2 * N
+    # FSDP2 DTensor shards: flat shards -> DTensor shards, and back, and DTensor -> DTensor
+    for result in (flat_to_shards, shards_to_shards, shards_to_flat):
+        assert result["state_equal"] and result["global_steps"] == 2 * N
+    assert _close(flat_to_shards["losses"], reference, 1e-6)  # 2 -> sharded 3
+    assert shards_to_shards["losses"] == saved_shards["reference"]  # same world and layout: exact
+    assert _close(shards_to_flat["losses"], saved_shards["reference"], 1e-6)  # sharded 3 -> 2
     assert same["losses"] == reference  # same world size and stage: exact
     assert stage1["losses"] == reference  # stage 2 -> 1 on 2 ranks: also exact (same kernels, same sums)
     assert _close(stage0["losses"], reference, 1e-6)
@@ -76,14 +96,19 @@ def test_save_on_two_ranks_resumes_on_one_two_and_four_at_any_stage(tmp_path):
     )
     on_four = run_distributed_cases(
         cases.load_and_train_or_save,
-        [{"op": "load", "stage": 3, "dir": a, "n": N}, {"op": "load", "stage": 2, "dir": b, "n": N}],
+        [
+            {"op": "load", "stage": 3, "dir": a, "n": N},
+            {"op": "load", "stage": 2, "dir": b, "n": N},
+            {"op": "load", "stage": 3, "dir": c, "n": N, "extra": _sharded3()},
+        ],
         world_size=4,
         timeout=600,
     )
     two_to_one, three_to_one = on_one[0][0], on_one[1][0]
-    two_to_four, three_to_four = on_four[0][0], on_four[1][0]
-    for result in (two_to_one, three_to_one, two_to_four, three_to_four):
+    two_to_four, three_to_four, shards_to_four = on_four[0][0], on_four[1][0], on_four[2][0]
+    for result in (two_to_one, three_to_one, two_to_four, three_to_four, shards_to_four):
         assert result["state_equal"] and result["global_steps"] == 2 * N
+    assert _close(shards_to_four["losses"], saved_shards["reference"], 1e-6)  # DTensor shards 2 -> 4 ranks
     assert _close(two_to_one["losses"], reference, 1e-6)
     assert _close(three_to_one["losses"], reference3, 1e-6)  # 3 -> 1
     assert _close(two_to_four["losses"], reference, 1e-6)  # 2 on 2 ranks -> 3 on 4

@@ -371,7 +371,10 @@ def shard_model(model: nn.Module, policy: ShardPolicy) -> ShardedModel:
         current.ds_shape = current.shape  # type: ignore[attr-defined]
         current.ds_numel = current.numel()  # type: ignore[attr-defined]
         is_dtensor = hasattr(current, "device_mesh")
-        current.ds_tensor = current.to_local() if is_dtensor else current.data  # type: ignore[attr-defined]
+        # a detached alias of the local shard: a plain ``to_local()`` view would break (reading its
+        # grad_fn raises) once the shard is written in place, e.g. by a checkpoint load
+        local = current.to_local().detach() if is_dtensor else current.data  # type: ignore[attr-defined]
+        current.ds_tensor = local  # type: ignore[attr-defined]
         current.ds_status = ZeroParamStatus.NOT_AVAILABLE if is_dtensor else ZeroParamStatus.AVAILABLE  # type: ignore[attr-defined]
         (record.sharded if is_dtensor else record.replicated).append(current)
     order = {id(p): i for i, p in enumerate(model.parameters())}
