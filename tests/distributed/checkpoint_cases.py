@@ -2,7 +2,7 @@
 
 Every scenario runs the real engine (``shardwise.initialize``) at stages 0-3, with and
 without optimizer/parameter offload; the full optimizer state is read back through the
-optimizer's own ``full_state_dict`` (the same interface the checkpoint format uses).
+optimizer's checkpoint interface (``full_state_dict``, the one the checkpoint format uses).
 """
 
 from __future__ import annotations
@@ -94,6 +94,11 @@ def train(engine: Any, batches: RepeatingLoader, steps: int) -> list[float]:
     return out
 
 
+def full_optimizer_state(engine: Any) -> dict[str, Any]:
+    """The optimizer's whole state by parameter name, as the checkpoint format has it (collective)."""
+    return engine_io.optimizer_state(engine.optimizer).full_state_dict(param_names(engine.module))
+
+
 def full_params(engine: Any) -> dict[str, torch.Tensor]:
     """The module's state, whole (stage-3 DTensors gathered: collective), as fp32 copies."""
     return {
@@ -113,7 +118,7 @@ def resume_is_bit_exact(rank: int, world: int, case: dict[str, Any]) -> dict[str
     engine.save_checkpoint(root, client_state={"note": "hello", "epoch": 1})
     reference = train(engine, batches, n)
     ref_params = full_params(engine)
-    ref_state = engine.optimizer.full_state_dict(param_names(engine.module))
+    ref_state = full_optimizer_state(engine)
     engine.destroy()  # (offload swap files) before a second engine starts in this process
 
     resumed, batches2 = build(stage, world, precision, seed=1, dropout=0.1, **extra)
@@ -121,7 +126,7 @@ def resume_is_bit_exact(rank: int, world: int, case: dict[str, Any]) -> dict[str
     unreadable = unreadable_tensors([resumed.optimizer])
     counters = (resumed.global_steps, resumed.global_samples, resumed.skipped_steps, resumed.micro_steps)
     again = train(resumed, batches2, n)
-    state = resumed.optimizer.full_state_dict(param_names(resumed.module))
+    state = full_optimizer_state(resumed)
     return {
         "first": first,
         "reference": reference,
@@ -200,7 +205,7 @@ def save_reference(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any
     engine, batches = build(case["stage"], world, case.get("precision", "fp32"), **case.get("extra", {}))
     train(engine, batches, case["n"])
     engine.save_checkpoint(case["dir"])
-    _record_state(rank, engine.optimizer.full_state_dict(param_names(engine.module)), case["dir"])
+    _record_state(rank, full_optimizer_state(engine), case["dir"])
     saved = full_params(engine)
     return {"reference": train(engine, batches, case["n"]), "saved_state": saved if rank == 0 else None}
 
@@ -226,7 +231,7 @@ def load_and_train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any
         case["stage"], world, case.get("precision", "fp32"), seed=5, **case.get("extra", {})
     )
     engine.load_checkpoint(case["dir"])
-    same = _same_state(engine.optimizer.full_state_dict(param_names(engine.module)), case["dir"])
+    same = _same_state(full_optimizer_state(engine), case["dir"])
     return {
         "losses": train(engine, batches, case["n"]),
         "global_steps": engine.global_steps,
@@ -393,7 +398,7 @@ def import_deepspeed(rank: int, world: int, case: dict[str, Any]) -> dict[str, A
     )
     path, client = engine.load_checkpoint(case["dir"])
     expected = torch.load(Path(case["dir"]) / "expected.pt")
-    state = engine.optimizer.full_state_dict(param_names(engine.module))
+    state = full_optimizer_state(engine)
     module = engine.module.state_dict()
     checks = {
         "params": all(torch.equal(state[f"master/{n}"], t) for n, t in expected["params"].items()),

@@ -26,7 +26,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.checkpoint import dcp_io, keys, layout, rng
+from shardwise.checkpoint.training_state import LoadResult, TrainingState, param_names
 from shardwise.utils.logging import logger
 
 
@@ -47,54 +48,6 @@ class CheckpointOptions:
     load_universal: bool = False
     async_save: bool = False
     thread_count: int = 1
-
-
-@dataclass
-class TrainingState:
-    """The parts of a run a checkpoint covers.
-
-    Attributes:
-        module: the model (parameters, frozen parameters and buffers).
-        optimizer: an object with the checkpoint-state methods (``sharded_state_dict``,
-            ``sharded_load``, ``full_state_dict``, ``load_full_state_dict``,
-            ``refresh_masters_from_params``), e.g. ZeRO's optimizer or
-            :class:`~shardwise.checkpoint.param_state.ParamOptimizerState`; None for none.
-        lr_scheduler: anything with ``state_dict``/``load_state_dict``, or None.
-        loss_scaler: the precision policy's scaler, or None.
-        data_loader: a Stateful loader, or None.
-        counters: ``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``.
-        zero_stage, dp_world_size, mp_rank, mp_world_size: the layout, recorded in the summary.
-        ds_config: the resolved config, saved for reference.
-        process_group: group for DCP and the collectives (None: the world).
-    """
-
-    module: nn.Module
-    optimizer: Any = None
-    lr_scheduler: Any = None
-    loss_scaler: Any = None
-    data_loader: Any = None
-    counters: dict[str, int] = field(default_factory=dict)
-    zero_stage: int = 0
-    dp_world_size: int = 1
-    mp_rank: int = 0
-    mp_world_size: int = 1
-    gradient_accumulation_steps: int = 1
-    ds_config: dict[str, Any] = field(default_factory=dict)
-    process_group: Any = None
-
-
-@dataclass
-class LoadResult:
-    """What a load restored: where from, the client state, and the counters to apply."""
-
-    path: Path
-    client_state: dict[str, Any]
-    counters: dict[str, int]
-
-
-def param_names(module: nn.Module) -> dict[int, str]:
-    """``id(param) -> name`` (tied parameters get their first name)."""
-    return {id(p): name for name, p in module.named_parameters()}
 
 
 def _aliases(module: nn.Module, params: set[int]) -> set[str]:
@@ -542,9 +495,5 @@ def _summary(
         "frozen_parameters": frozen,
         "exclude_frozen_parameters": exclude_frozen,
         "fp32_masters_saved": any(k.startswith(keys.MASTER) or f"/{keys.MASTER}" in k for k in items),
-        "optimizer": None if state.optimizer is None else type(_inner(state.optimizer)).__name__,
+        "optimizer": None if state.optimizer is None else state.optimizer.optimizer_name,
     }
-
-
-def _inner(optimizer: Any) -> Any:
-    return getattr(optimizer, "optimizer", optimizer)

@@ -6,7 +6,7 @@ and a small stand-in class per DeepSpeed name, so neither DeepSpeed nor arbitrar
 code is needed, and memory-mapped, so only the pages used are read.
 
 What is reconstructed, as full tensors by parameter name (the keys of
-``ZeroOptimizer.full_state_dict``):
+``OptimizerState.full_state_dict``):
 
 * stages 1-2 (and the bf16 optimizer): each rank's fp32 partition and flat optimizer state,
   cut by ``param_slice_mappings`` (name -> fragment of this rank's partition) and
@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint import keys
+from shardwise.checkpoint.optimizer_state import copy_full_into
+from shardwise.checkpoint.training_state import LoadResult, TrainingState, param_names
 from shardwise.utils.logging import logger
 
 
@@ -348,18 +350,15 @@ _CLIENT_EXCLUDED = (
 
 
 def load_deepspeed_checkpoint(
-    state: Any,
+    state: TrainingState,
     path: Path,
     *,
     load_module_strict: bool,
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
     load_module_only: bool,
-) -> Any:
-    """Load a DeepSpeed tag directory into a :class:`~shardwise.checkpoint.checkpointer.TrainingState`."""
-    from shardwise.checkpoint.checkpointer import LoadResult, param_names
-    from shardwise.checkpoint.param_state import _copy_full_into
-
+) -> LoadResult:
+    """Load a DeepSpeed tag directory into a :class:`~shardwise.checkpoint.training_state.TrainingState`."""
     ckpt = DeepSpeedCheckpoint(path)
     logger.info(
         "importing DeepSpeed %s checkpoint %s (ZeRO stage %d, %d ranks)",
@@ -380,7 +379,7 @@ def load_deepspeed_checkpoint(
     with torch.no_grad():
         for key, target in module_sd.items():
             if key in saved:
-                _copy_full_into(target, saved[key])
+                copy_full_into(target, saved[key])
     names = param_names(state.module)
     optimizer = state.optimizer
     if optimizer is not None and not load_module_only:

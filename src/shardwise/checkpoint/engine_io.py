@@ -18,6 +18,7 @@ import torch
 
 from shardwise import comm
 from shardwise.checkpoint.checkpointer import Checkpointer, CheckpointOptions, TrainingState
+from shardwise.checkpoint.optimizer_state import OptimizerState
 from shardwise.checkpoint.param_state import ParamOptimizerState
 from shardwise.comm.diagnostics import check_all_ranks_arrive
 from shardwise.utils.logging import logger
@@ -42,14 +43,22 @@ def checkpointer_for(engine: Any) -> Checkpointer:
     return found
 
 
-def _optimizer_state(optimizer: Any) -> Any:
-    if optimizer is None or hasattr(optimizer, "sharded_state_dict"):
-        return optimizer
+def optimizer_state(optimizer: Any) -> OptimizerState | None:
+    """The checkpoint interface of an engine's optimizer (None for none).
+
+    A ZeRO strategy describes itself (``state_layout()``); a plain torch optimizer over the
+    module's parameters is described by :func:`~shardwise.checkpoint.param_state.param_layout`.
+    """
+    if optimizer is None:
+        return None
+    describe = getattr(optimizer, "state_layout", None)
+    if callable(describe):
+        return OptimizerState(describe())
     if isinstance(optimizer, torch.optim.Optimizer):
         return ParamOptimizerState(optimizer)
     raise TypeError(
-        f"cannot checkpoint an optimizer of type {type(optimizer).__name__}: it needs the checkpoint-state "
-        "methods (sharded_state_dict, sharded_load, ...) or must be a torch.optim.Optimizer"
+        f"cannot checkpoint an optimizer of type {type(optimizer).__name__}: it must describe its state "
+        "(a state_layout() method returning shardwise.zero.state_layout.StateLayout) or be a torch.optim.Optimizer"
     )
 
 
@@ -58,7 +67,7 @@ def training_state(engine: Any) -> TrainingState:
     topology = engine.topology
     return TrainingState(
         module=engine.module,
-        optimizer=_optimizer_state(engine.optimizer),
+        optimizer=optimizer_state(engine.optimizer),
         lr_scheduler=engine.lr_scheduler,
         loss_scaler=engine.precision.loss_scaler,
         data_loader=engine.training_dataloader,

@@ -14,17 +14,14 @@ Stage 2: stage 1 plus sharded gradients, reduce-scattered every micro step.
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardwise.checkpoint import keys
-from shardwise.checkpoint.param_state import install_optimizer_state, master_source
 from shardwise.comm import collectives
 from shardwise.optim.clipping import clip_coefficient, squared_norm
 from shardwise.zero.flat_group import FlatGroup
@@ -32,6 +29,7 @@ from shardwise.zero.full_buffer_reducer import FullBufferReducer
 from shardwise.zero.offload import checkpoint_view
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
 from shardwise.zero.shard_accumulator_reducer import ShardAccumulatorReducer
+from shardwise.zero.state_layout import FlatPiece, Holding, ParamPlace, StateLayout
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
@@ -204,244 +202,30 @@ class ZeroOptimizer:
                 work.wait()
 
     # ------------------------------------------------------------------ checkpoint state
-    # The topology-free form of the optimizer, addressed by parameter *name* (``names`` maps
-    # ``id(param)`` to its module name), every tensor at the parameter's shape:
-    #   master/<name>          the fp32 master weights
-    #   optim/<name>/<key>     elementwise state (exp_avg...) at the parameter's shape, or a
-    #                          scalar (``step``)
-    #   optim/param_groups     per user param group: hyperparameters and the names it holds
-    # ``sharded_state_dict`` exposes this rank's pieces (DCP writes each rank's own part),
-    # ``sharded_load`` builds targets of the *current* layout for any saved layout, and the
-    # ``full_*`` pair gathers / scatters whole tensors (exports, imports, tests).
-
-    def _places(self, names: Mapping[int, str]) -> list[_ParamPlace]:
-        places = []
-        for flat in self.groups:
-            for index, param in enumerate(flat.params):
-                name = names.get(id(param))
-                if name is None:
-                    raise ValueError(
-                        f"a parameter of shape {tuple(param.shape)} handed to the optimizer is not a parameter of "
-                        "the module being checkpointed; checkpoints address parameters by module name, so pass "
-                        "only the module's own parameters to shardwise.initialize"
-                    )
-                pieces = [
-                    (start, stop, flat.master[m], off) for start, stop, m, off in flat.master_pieces(index)
-                ]
-                places.append(_ParamPlace(name, tuple(param.shape), pieces, flat.dtype != torch.float32))
-        return places
-
-    def _param_groups_state(self, names: Mapping[int, str]) -> list[dict[str, Any]]:
-        members: list[list[str]] = [[] for _ in self.optimizer.param_groups]
+    def state_layout(self) -> StateLayout:
+        """Where each parameter's fp32 values and optimizer state sit: ranges of the flat masters
+        (``shardwise.checkpoint.optimizer_state`` turns this into the checkpoint format)."""
+        places: list[ParamPlace] = []
+        members: list[list[int]] = [[] for _ in self.optimizer.param_groups]
         for flat, gi in zip(self.groups, self.group_index):
-            members[gi].extend(names[id(p)] for p in flat.params)
-        return [
-            {**{k: v for k, v in group.items() if k != "params"}, PARAM_NAMES_KEY: members[gi]}
-            for gi, group in enumerate(self.optimizer.param_groups)
-        ]
+            for index, param in enumerate(flat.params):
+                pieces = tuple(FlatPiece(s, e, flat.master[m], o) for s, e, m, o in flat.master_pieces(index))
+                members[gi].append(len(places))
+                separate = flat.dtype != torch.float32
+                places.append(ParamPlace(param, tuple(param.shape), Holding.FLAT, separate, pieces=pieces))
+        return StateLayout(
+            optimizer=checkpoint_view(self.optimizer),
+            optimizer_name=type(self.optimizer).__name__,
+            places=tuple(places),
+            groups=tuple(tuple(m) for m in members),
+            params_from_masters=self._publish_parameters,
+            masters_from_params=self._refresh_masters,
+            device=self.groups[0].device if self.groups else torch.device("cpu"),
+            process_group=self.policy.process_group,
+            partitioned=self.policy.stage >= 1 and self.policy.world_size > 1,
+        )
 
-    def sharded_state_dict(self, names: Mapping[int, str]) -> dict[str, Any]:
-        """This rank's part of the optimizer state, ready for ``torch.distributed.checkpoint``.
-
-        ``master/<name>`` is present only where the masters are separate fp32 copies (16-bit
-        models); for fp32 models the parameters are the masters and are saved with the module.
-        Tensors are views (no copy): snapshot them before training on while they are written.
-        """
-        from shardwise.checkpoint.dcp_io import FlatShards
-
-        optimizer = checkpoint_view(self.optimizer)
-        out: dict[str, Any] = {}
-        for place in self._places(names):
-            if not place.pieces:
-                continue
-            if place.separate_master:
-                out[f"master/{place.name}"] = FlatShards(
-                    place.shape,
-                    torch.float32,
-                    [(s, e, _flat(m)[o : o + e - s]) for s, e, m, o in place.pieces],
-                )
-            first = optimizer.state.get(place.pieces[0][2], {})
-            for key, value in first.items():
-                if _is_elementwise(key, value, place.pieces[0][2]):
-                    views = [
-                        (s, e, _flat(optimizer.state[m][key])[o : o + e - s]) for s, e, m, o in place.pieces
-                    ]
-                    out[f"optim/{place.name}/{key}"] = FlatShards(place.shape, value.dtype, views)
-                else:
-                    out[f"optim/{place.name}/{key}"] = value
-        out[PARAM_GROUPS_KEY] = self._param_groups_state(names)
-        return out
-
-    def sharded_load(
-        self, names: Mapping[int, str], saved: Mapping[str, Any], *, with_state: bool
-    ) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
-        """Targets (in this rank's layout) for a checkpoint's optimizer keys, and the step that applies them.
-
-        Args:
-            names: ``id(param) -> name`` for the module's parameters.
-            saved: what the checkpoint holds, key -> :class:`~shardwise.checkpoint.dcp_io.SavedEntry`.
-            with_state: also load the optimizer state and hyperparameters (else masters only).
-
-        Returns:
-            ``(targets, finish)``: fill ``targets`` (tensor targets in place, other values replaced),
-            then call ``finish(targets)``; it installs the state and publishes the parameters.
-
-        The fp32 values come from ``master/<name>``, or from ``model/<name>`` where the saving
-        run's parameters were themselves fp32; the caller must not also load that module key.
-        """
-        from shardwise.checkpoint.dcp_io import FlatShards
-
-        targets: dict[str, Any] = {}
-        allocated: dict[int, dict[str, torch.Tensor]] = {}
-        scalars: list[tuple[_ParamPlace, str, str]] = []
-        for place in self._places(names):
-            source = master_source(saved, place.name, place.shape)
-            targets[source] = FlatShards(
-                place.shape, torch.float32, [(s, e, _flat(m)[o : o + e - s]) for s, e, m, o in place.pieces]
-            )
-            if not with_state:
-                continue
-            prefix = f"optim/{place.name}/"
-            for key in [k for k in saved if k.startswith(prefix)]:
-                state_key, entry = key[len(prefix) :], saved[key]
-                if entry.is_tensor and state_key != "step" and tuple(entry.shape) == place.shape:
-                    views = []
-                    for s, e, m, o in place.pieces:
-                        buffers = allocated.setdefault(id(m), {})
-                        if state_key not in buffers:
-                            buffers[state_key] = torch.zeros(m.shape, dtype=entry.dtype, device=m.device)
-                        views.append((s, e, _flat(buffers[state_key])[o : o + e - s]))
-                    targets[key] = FlatShards(place.shape, entry.dtype, views)
-                elif place.pieces:
-                    targets[key] = torch.empty(entry.shape, dtype=entry.dtype) if entry.is_tensor else None
-                    scalars.append((place, state_key, key))
-        if with_state and PARAM_GROUPS_KEY in saved:
-            targets[PARAM_GROUPS_KEY] = None
-
-        def finish(loaded: dict[str, Any]) -> None:
-            if with_state:
-                self._install_state(allocated, scalars, loaded, loaded.get(PARAM_GROUPS_KEY))
-            self._publish_parameters()
-
-        return targets, finish
-
-    def _install_state(
-        self,
-        allocated: dict[int, dict[str, torch.Tensor]],
-        scalars: list[tuple[_ParamPlace, str, str]],
-        loaded: Mapping[str, Any],
-        saved_groups: list[dict[str, Any]] | None,
-    ) -> None:
-        """Hand the assembled per-master state to the inner optimizer's own ``load_state_dict``
-        (which applies its dtype/device rules, e.g. where ``step`` lives)."""
-        per_master: dict[int, dict[str, Any]] = {}
-        for place, state_key, key in scalars:
-            for _, _, master, _ in place.pieces:
-                value = loaded[key]
-                per_master.setdefault(id(master), {}).setdefault(
-                    state_key, value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
-                )
-        for master_id, entries in allocated.items():
-            per_master.setdefault(master_id, {}).update(entries)
-        install_optimizer_state(checkpoint_view(self.optimizer), per_master, saved_groups)
-
-    def full_state_dict(self, names: Mapping[int, str]) -> dict[str, Any]:
-        """The whole optimizer state, every tensor full-size, on every rank (collective).
-
-        Same keys as :meth:`sharded_state_dict`, but ``master/<name>`` is always present.
-        Costs one all-reduce per tensor kind (master, each elementwise state key).
-        """
-        places = self._places(names)
-        optimizer = checkpoint_view(self.optimizer)
-        elementwise: dict[str, torch.dtype] = {}
-        scalar_kinds: dict[str, Any] = {}  # key -> an example value (its type/dtype)
-        for place in places:
-            for _, _, master, _ in place.pieces[:1]:
-                for key, value in optimizer.state.get(master, {}).items():
-                    if _is_elementwise(key, value, master):
-                        elementwise[key] = value.dtype
-                    else:
-                        scalar_kinds.setdefault(key, value)
-        sharded = self.policy.stage >= 1 and self.policy.world_size > 1
-        out: dict[str, Any] = {}
-        kinds: list[tuple[str | None, torch.dtype]] = [(None, torch.float32), *sorted(elementwise.items())]
-        device = self.groups[0].device
-        for state_key, dtype in kinds:
-            total = sum(math.prod(p.shape) for p in places)
-            buffer = torch.zeros(total, dtype=dtype, device=device)
-            offset = 0
-            for place in places:
-                for s, e, master, o in place.pieces:
-                    source = master if state_key is None else optimizer.state.get(master, {}).get(state_key)
-                    if source is not None:
-                        buffer[offset + s : offset + e] = _flat(source)[o : o + e - s]
-                offset += math.prod(place.shape)
-            if sharded:
-                collectives.all_reduce(buffer, op="sum", group=self.policy.process_group)
-            offset = 0
-            for place in places:
-                numel = math.prod(place.shape)
-                key = f"master/{place.name}" if state_key is None else f"optim/{place.name}/{state_key}"
-                out[key] = buffer[offset : offset + numel].view(place.shape)
-                offset += numel
-        out.update(self._gather_scalars(optimizer, places, scalar_kinds, sharded))
-        out[PARAM_GROUPS_KEY] = self._param_groups_state(names)
-        return out
-
-    def _gather_scalars(
-        self, optimizer: Any, places: list[_ParamPlace], kinds: Mapping[str, Any], sharded: bool
-    ) -> dict[str, Any]:
-        """Scalar state (``step``) per name: only the ranks owning part of a parameter hold it,
-        so a MAX all-reduce over float64 (missing = -inf) shares it exactly (ints < 2**53)."""
-        out: dict[str, Any] = {}
-        for key, example in sorted(kinds.items()):
-            if not (torch.is_tensor(example) and example.dim() == 0) and not isinstance(example, int | float):
-                raise ValueError(
-                    f"optimizer state {key!r} is a {type(example).__name__}; only element-wise tensors and "
-                    "scalars can be checkpointed without a fixed layout"
-                )
-            values = torch.full((len(places),), -math.inf, dtype=torch.float64, device=self.groups[0].device)
-            for i, place in enumerate(places):
-                for _, _, master, _ in place.pieces[:1]:
-                    value = optimizer.state.get(master, {}).get(key)
-                    if value is not None:
-                        values[i] = float(value)
-            if sharded:
-                collectives.all_reduce(values, op="max", group=self.policy.process_group)
-            for i, place in enumerate(places):
-                value = float(values[i])
-                if torch.is_tensor(example):
-                    out[f"optim/{place.name}/{key}"] = torch.tensor(
-                        value, dtype=example.dtype, device=example.device
-                    )
-                else:
-                    out[f"optim/{place.name}/{key}"] = type(example)(value)
-        return out
-
-    def load_full_state_dict(
-        self, state: Mapping[str, Any], names: Mapping[int, str], *, with_state: bool = True
-    ) -> None:
-        """Load full-size tensors (keys as :meth:`full_state_dict`), keeping this rank's parts.
-
-        Every rank must call it (the parameters are all-gathered afterwards).
-        """
-        from shardwise.checkpoint.dcp_io import FlatShards, SavedEntry
-
-        saved = {
-            key: SavedEntry(tuple(v.shape), v.dtype) if torch.is_tensor(v) else SavedEntry(None, None)
-            for key, v in state.items()
-        }
-        targets, finish = self.sharded_load(names, saved, with_state=with_state)
-        for key, target in targets.items():
-            if isinstance(target, FlatShards):
-                target.fill_from(state[key])
-            elif torch.is_tensor(target):
-                target.copy_(state[key])
-            else:
-                targets[key] = state[key]
-        finish(targets)
-
-    def refresh_masters_from_params(self) -> None:
+    def _refresh_masters(self) -> None:
         """Re-read the fp32 masters from the (just loaded) parameters: weights-only loads."""
         for flat in self.groups:
             flat.refresh_masters()
@@ -462,30 +246,6 @@ class ZeroOptimizer:
                 if torch.is_tensor(value) and value.dim() > 0:
                     total += value.numel() * value.element_size()
         return total
-
-
-PARAM_GROUPS_KEY = keys.PARAM_GROUPS
-PARAM_NAMES_KEY = keys.PARAM_NAMES
-
-
-@dataclass(frozen=True)
-class _ParamPlace:
-    """Where one named parameter's fp32 values live on this rank: ``(start, stop, master, offset)``
-    pieces meaning flat elements ``[start, stop)`` are ``master.view(-1)[offset : offset + stop - start]``."""
-
-    name: str
-    shape: tuple[int, ...]
-    pieces: list[tuple[int, int, torch.Tensor, int]]
-    separate_master: bool
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.view(-1)
-
-
-def _is_elementwise(key: str, value: Any, master: torch.Tensor) -> bool:
-    """Optimizer state with one value per parameter element (exp_avg...), as opposed to ``step``."""
-    return key != "step" and torch.is_tensor(value) and value.shape == master.shape
 
 
 def group_source_rank(group: Any) -> int:

@@ -32,7 +32,7 @@ Two things FSDP2 does not do by itself, measured on the benchmark GPT (2 gloo ra
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,13 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.checkpoint.param_state import ParamOptimizerState
 from shardwise.comm import collectives
 from shardwise.optim.clipping import clip_coefficient
 from shardwise.zero.fsdp_wrap import ShardedModel
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
 from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_optimizer import OptimizerFactory, StepResult, group_source_rank
+from shardwise.zero.state_layout import Holding, ParamPlace, StateLayout
 
 
 @dataclass(frozen=True)
@@ -366,39 +366,36 @@ class Stage3Optimizer:
         return StepResult(applied=True, grad_norm=norm, overflow=False)
 
     # ------------------------------------------------------------------ checkpoints
-    def _param_state(self) -> ParamOptimizerState:
-        """The checkpoint interface over the inner optimizer: sharded masters are the DTensor
-        parameters' local shards (saved with the module as ``model/<name>``); unsharded
-        parameters' fp32 masters are saved as ``master/<name>`` where they are copies."""
+    def state_layout(self) -> StateLayout:
+        """Where each parameter's fp32 values and optimizer state sit: sharded parameters' masters
+        are their DTensors' local shards (the values are saved with the module as ``model/<name>``);
+        unsharded parameters' fp32 masters are whole tensors, separate where they are copies."""
         self.record.ensure_resident()
         self._rebind_masters()
-        param_of: dict[int, Any] = {id(m): p for p, m in zip(self.sharded, self.masters)}
-        param_of.update({id(m): p for p, m in zip(self.replicated.params, self.replicated.masters)})
-        return ParamOptimizerState(checkpoint_view(self.optimizer), param_of)
-
-    def sharded_state_dict(self, names: Mapping[int, str]) -> dict[str, Any]:
-        """This rank's optimizer state for ``torch.distributed.checkpoint`` (DTensor shards)."""
-        return self._param_state().sharded_state_dict(names)
-
-    def sharded_load(
-        self, names: Mapping[int, str], saved: Mapping[str, Any], *, with_state: bool
-    ) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
-        """Targets in this layout for a checkpoint of any layout, and the step applying them."""
-        return self._param_state().sharded_load(names, saved, with_state=with_state)
-
-    def full_state_dict(self, names: Mapping[int, str]) -> dict[str, Any]:
-        """Every tensor whole on every rank (collective)."""
-        return self._param_state().full_state_dict(names)
-
-    def load_full_state_dict(
-        self, state: Mapping[str, Any], names: Mapping[int, str], *, with_state: bool = True
-    ) -> None:
-        """Keep this rank's part of whole tensors (keys as :meth:`full_state_dict`)."""
-        self._param_state().load_full_state_dict(state, names, with_state=with_state)
-
-    def refresh_masters_from_params(self) -> None:
-        """Re-read the unsharded parameters' masters after a weights-only load."""
-        self._param_state().refresh_masters_from_params()
+        optimizer = checkpoint_view(self.optimizer)
+        sharded = {id(m): p for p, m in zip(self.sharded, self.masters)}
+        replicated = {id(m): p for p, m in zip(self.replicated.params, self.replicated.masters)}
+        places: list[ParamPlace] = []
+        groups: list[tuple[int, ...]] = []
+        for group in optimizer.param_groups:
+            groups.append(tuple(range(len(places), len(places) + len(group["params"]))))
+            for tensor in group["params"]:
+                if id(tensor) in sharded:
+                    param, holding, separate = sharded[id(tensor)], Holding.LOCAL_SHARD, False
+                else:
+                    param = replicated[id(tensor)]
+                    holding, separate = Holding.WHOLE, tensor.data_ptr() != param.data_ptr()
+                places.append(ParamPlace(param, tuple(param.shape), holding, separate, tensor=tensor))
+        return StateLayout(
+            optimizer=optimizer,
+            optimizer_name=type(self.optimizer).__name__,
+            places=tuple(places),
+            groups=tuple(groups),
+            params_from_masters=self.replicated.publish,
+            masters_from_params=self.replicated.refresh_masters,
+            device=self.masters[0].device if self.masters else self.record.policy.device,
+            process_group=self.policy.process_group,
+        )
 
     # ------------------------------------------------------------------ saving
     def full_fp32_parameters(self) -> list[torch.Tensor]:
