@@ -61,21 +61,8 @@ DIST_EXEMPT = frozenset({"testing"})
 
 # ------------------------------------------------------------------------- known violations (issue 11)
 # Each entry is removed by the lead when the branch that fixes it is merged.
-KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
-    {
-        # B (checkpoint seam): load -> DeepSpeed import -> checkpointer helpers
-        frozenset({"shardwise.checkpoint.checkpointer", "shardwise.checkpoint.deepspeed_import"}),
-    }
-)
-KNOWN_ZERO_IMPORTS_CHECKPOINT: frozenset[tuple[str, str]] = frozenset(
-    {
-        # B: the checkpoint format moves out of zero/
-        ("shardwise.zero.sharded_optimizer", "shardwise.checkpoint.dcp_io"),
-        ("shardwise.zero.sharded_optimizer", "shardwise.checkpoint.keys"),
-        ("shardwise.zero.sharded_optimizer", "shardwise.checkpoint.param_state"),
-        ("shardwise.zero.stage3", "shardwise.checkpoint.param_state"),
-    }
-)
+KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
+KNOWN_ZERO_IMPORTS_CHECKPOINT: frozenset[tuple[str, str]] = frozenset()
 KNOWN_DIST_CALLS: frozenset[tuple[str, str]] = frozenset(
     {
         # A2 (stage-3 wiring): every collective in zero/ goes through comm/
