@@ -12,7 +12,12 @@ What is measured (rank 0's wall clock, between barriers, so the slowest rank cou
 
 * ``save``: ``engine.save_checkpoint(dir, tag)`` until every rank returned; shardwise also with
   ``checkpoint.async_save`` (time until training may continue, and until the files are published);
-* ``load``: ``engine.load_checkpoint(dir, tag)`` into the same engine;
+* ``load``: ``engine.load_checkpoint(dir, tag)`` into the same engine (shardwise's includes the
+  checksum verification it runs before reading);
+* ``verify`` (shardwise): that verification alone, as ``load_checkpoint`` runs it (every rank
+  checks sizes, the summary and ``.metadata``, and reads the data files its rank number wrote),
+  as a share of ``load``; and one process verifying every file, as ``shardwise checkpoint
+  verify`` does;
 * ``bytes``: the tag directory on disk;
 * export peak RSS: a fresh process converting the checkpoint to one fp32 file (shardwise's streaming
   ``export_checkpoint``; DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` on its own
@@ -123,6 +128,20 @@ def worker(args: argparse.Namespace) -> None:
         engine.load_checkpoint(args.dir, tag=f"t{r}")
         dist.barrier()
         out["load_s"].append(time.perf_counter() - start)
+    if args.framework == "shardwise":
+        from shardwise.checkpoint import integrity, integrity_ranks
+
+        out["verify_s"], out["verify_all_s"] = [], []
+        for r in range(args.repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            integrity_ranks.verify_before_load(Path(args.dir) / f"t{r}", None)
+            dist.barrier()
+            out["verify_s"].append(time.perf_counter() - start)
+            if rank == 0:
+                start = time.perf_counter()
+                integrity.verify_tag(Path(args.dir) / f"t{r}")
+                out["verify_all_s"].append(time.perf_counter() - start)
     # DeepSpeed's stage 3 empties the parameters in place; ds_numel keeps their size
     out["params"] = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     tag_dir = Path(args.dir) / "t0"
@@ -283,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         if name == "shardwise async":
             line += f"  training resumes after {min(row['return_s']):.2f} s"
         print(line)
+        if "verify_s" in row:
+            share = min(row["verify_s"]) / min(row["load_s"])
+            print(
+                f"  {'':16s} verify {_fmt_times(row['verify_s'])} = {100 * share:.1f} % of load; "
+                f"one process verifying every file: {min(row['verify_all_s']):.2f} s"
+            )
     for name, row in report.items():
         if name.startswith("export"):
             if "error" in row:

@@ -13,8 +13,10 @@ What a save does (every rank calls it):
 4. write it with DCP into ``.<tag>.partial`` (every rank its own shards, in parallel,
    fsynced); with ``checkpoint.async_save`` the state is first copied and steps 4-5 run in a
    background thread while training continues;
-5. the publishing rank adds the summary, renames the directory to ``<tag>``, then moves
-   ``latest``. A failure anywhere is raised on every rank and publishes nothing.
+5. every rank checksums the files it wrote; the publishing rank adds the summary (with
+   every file's checksum, :mod:`~shardwise.checkpoint.integrity`), renames the directory to
+   ``<tag>``, then moves ``latest``. A failure anywhere is raised on every rank and publishes
+   nothing. A load verifies the files against these checksums before it reads them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.checkpoint import dcp_io, keys, layout, rng
+from shardwise.checkpoint import dcp_io, integrity, integrity_ranks, keys, layout, rng
 from shardwise.checkpoint.training_state import LoadResult, TrainingState, param_names
 from shardwise.utils.logging import logger
 
@@ -154,7 +156,7 @@ class Checkpointer:
         start = time.perf_counter()
         alone = comm.get_world_size(group) == 1  # no collectives at all (also safe from a background thread)
         try:
-            dcp_io.save(
+            records = dcp_io.save(
                 items, staging, process_group=group, no_dist=alone, thread_count=self.options.thread_count
             )
         except RuntimeError:
@@ -163,11 +165,14 @@ class Checkpointer:
             raise
         if self.options.use_node_local_storage and not alone:
             self._share_metadata(staging, group)
+        records = integrity_ranks.gather_records(records, group, alone)  # every rank's file checksums
         failure = None
         if self._is_publisher():
             try:
+                node_local = self.options.use_node_local_storage
+                summary["checksums"] = integrity_ranks.checksums_section(staging, records, node_local)
                 summary["bytes"] = layout.dir_bytes(staging)
-                layout.write_summary(staging, summary)
+                integrity.write_sealed_summary(staging, summary)
                 layout.publish(root, tag)
                 if save_latest:
                     layout.write_latest(root, tag)
@@ -274,6 +279,8 @@ class Checkpointer:
                 return None
         path = layout.tag_path(root, layout.check_tag(tag))
         kind = layout.detect_kind(path)
+        if kind is not None:  # every file checked against its checksum before any byte is used
+            integrity_ranks.verify_before_load(path, state.process_group)
         if kind == "deepspeed":
             from shardwise.checkpoint.deepspeed_import import load_deepspeed_checkpoint
 

@@ -10,7 +10,9 @@ describe, so :class:`FlatShards` presents a rank's flat ranges as boxes (see
 (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``): the files
 then hold every tensor at its real shape, readable by any layout, stage or tool.
 
-Two small planner subclasses are needed, and this module says why at each.
+Two small planner subclasses are needed, and this module says why at each. Saves go through
+:class:`ChecksumWriter`, DCP's file writer that also records the CRC-32 of every file and
+item it wrote (see :mod:`shardwise.checkpoint.integrity`).
 """
 
 from __future__ import annotations
@@ -35,8 +37,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.futures import Future
 
+from shardwise.checkpoint import integrity
 from shardwise.checkpoint.boxes import Box, flat_range_to_boxes
 
 Piece = tuple[int, int, torch.Tensor]
@@ -204,6 +214,43 @@ def saved_entries(metadata: Metadata) -> dict[str, SavedEntry]:
     return out
 
 
+class ChecksumWriter(FileSystemWriter):
+    """DCP's file writer that also records the CRC-32 of each file it wrote and of each item in it.
+
+    Why a subclass: DCP's writer keeps no checksum, and its per-item results (file, offset,
+    length) are only known here. After the files are written and fsynced, each is read back
+    once (from the page cache) and checksummed as stored, whole and per item.
+
+    Attributes:
+        records: ``file name -> record`` (:data:`~shardwise.checkpoint.integrity.FileRecord`)
+            for the files this rank wrote.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1) -> None:
+        super().__init__(os.fspath(path), sync_files=True, thread_count=thread_count, overwrite=True)
+        self.records: dict[str, integrity.FileRecord] = {}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[Any]]:
+        future = super().write_data(plan, planner)
+        items: dict[str, list[tuple[int, int, str]]] = {}
+        for result in future.wait():
+            info = result.storage_data
+            items.setdefault(info.relative_path, []).append(
+                (info.offset, info.length, _item_name(result.index))
+            )
+        prefix = plan.storage_data.prefix  # "__<rank>_": every file of this rank, empty ones included
+        rank = int(prefix.strip("_"))
+        for path in sorted(Path(self.path).glob(f"{prefix}*.distcp")):
+            self.records[path.name] = integrity.record_file(path, items.get(path.name, []), rank=rank)
+        return future
+
+
+def _item_name(index: MetadataIndex) -> str:
+    """``key`` or ``key@offsets`` for a chunk (how a damaged item is named)."""
+    offsets = tuple(index.offset) if index.offset is not None else ()
+    return f"{index.fqn}@{','.join(map(str, offsets))}" if any(offsets) else index.fqn
+
+
 def save(
     state: dict[str, Any],
     path: str | os.PathLike[str],
@@ -211,14 +258,17 @@ def save(
     process_group: Any = None,
     no_dist: bool = False,
     thread_count: int = 1,
-) -> None:
+) -> dict[str, integrity.FileRecord]:
     """Write ``state`` to ``path`` with DCP (collective over ``process_group`` unless ``no_dist``).
 
     Files are fsynced (``sync_files``): a checkpoint is only published once its bytes are
     on disk. ``.metadata`` is written last, by the coordinator, after every rank reported
     its writes, so when this returns on the coordinator every rank's data is complete.
+
+    Returns:
+        The checksum records of the data files this rank wrote (``.metadata`` not included).
     """
-    writer = FileSystemWriter(os.fspath(path), sync_files=True, thread_count=thread_count, overwrite=True)
+    writer = ChecksumWriter(path, thread_count=thread_count)
     with _plain_errors("saving", path):
         torch.distributed.checkpoint.save(
             state,
@@ -227,6 +277,7 @@ def save(
             process_group=process_group,
             no_dist=no_dist,
         )
+    return writer.records
 
 
 def load(

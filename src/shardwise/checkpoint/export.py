@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shardwise.checkpoint import keys, layout
+from shardwise.checkpoint import integrity, keys, layout
 from shardwise.checkpoint.dcp_io import StreamingReader
 
 EXPORT_DTYPES = {
@@ -123,6 +123,7 @@ def export_checkpoint(
 
     Raises:
         ValueError: an unknown dtype/format, or a checkpoint without module weights.
+        CheckpointIntegrityError: a file of the checkpoint is missing, truncated or damaged.
 
     Example:
         >>> # export_checkpoint("ckpts", "out/", dtype="bf16")   # -> out/model.safetensors
@@ -134,7 +135,9 @@ def export_checkpoint(
     if out.is_dir() or not out.suffix:  # a directory (existing, or a name without extension)
         out = out / ("pytorch_model.bin" if fmt == "pt" else "model.safetensors")
     fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "pt")
-    source = TensorSource(layout.resolve(checkpoint, tag), exclude_frozen=exclude_frozen_parameters)
+    tag_dir = layout.resolve(checkpoint, tag)
+    integrity.require_intact(tag_dir)  # a damaged checkpoint is refused before anything is written
+    source = TensorSource(tag_dir, exclude_frozen=exclude_frozen_parameters)
     if not source.specs:
         raise ValueError(f"{source.tag_dir} holds no module weights to export")
     specs = {name: (shape, _target_dtype(saved, target)) for name, (shape, saved) in source.specs.items()}
@@ -164,51 +167,66 @@ def load_full_state_dict(
         >>> # model.load_state_dict(load_full_state_dict("ckpts"))
     """
     target = EXPORT_DTYPES[dtype] if dtype is not None else None
-    source = TensorSource(layout.resolve(checkpoint, tag))
+    tag_dir = layout.resolve(checkpoint, tag)
+    integrity.require_intact(tag_dir)
+    source = TensorSource(tag_dir)
     return {
         name: source.read(name).to(_target_dtype(saved, target)) for name, (_, saved) in source.specs.items()
     }
 
 
-def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """What a save directory (or one tag directory) holds: tags, layout, sizes.
+def checkpoint_info(path: str | os.PathLike[str], *, verify: bool = False) -> dict[str, Any]:
+    """What a save directory (or one tag directory) holds: tags, layout, sizes, integrity.
+
+    Each tag's ``integrity`` is ``"ok"``, ``"damaged"`` (``problems`` says why) or
+    ``"unverified"`` (saved without checksums). Without ``verify`` only the summary, DCP's
+    index and every file's size are checked (truncated and missing files, not flipped bytes);
+    with it every byte is checked against its checksum.
 
     Example:
         >>> # checkpoint_info("ckpts")["tags"][-1]["zero_stage"]
     """
     root = Path(path)
-    if layout.detect_kind(root):
-        tag_dirs, latest = [root], None
-    else:
-        tag_dirs, latest = [root / t for t in layout.list_tags(root)], layout.read_latest(root)
+    latest = None if layout.detect_kind(root) else layout.read_latest(root)
     tags = []
-    for tag_dir in tag_dirs:
+    for tag_dir in integrity.tag_dirs(root):
         kind = layout.detect_kind(tag_dir)
+        verdict = integrity.verify_tag(tag_dir, read=integrity.read_all if verify else integrity.read_none)
         info: dict[str, Any] = {"tag": tag_dir.name, "kind": kind, "bytes": layout.dir_bytes(tag_dir)}
-        if kind == "shardwise":
-            summary = layout.read_summary(tag_dir)
-            for key in (
-                "zero_stage",
-                "world_size",
-                "dp_world_size",
-                "mp_world_size",
-                "param_dtypes",
-                "trainable_parameters",
-                "frozen_parameters",
-                "fp32_masters_saved",
-                "optimizer",
-                "saved_at",
-            ):
-                info[key] = summary.get(key)
-            info["global_steps"] = summary.get("counters", {}).get("global_steps")
-            entries = StreamingReader(tag_dir).entries
-            info["tensors"] = sum(1 for e in entries.values() if e.is_tensor)
-            info["optimizer_state_keys"] = sorted(
-                {k.rsplit("/", 1)[1] for k in entries if k.startswith(keys.OPTIM) and k != keys.PARAM_GROUPS}
-            )
-        elif kind == "deepspeed":
-            from shardwise.checkpoint.deepspeed_import import DeepSpeedCheckpoint
-
-            info.update(DeepSpeedCheckpoint(tag_dir).describe())
+        info.update(integrity=verdict.status, problems=verdict.problems, checked=verdict.detail)
+        index_damaged = any(p.startswith((layout.SUMMARY, layout.DCP_METADATA)) for p in verdict.problems)
+        if not verdict.damaged or (kind == "shardwise" and not index_damaged):
+            info.update(_describe(tag_dir, kind))  # reads only the summary and DCP's index
         tags.append(info)
     return {"dir": str(root), "latest": latest, "tags": tags}
+
+
+def _describe(tag_dir: Path, kind: str | None) -> dict[str, Any]:
+    """Layout, sizes and contents of one tag, from its summary and index (no tensor data)."""
+    info: dict[str, Any] = {}
+    if kind == "shardwise":
+        summary = layout.read_summary(tag_dir)
+        for key in (
+            "zero_stage",
+            "world_size",
+            "dp_world_size",
+            "mp_world_size",
+            "param_dtypes",
+            "trainable_parameters",
+            "frozen_parameters",
+            "fp32_masters_saved",
+            "optimizer",
+            "saved_at",
+        ):
+            info[key] = summary.get(key)
+        info["global_steps"] = summary.get("counters", {}).get("global_steps")
+        entries = StreamingReader(tag_dir).entries
+        info["tensors"] = sum(1 for e in entries.values() if e.is_tensor)
+        info["optimizer_state_keys"] = sorted(
+            {k.rsplit("/", 1)[1] for k in entries if k.startswith(keys.OPTIM) and k != keys.PARAM_GROUPS}
+        )
+    elif kind == "deepspeed":
+        from shardwise.checkpoint.deepspeed_import import DeepSpeedCheckpoint
+
+        info.update(DeepSpeedCheckpoint(tag_dir).describe())
+    return info

@@ -29,7 +29,7 @@ COMMON = "common"
 RANK = "rank/"
 
 FORMAT = "shardwise-dcp"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the summary records every file's checksum (1: no checksums)
 
 
 def model_key(name: str) -> str:

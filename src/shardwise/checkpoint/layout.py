@@ -6,7 +6,8 @@
       latest                      the newest tag, no trailing newline (DeepSpeed's format)
       <tag>/                      one complete checkpoint
         .metadata, __<r>_0.distcp DCP's index and each rank's data file
-        shardwise_checkpoint.json a human-readable summary (stage, world size, sizes, ...)
+        shardwise_checkpoint.json a human-readable summary (stage, world size, sizes, ...) and the
+                                  checksum of every file (see shardwise.checkpoint.integrity)
       .<tag>.partial/             a save in progress (never read)
 
 A save writes everything into ``.<tag>.partial`` and renames it to ``<tag>`` only when every
@@ -145,8 +146,12 @@ def tag_path(load_dir: Path, tag: str) -> Path:
 
 
 def detect_kind(path: Path) -> str | None:
-    """``"shardwise"`` (a DCP checkpoint), ``"deepspeed"`` (DeepSpeed's ``*_model_states.pt``) or None."""
-    if (path / DCP_METADATA).is_file():
+    """``"shardwise"`` (a DCP checkpoint), ``"deepspeed"`` (DeepSpeed's ``*_model_states.pt``) or None.
+
+    A directory with shardwise's summary or DCP data files but no ``.metadata`` is a damaged
+    shardwise checkpoint, not "no checkpoint" (verification then names the missing file).
+    """
+    if (path / DCP_METADATA).is_file() or (path / SUMMARY).is_file() or any(path.glob("*.distcp")):
         return "shardwise"
     if any(path.glob("*model_states.pt")):
         return "deepspeed"
@@ -164,11 +169,6 @@ def list_tags(save_dir: Path) -> list[str]:
 def dir_bytes(path: Path) -> int:
     """Total size of the files under ``path``."""
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def write_summary(tag_dir: Path, summary: dict[str, Any]) -> None:
-    """The human-readable summary next to the data (written before publication)."""
-    atomic_write_bytes(tag_dir / SUMMARY, json.dumps(summary, indent=1, sort_keys=True, default=str).encode())
 
 
 def read_summary(tag_dir: Path) -> dict[str, Any]:

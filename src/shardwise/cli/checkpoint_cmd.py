@@ -1,17 +1,24 @@
-"""``shardwise checkpoint info|export``: inspect checkpoints and export their weights.
+"""``shardwise checkpoint info|verify|export``: inspect, verify and export checkpoints.
 
-``info DIR`` lists the tags of a save directory (or one tag directory) with their layout
-and size; ``export DIR OUT`` streams the model weights of the latest (or ``--tag``)
-checkpoint, shardwise or DeepSpeed, any stage and world size, into one safetensors or
-``torch.load`` file with memory near the largest tensor.
+``info DIR`` lists the tags of a save directory (or one tag directory) with their layout,
+size and integrity (sizes and index; ``--verify`` for every checksum); ``verify DIR [--tag T]``
+checks every file of every tag (or of ``T``) against the checksums recorded at save, one
+line per tag, exit 0 when none is damaged and 1 otherwise; ``export DIR OUT`` streams the
+model weights of the latest (or ``--tag``) checkpoint, shardwise or DeepSpeed, any stage
+and world size, into one safetensors or ``torch.load`` file with memory near the largest
+tensor, and refuses a damaged checkpoint. Errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 from typing import Any
+
+# What reading a damaged or foreign checkpoint can raise; reported as one line, exit 1.
+_READ_ERRORS = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -21,7 +28,12 @@ def add_parser(subparsers: Any) -> None:
     info = sub.add_parser("info", help="tags, world size, ZeRO stage, sizes")
     info.add_argument("dir", metavar="DIR", help="a save directory or one tag directory")
     info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument("--verify", action="store_true", help="check every checksum (reads all files)")
     info.set_defaults(func=_info)
+    verify = sub.add_parser("verify", help="check every file against its checksum; exit 1 if damaged")
+    verify.add_argument("dir", metavar="DIR", help="a save directory or one tag directory")
+    verify.add_argument("--tag", default=None, help="verify only this tag")
+    verify.set_defaults(func=_verify)
     export = sub.add_parser("export", help="write the model weights to one file, tensor by tensor")
     export.add_argument("dir", metavar="DIR", help="a save directory (uses 'latest') or a tag directory")
     export.add_argument(
@@ -46,8 +58,8 @@ def _info(args: argparse.Namespace) -> int:
     from shardwise.checkpoint.export import checkpoint_info
 
     try:
-        info = checkpoint_info(args.dir)
-    except (OSError, ValueError) as error:
+        info = checkpoint_info(args.dir, verify=args.verify)
+    except _READ_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     if args.json:
@@ -62,11 +74,38 @@ def _info(args: argparse.Namespace) -> int:
         extra = (
             f", {params:,} trainable + {tag.get('frozen_parameters') or 0:,} frozen params" if params else ""
         )
+        if tag["integrity"] == "damaged":
+            print(f"  {tag['tag']}: {tag['kind']}, DAMAGED: {'; '.join(tag['problems'])}")
+            continue
+        checked = "checksums ok" if args.verify else "sizes ok"
+        status = checked if tag["integrity"] == "ok" else "unverified: no checksums"
         print(
             f"  {tag['tag']}: {tag['kind']}, ZeRO {tag.get('zero_stage')}, world size {tag.get('world_size')}, "
-            f"step {tag.get('global_steps')}, {_size(tag['bytes'])}{extra}"
+            f"step {tag.get('global_steps')}, {_size(tag['bytes'])}{extra}, {status}"
         )
     return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from shardwise.checkpoint import integrity
+
+    try:
+        tag_dirs = integrity.tag_dirs(args.dir, args.tag)
+        if not tag_dirs:
+            raise FileNotFoundError(f"{args.dir} holds no checkpoint")
+        verdicts = [integrity.verify_tag(tag_dir) for tag_dir in tag_dirs]
+    except _READ_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    for verdict in verdicts:
+        name = verdict.tag_dir.name
+        if verdict.damaged:
+            print(f"{name}: DAMAGED: {'; '.join(verdict.problems)}")
+        elif verdict.status == "ok":
+            print(f"{name}: ok ({verdict.detail})")
+        else:
+            print(f"{name}: unverified ({verdict.detail})")
+    return 1 if any(v.damaged for v in verdicts) else 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -81,7 +120,7 @@ def _export(args: argparse.Namespace) -> int:
             fmt=args.fmt,
             exclude_frozen_parameters=args.exclude_frozen,
         )
-    except (OSError, ValueError) as error:
+    except _READ_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"wrote {out} ({_size(out.stat().st_size)})")

@@ -1,0 +1,98 @@
+"""Checksums across ranks: every rank's records gathered at save, verification shared at load.
+
+At save each rank checksums the files it wrote (:class:`~shardwise.checkpoint.dcp_io.ChecksumWriter`);
+:func:`gather_records` hands all of them to every rank, so the publishing rank(s) can write
+them into the summary. At load, :func:`verify_before_load` checks the summary, DCP's index and
+every file's size on every rank, and reads each data file in full on one rank only (the files
+a rank wrote are read by the rank with that number, modulo the world size): the ranks then
+agree, and on damage every rank raises the same :class:`~shardwise.checkpoint.integrity.CheckpointIntegrityError`
+before any byte of the checkpoint is used.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise import comm
+from shardwise.checkpoint import integrity, layout
+
+
+def _all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
+    """Every rank's ``data``, in group-rank order (collective)."""
+    world = comm.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    comm.all_reduce(size, op="max", group=group)
+    width = int(size.item())
+    mine = torch.zeros(width + 8, dtype=torch.uint8)
+    packed = len(data).to_bytes(8, "little") + data
+    mine[: len(packed)] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+    out = torch.zeros(world * (width + 8), dtype=torch.uint8)
+    comm.all_gather_flat(out, mine, group)
+    parts = []
+    for row in out.view(world, width + 8):
+        raw = row.numpy().tobytes()
+        parts.append(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    return parts
+
+
+def gather_records(
+    records: dict[str, integrity.FileRecord], group: Any, alone: bool
+) -> dict[str, integrity.FileRecord]:
+    """All ranks' file records, on every rank (collective unless ``alone``)."""
+    if alone:
+        return dict(records)
+    merged: dict[str, integrity.FileRecord] = {}
+    for part in _all_gather_bytes(json.dumps(records).encode(), group):
+        merged.update(json.loads(part))
+    return merged
+
+
+def checksums_section(
+    staging: Path, records: dict[str, integrity.FileRecord], only_present: bool = False
+) -> dict[str, Any]:
+    """The summary's ``checksums``: DCP's ``.metadata`` (checksummed here) and the data files.
+
+    ``only_present``: list only the files in ``staging`` (node-local storage, where each node's
+    directory holds its own ranks' files).
+    """
+    size, crc = integrity.file_crc(staging / layout.DCP_METADATA)
+    files = {name: rec for name, rec in records.items() if not only_present or (staging / name).is_file()}
+    files[layout.DCP_METADATA] = {"bytes": size, integrity.ALGORITHM: crc}
+    return {"algorithm": integrity.ALGORITHM, "files": files}
+
+
+def _writer_rank(name: str, record: integrity.FileRecord) -> int:
+    if "rank" in record:
+        return int(record["rank"])
+    found = re.match(r"__(\d+)_", name)
+    return int(found.group(1)) if found else zlib.crc32(name.encode())
+
+
+def verify_before_load(tag_dir: Path, group: Any) -> integrity.Verdict:
+    """Verify a tag before loading it (collective); raise the same error on every rank if damaged.
+
+    Raises:
+        CheckpointIntegrityError: a file is missing, truncated or does not match its checksum.
+    """
+    rank, world = comm.get_rank(group), comm.get_world_size(group)
+
+    def mine(name: str, record: integrity.FileRecord) -> bool:
+        return _writer_rank(name, record) % world == rank
+
+    verdict = integrity.verify_tag(tag_dir, read=mine)
+    damaged = verdict.damaged if world == 1 else comm.all_reduce_max_flag(verdict.damaged, group=group)
+    if damaged:
+        verdict = integrity.verify_tag(tag_dir)  # every rank reads everything: the same message everywhere
+        if not verdict.damaged:  # e.g. node-local storage: the damage is in another node's directory
+            verdict = integrity.Verdict(
+                tag_dir, "damaged", ["another rank found a damaged file; see its log"]
+            )
+        raise integrity.integrity_error(verdict)
+    integrity.note_unverified(verdict)
+    return verdict
