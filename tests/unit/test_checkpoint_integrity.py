@@ -227,7 +227,12 @@ def test_deepspeed_checkpoints_are_checked_by_their_zip_crcs(tmp_path):
     shard = tmp_path / "ds" / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     _flip(shard, at=0.3)
     verdict = integrity.verify_tag(tmp_path / "ds" / "global_step2")
-    assert verdict.damaged and shard.name in verdict.problems[0]
+    assert verdict.damaged and shard.name in verdict.problems[0] and "CRC-32" in verdict.problems[0]
+    model = tmp_path / "ds" / "global_step2" / "mp_rank_00_model_states.pt"
+    for cut in (model.stat().st_size // 2, 0):  # truncated, then empty
+        model.write_bytes(model.read_bytes()[:cut])
+        quick = integrity.verify_tag(tmp_path / "ds" / "global_step2", read=integrity.read_none)
+        assert quick.damaged and any(p.startswith(model.name) for p in quick.problems)
 
 
 # ---------------------------------------------------------------------------- the CLI

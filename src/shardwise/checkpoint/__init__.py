@@ -4,7 +4,8 @@ A checkpoint saved on N ranks at ZeRO stage k loads on M ranks at stage j, optim
 state included, with no conversion step (:mod:`~shardwise.checkpoint.dcp_io`); saves are
 atomic (:mod:`~shardwise.checkpoint.layout`); resume restores everything a step depends
 on, RNG and data position included; exports stream tensor by tensor
-(:mod:`~shardwise.checkpoint.export`); DeepSpeed checkpoints import directly
+(:mod:`~shardwise.checkpoint.export`); every file is checksummed and verified before a load
+(:mod:`~shardwise.checkpoint.integrity`); DeepSpeed checkpoints import directly
 (:mod:`~shardwise.checkpoint.deepspeed_import`). Names load lazily, so importing this
 package does not import ``torch.distributed.checkpoint``.
 """
@@ -26,6 +27,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "checkpoint_info": ("shardwise.checkpoint.export", "checkpoint_info"),
     "load_full_state_dict": ("shardwise.checkpoint.export", "load_full_state_dict"),
     "read_deepspeed_checkpoint": ("shardwise.checkpoint.deepspeed_import", "read_deepspeed_checkpoint"),
+    "verify_tag": ("shardwise.checkpoint.integrity", "verify_tag"),
+    "CheckpointIntegrityError": ("shardwise.checkpoint.integrity", "CheckpointIntegrityError"),
 }
 
 __all__ = sorted(_LAZY)

@@ -11,8 +11,9 @@ What a save does (every rank calls it):
 3. collect the state: module entries, the optimizer's topology-free pieces, counters,
    scheduler, loss scaler, client state, and per rank the RNG states and loader position;
 4. write it with DCP into ``.<tag>.partial`` (every rank its own shards, in parallel,
-   fsynced); with ``checkpoint.async_save`` the state is first copied and steps 4-5 run in a
-   background thread while training continues;
+   fsynced; :mod:`~shardwise.checkpoint.publish` does steps 4-5); with
+   ``checkpoint.async_save`` the state is first copied and steps 4-5 run in a background
+   thread while training continues;
 5. every rank checksums the files it wrote; the publishing rank adds the summary (with
    every file's checksum, :mod:`~shardwise.checkpoint.integrity`), renames the directory to
    ``<tag>``, then moves ``latest``. A failure anywhere is raised on every rank and publishes
@@ -21,10 +22,8 @@ What a save does (every rank calls it):
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
-import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -36,7 +35,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.checkpoint import dcp_io, integrity, integrity_ranks, keys, layout, rng
+from shardwise.checkpoint import dcp_io, integrity_ranks, keys, layout, publish, rng
 from shardwise.checkpoint.training_state import LoadResult, TrainingState, param_names
 from shardwise.utils.logging import logger
 
@@ -123,11 +122,11 @@ class Checkpointer:
         root = Path(save_dir)
         items = self._collect(state, client_state, exclude_frozen_parameters, tag)
         summary = _summary(state, tag, exclude_frozen_parameters, items)
-        if self._is_publisher():
+        if publish.is_publisher(self.options.use_node_local_storage):
             layout.prepare_staging(root, tag)
         comm.barrier(state.process_group)
         if self.options.async_save:
-            items = _snapshot(items)
+            items = publish.snapshot(items)
             group = self._group_for_async(state.process_group)
             self._thread = threading.Thread(
                 target=self._background, args=(items, root, tag, summary, save_latest, group), daemon=False
@@ -143,63 +142,10 @@ class Checkpointer:
         except BaseException as error:  # handed to the next wait()
             self._error = error
 
-    def _write_and_publish(
-        self,
-        items: dict[str, Any],
-        root: Path,
-        tag: str,
-        summary: dict[str, Any],
-        save_latest: bool,
-        group: Any,
-    ) -> None:
-        staging = layout.staging_dir(root, tag)
-        start = time.perf_counter()
-        alone = comm.get_world_size(group) == 1  # no collectives at all (also safe from a background thread)
-        try:
-            records = dcp_io.save(
-                items, staging, process_group=group, no_dist=alone, thread_count=self.options.thread_count
-            )
-        except RuntimeError:
-            if self._is_publisher():  # leave nothing half-written behind (latest was never moved)
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
-        if self.options.use_node_local_storage and not alone:
-            self._share_metadata(staging, group)
-        records = integrity_ranks.gather_records(records, group, alone)  # every rank's file checksums
-        failure = None
-        if self._is_publisher():
-            try:
-                node_local = self.options.use_node_local_storage
-                summary["checksums"] = integrity_ranks.checksums_section(staging, records, node_local)
-                summary["bytes"] = layout.dir_bytes(staging)
-                integrity.write_sealed_summary(staging, summary)
-                layout.publish(root, tag)
-                if save_latest:
-                    layout.write_latest(root, tag)
-            except OSError as error:
-                failure = error
-        if failure is not None if alone else comm.all_reduce_max_flag(failure is not None, group=group):
-            raise RuntimeError(f"publishing checkpoint {root / tag} failed: {failure or 'on another rank'}")
-        logger.info("saved checkpoint %s in %.2fs", root / tag, time.perf_counter() - start)
-
-    def _is_publisher(self) -> bool:
-        if self.options.use_node_local_storage:
-            return comm.get_local_rank() == 0
-        return comm.get_rank() == 0
-
-    def _share_metadata(self, staging: Path, group: Any) -> None:
-        """Node-local storage: every node's publisher needs DCP's index next to its files."""
-        if comm.get_world_size(group) == 1:
-            return
-        data = (staging / layout.DCP_METADATA).read_bytes() if comm.get_rank() == 0 else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        comm.broadcast(size, src=0, group=group)
-        payload = torch.zeros(int(size.item()), dtype=torch.uint8)
-        if comm.get_rank() == 0:
-            payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        comm.broadcast(payload, src=0, group=group)
-        if comm.get_rank() != 0 and comm.get_local_rank() == 0:
-            layout.atomic_write_bytes(staging / layout.DCP_METADATA, payload.numpy().tobytes())
+    def _write_and_publish(self, *args: Any) -> None:
+        publish.write_and_publish(
+            *args, node_local=self.options.use_node_local_storage, thread_count=self.options.thread_count
+        )
 
     def _validate_tag(self, tag: str, group: Any) -> None:
         mode = self.options.tag_validation.lower()
@@ -440,20 +386,6 @@ def _stateful(obj: Any) -> bool:
 def _mp_prefix(state: TrainingState) -> str:
     # Tensor-parallel ranks hold different tensors under the same names.
     return f"mp{state.mp_rank}/" if state.mp_world_size > 1 else ""
-
-
-def _snapshot(items: dict[str, Any]) -> dict[str, Any]:
-    """Copies that training cannot change while a background thread writes them."""
-    out: dict[str, Any] = {}
-    for key, value in items.items():
-        if isinstance(value, dcp_io.FlatShards):
-            out[key] = value.snapshot()
-        elif torch.is_tensor(value):
-            is_dtensor = type(value).__name__ == "DTensor"
-            out[key] = value.detach().clone() if is_dtensor else value.detach().to("cpu", copy=True)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def _summary(

@@ -289,21 +289,38 @@ def _verify_structure(tag_dir: Path) -> Verdict:
 
 
 def _verify_deepspeed(tag_dir: Path, read: ReadPolicy) -> Verdict:
-    """DeepSpeed's ``torch.save`` zip files: each record's CRC-32 (read) or the zip directory (not)."""
-    problems = []
+    """DeepSpeed's ``torch.save`` zip files: each record's CRC-32 (read) or the zip directory (not).
+
+    Files in torch's legacy (pre-1.6, non-zip) format carry no checksum: unverified.
+    """
+    problems, legacy = [], []
     files = sorted(tag_dir.glob("*.pt"))
     for path in files:
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+        if head[:1] == b"\x80":  # a pickle: torch's legacy format
+            legacy.append(path.name)
+            continue
         record: FileRecord = {"bytes": path.stat().st_size}
         try:
             with zipfile.ZipFile(path) as archive:
                 bad = archive.testzip() if read(path.name, record) else None
         except (zipfile.BadZipFile, OSError, EOFError) as error:
-            problems.append(f"{path.name}: expected a torch.save zip file, found one that is not ({error})")
+            problems.append(
+                f"{path.name}: expected a complete torch.save zip file, found a damaged one ({error})"
+            )
             continue
         if bad is not None:
-            problems.append(f"{path.name}: record {bad} does not match the CRC-32 stored with it")
-    detail = f"{len(files)} DeepSpeed files, zip CRC-32 of every record"
-    return Verdict(tag_dir, "damaged" if problems else "ok", problems, detail)
+            problems.append(
+                f"{path.name}: expected record {bad} to match the CRC-32 stored with it, found other bytes"
+            )
+    if problems:
+        return Verdict(tag_dir, "damaged", problems)
+    if legacy:
+        return Verdict(
+            tag_dir, "unverified", [], f"DeepSpeed files in torch's legacy format: {', '.join(legacy)}"
+        )
+    return Verdict(tag_dir, "ok", [], f"{len(files)} DeepSpeed files, zip CRC-32 of every record")
 
 
 def tag_dirs(path: str | os.PathLike[str], tag: str | None = None) -> list[Path]:
