@@ -16,8 +16,9 @@ What is measured (rank 0's wall clock, between barriers, so the slowest rank cou
   checksum verification it runs before reading);
 * ``verify`` (shardwise): that verification alone, as ``load_checkpoint`` runs it (every rank
   checks sizes, the summary and ``.metadata``, and reads the data files its rank number wrote),
-  as a share of ``load``; and one process verifying every file, as ``shardwise checkpoint
-  verify`` does;
+  as a share of ``load``; loads alternating with and without that verification (what it
+  adds, with drifting machine load hitting both alike); and one process verifying every file,
+  as ``shardwise checkpoint verify`` does;
 * ``bytes``: the tag directory on disk;
 * export peak RSS: a fresh process converting the checkpoint to one fp32 file (shardwise's streaming
   ``export_checkpoint``; DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` on its own
@@ -131,6 +132,18 @@ def worker(args: argparse.Namespace) -> None:
     if args.framework == "shardwise":
         from shardwise.checkpoint import integrity, integrity_ranks
 
+        verify_before_load = integrity_ranks.verify_before_load
+        out["load_verified_s"], out["load_unverified_s"] = [], []
+        for r in range(args.repeats):  # alternating, so drifting machine load hits both alike
+            for skip in (False, True):
+                if skip:
+                    integrity_ranks.verify_before_load = lambda *_: None  # type: ignore[assignment,return-value]
+                dist.barrier()
+                start = time.perf_counter()
+                engine.load_checkpoint(args.dir, tag=f"t{r}")
+                dist.barrier()
+                out["load_unverified_s" if skip else "load_verified_s"].append(time.perf_counter() - start)
+                integrity_ranks.verify_before_load = verify_before_load
         out["verify_s"], out["verify_all_s"] = [], []
         for r in range(args.repeats):
             dist.barrier()
@@ -304,9 +317,15 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
         if "verify_s" in row:
             share = min(row["verify_s"]) / min(row["load_s"])
+            added = min(row["load_verified_s"]) / min(row["load_unverified_s"]) - 1
             print(
-                f"  {'':16s} verify {_fmt_times(row['verify_s'])} = {100 * share:.1f} % of load; "
+                f"  {'':16s} verify alone {_fmt_times(row['verify_s'])} = {100 * share:.1f} % of load; "
                 f"one process verifying every file: {min(row['verify_all_s']):.2f} s"
+            )
+            print(
+                f"  {'':16s} load alternating with/without verification: {min(row['load_verified_s']):.2f} s / "
+                f"{min(row['load_unverified_s']):.2f} s (min of {len(row['load_verified_s'])}): "
+                f"verification adds {100 * added:+.1f} %"
             )
     for name, row in report.items():
         if name.startswith("export"):

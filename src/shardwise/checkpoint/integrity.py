@@ -22,12 +22,14 @@ Filesystem only: torch is imported only to read an old checkpoint's ``.metadata`
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
 import re
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,6 @@ from shardwise.utils.logging import logger
 ALGORITHM = "crc32"
 SEAL_KEY = "summary_crc32"
 _PLACEHOLDER = "0" * 8
-_CHUNK = 8 << 20
 
 FileRecord = dict[str, Any]
 """``{"bytes": n, "crc32": "8 hex digits", "rank": r, "items": ["offset length crc32 name", ...]}``."""
@@ -79,52 +80,38 @@ def _hex(crc: int) -> str:
     return f"{crc & 0xFFFFFFFF:08x}"
 
 
-def _feed(handle: Any, count: int, buffer: memoryview, crcs: list[int]) -> int:
-    """Read up to ``count`` bytes, updating every running CRC in ``crcs``; returns bytes read."""
-    done = 0
-    while done < count:
-        got = handle.readinto(buffer[: min(len(buffer), count - done)])
-        if not got:
-            break
-        chunk = buffer[:got]
-        for i, crc in enumerate(crcs):
-            crcs[i] = zlib.crc32(chunk, crc)
-        done += got
-    return done
+@contextlib.contextmanager
+def _mapped(path: Path) -> Iterator[memoryview]:
+    """The file's bytes, memory-mapped: no copy, the page cache serves them."""
+    with open(path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            yield memoryview(b"")
+            return
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                yield view
+            finally:
+                view.release()
 
 
 def file_crc(path: Path) -> tuple[int, str]:
-    """``(size, crc32 hex)`` of a whole file, read in chunks."""
-    buffer = memoryview(bytearray(_CHUNK))
-    crcs = [0]
-    with open(path, "rb", buffering=0) as handle:
-        size = _feed(handle, 1 << 62, buffer, crcs)
-    return size, _hex(crcs[0])
+    """``(size, crc32 hex)`` of a whole file."""
+    with _mapped(path) as data:
+        return len(data), _hex(zlib.crc32(data))
 
 
 def record_file(path: Path, items: Iterable[tuple[int, int, str]], rank: int | None = None) -> FileRecord:
-    """The checksum record of a file DCP wrote: size, CRC-32, and CRC-32 per item, in one pass.
+    """The checksum record of a file DCP wrote: size, CRC-32, and CRC-32 per item.
 
     Args:
         path: the file.
-        items: ``(offset, length, name)`` of every item DCP wrote into it (non-overlapping).
+        items: ``(offset, length, name)`` of every item DCP wrote into it.
         rank: the rank that wrote it.
     """
-    buffer = memoryview(bytearray(_CHUNK))
-    whole = [0]
-    lines = []
-    position = 0
-    with open(path, "rb", buffering=0) as handle:
-        for offset, length, name in sorted(items):
-            if offset < position:
-                raise ValueError(f"{path}: items overlap at byte {offset}")
-            position += _feed(handle, offset - position, buffer, whole)
-            crcs = [whole[0], 0]
-            position += _feed(handle, length, buffer, crcs)
-            whole[0] = crcs[0]
-            lines.append(f"{offset} {length} {_hex(crcs[1])} {name}")
-        position += _feed(handle, 1 << 62, buffer, whole)
-    record: FileRecord = {"bytes": position, ALGORITHM: _hex(whole[0]), "items": lines}
+    with _mapped(path) as data:
+        lines = [f"{o} {n} {_hex(zlib.crc32(data[o : o + n]))} {name}" for o, n, name in sorted(items)]
+        record: FileRecord = {"bytes": len(data), ALGORITHM: _hex(zlib.crc32(data)), "items": lines}
     if rank is not None:
         record["rank"] = rank
     return record
@@ -133,15 +120,12 @@ def record_file(path: Path, items: Iterable[tuple[int, int, str]], rank: int | N
 def _damaged_items(path: Path, record: FileRecord) -> list[str]:
     """The items of a file whose bytes no longer match (to say which entries a damage hits)."""
     out = []
-    buffer = memoryview(bytearray(_CHUNK))
-    with open(path, "rb", buffering=0) as handle:
+    with _mapped(path) as data:
         for line in record.get("items", []):
             offset, length, crc, name = line.split(" ", 3)
-            handle.seek(int(offset))
-            crcs = [0]
-            got = _feed(handle, int(length), buffer, crcs)
-            if got != int(length) or _hex(crcs[0]) != crc:
-                out.append(f"{name} (bytes {offset}-{int(offset) + int(length)})")
+            start, stop = int(offset), int(offset) + int(length)
+            if stop > len(data) or _hex(zlib.crc32(data[start:stop])) != crc:
+                out.append(f"{name} (bytes {start}-{stop})")
     return out
 
 
