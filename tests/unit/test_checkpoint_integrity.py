@@ -91,7 +91,7 @@ def test_a_save_records_the_checksum_of_every_file_and_item(tmp_path):
     assert sorted(files) == sorted([layout.DCP_METADATA, *SHARDS])
     for name, record in files.items():
         assert record["bytes"] == (tag_dir / name).stat().st_size
-        assert record["crc32"] == integrity.file_crc(tag_dir / name)[1]
+        assert record["crc32"] == integrity.file_digest(tag_dir / name)[1]
     items = [line.split(" ", 3) for name in SHARDS for line in files[name]["items"]]
     assert {"common", "rank/0", "model/0.weight", "optim/0.weight/exp_avg"} <= {i[3] for i in items}
     assert all(files[name]["rank"] == 0 for name in SHARDS)
@@ -111,6 +111,15 @@ def test_the_summary_seal_covers_every_byte_even_whitespace(tmp_path):
     path.write_bytes(raw.replace(b'\n "zero_stage"', b'\n  "zero_stage"', 1))  # still valid JSON
     summary, problem = integrity.read_checked_summary(tmp_path / "good")
     assert summary is None and problem is not None and "expected crc32" in problem
+
+
+def test_a_checksum_algorithm_this_version_does_not_know_is_reported_unverified(tmp_path):
+    _save(tmp_path, ("good",))
+    summary = json.loads((tmp_path / "good" / layout.SUMMARY).read_text())
+    summary["checksums"]["algorithm"] = "future-hash"
+    integrity.write_sealed_summary(tmp_path / "good", summary)
+    verdict = integrity.verify_tag(tmp_path / "good")
+    assert verdict.status == "unverified" and "'future-hash', unknown" in verdict.detail
 
 
 # ---------------------------------------------------------------------------- damage is named at load

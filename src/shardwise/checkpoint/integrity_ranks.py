@@ -61,9 +61,9 @@ def checksums_section(
     ``only_present``: list only the files in ``staging`` (node-local storage, where each node's
     directory holds its own ranks' files).
     """
-    size, crc = integrity.file_crc(staging / layout.DCP_METADATA)
+    size, digest = integrity.file_digest(staging / layout.DCP_METADATA)
     files = {name: rec for name, rec in records.items() if not only_present or (staging / name).is_file()}
-    files[layout.DCP_METADATA] = {"bytes": size, integrity.ALGORITHM: crc}
+    files[layout.DCP_METADATA] = {"bytes": size, integrity.ALGORITHM: digest}
     return {"algorithm": integrity.ALGORITHM, "files": files}
 
 
