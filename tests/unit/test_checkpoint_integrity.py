@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.checkpoint import integrity, layout
+from shardwise.checkpoint import checksums, integrity, layout
 from shardwise.checkpoint.checkpointer import Checkpointer, CheckpointOptions, TrainingState
 from shardwise.checkpoint.export import checkpoint_info, export_checkpoint
 from shardwise.checkpoint.integrity import CheckpointIntegrityError
@@ -91,7 +91,7 @@ def test_a_save_records_the_checksum_of_every_file_and_item(tmp_path):
     assert sorted(files) == sorted([layout.DCP_METADATA, *SHARDS])
     for name, record in files.items():
         assert record["bytes"] == (tag_dir / name).stat().st_size
-        assert record["crc32"] == integrity.file_digest(tag_dir / name)[1]
+        assert record["crc32"] == checksums.file_digest(tag_dir / name)[1]
     items = [line.split(" ", 3) for name in SHARDS for line in files[name]["items"]]
     assert {"common", "rank/0", "model/0.weight", "optim/0.weight/exp_avg"} <= {i[3] for i in items}
     assert all(files[name]["rank"] == 0 for name in SHARDS)

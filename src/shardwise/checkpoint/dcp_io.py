@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from shardwise.checkpoint import integrity
+from shardwise.checkpoint import checksums
 from shardwise.checkpoint.boxes import Box, flat_range_to_boxes
 
 Piece = tuple[int, int, torch.Tensor]
@@ -222,13 +222,13 @@ class ChecksumWriter(FileSystemWriter):
     once (from the page cache) and checksummed as stored, whole and per item.
 
     Attributes:
-        records: ``file name -> record`` (:data:`~shardwise.checkpoint.integrity.FileRecord`)
+        records: ``file name -> record`` (:data:`~shardwise.checkpoint.checksums.FileRecord`)
             for the files this rank wrote.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1) -> None:
         super().__init__(os.fspath(path), sync_files=True, thread_count=thread_count, overwrite=True)
-        self.records: dict[str, integrity.FileRecord] = {}
+        self.records: dict[str, checksums.FileRecord] = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[Any]]:
         future = super().write_data(plan, planner)
@@ -241,7 +241,7 @@ class ChecksumWriter(FileSystemWriter):
         prefix = plan.storage_data.prefix  # "__<rank>_": every file of this rank, empty ones included
         rank = int(prefix.strip("_"))
         for path in sorted(Path(self.path).glob(f"{prefix}*.distcp")):
-            self.records[path.name] = integrity.record_file(path, items.get(path.name, []), rank=rank)
+            self.records[path.name] = checksums.record_file(path, items.get(path.name, []), rank=rank)
         return future
 
 
@@ -258,7 +258,7 @@ def save(
     process_group: Any = None,
     no_dist: bool = False,
     thread_count: int = 1,
-) -> dict[str, integrity.FileRecord]:
+) -> dict[str, checksums.FileRecord]:
     """Write ``state`` to ``path`` with DCP (collective over ``process_group`` unless ``no_dist``).
 
     Files are fsynced (``sync_files``): a checkpoint is only published once its bytes are

@@ -8,7 +8,7 @@ holds. The summary protects itself: ``summary_crc32`` is the CRC-32 of the file'
 with that value written as eight zeros. CRC-32 (``zlib``) is used because it is the fastest
 stdlib checksum (3-4 GB/s on one core; blake2b 0.85 GB/s) and finds accidental damage, which
 is what it is for; it is no defence against deliberate tampering. The summary names the
-algorithm and :data:`DIGESTS` maps names to functions, so a faster one (xxhash's xxh3 runs
+algorithm and :data:`~shardwise.checkpoint.checksums.DIGESTS` maps names to functions, so a faster one (xxhash's xxh3 runs
 at about 17 GB/s, but is not in the standard library) can be added without breaking old saves.
 
 :func:`verify_tag` checks one tag directory; what it reads is selectable, so a multi-rank
@@ -24,27 +24,22 @@ Filesystem only: torch is imported only to read an old checkpoint's ``.metadata`
 
 from __future__ import annotations
 
-import contextlib
 import json
-import mmap
 import os
 import re
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shardwise.checkpoint import layout
+from shardwise.checkpoint.checksums import ALGORITHM, DIGESTS, FileRecord, damaged_items, file_digest
 from shardwise.utils.logging import logger
 
-ALGORITHM = "crc32"
 SEAL_KEY = "summary_crc32"
 _PLACEHOLDER = "0" * 8
-
-FileRecord = dict[str, Any]
-"""``{"bytes": n, "crc32": "8 hex digits", "rank": r, "items": ["offset length crc32 name", ...]}``."""
 
 ReadPolicy = Callable[[str, FileRecord], bool]
 """Which data files a verification reads in full: ``(file name, its record) -> bool``."""
@@ -77,74 +72,18 @@ class Verdict:
         return self.status == "damaged"
 
 
-# ---------------------------------------------------------------------------- computing checksums
-def _hex(crc: int) -> str:
+# ---------------------------------------------------------------------------- the sealed summary
+def _crc32_hex(crc: int) -> str:
     return f"{crc & 0xFFFFFFFF:08x}"
 
 
-DIGESTS: dict[str, Callable[[memoryview], str]] = {"crc32": lambda data: _hex(zlib.crc32(data))}
-"""Checksum algorithms by the name a summary records (``checksums.algorithm``); a save uses
-:data:`ALGORITHM`, a verification the recorded one, so adding a faster one keeps old saves readable."""
-
-
-@contextlib.contextmanager
-def _mapped(path: Path) -> Iterator[memoryview]:
-    """The file's bytes, memory-mapped: no copy, the page cache serves them."""
-    with open(path, "rb") as handle:
-        if os.fstat(handle.fileno()).st_size == 0:
-            yield memoryview(b"")
-            return
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                yield view
-            finally:
-                view.release()
-
-
-def file_digest(path: Path, algorithm: str = ALGORITHM) -> tuple[int, str]:
-    """``(size, checksum)`` of a whole file."""
-    with _mapped(path) as data:
-        return len(data), DIGESTS[algorithm](data)
-
-
-def record_file(path: Path, items: Iterable[tuple[int, int, str]], rank: int | None = None) -> FileRecord:
-    """The checksum record of a file DCP wrote: size, CRC-32, and CRC-32 per item.
-
-    Args:
-        path: the file.
-        items: ``(offset, length, name)`` of every item DCP wrote into it.
-        rank: the rank that wrote it.
-    """
-    with _mapped(path) as data:
-        digest = DIGESTS[ALGORITHM]
-        lines = [f"{o} {n} {digest(data[o : o + n])} {name}" for o, n, name in sorted(items)]
-        record: FileRecord = {"bytes": len(data), ALGORITHM: digest(data), "items": lines}
-    if rank is not None:
-        record["rank"] = rank
-    return record
-
-
-def _damaged_items(path: Path, record: FileRecord, algorithm: str) -> list[str]:
-    """The items of a file whose bytes no longer match (to say which entries a damage hits)."""
-    out = []
-    with _mapped(path) as data:
-        for line in record.get("items", []):
-            offset, length, want, name = line.split(" ", 3)
-            start, stop = int(offset), int(offset) + int(length)
-            if stop > len(data) or DIGESTS[algorithm](data[start:stop]) != want:
-                out.append(f"{name} (bytes {start}-{stop})")
-    return out
-
-
-# ---------------------------------------------------------------------------- the sealed summary
 def seal_summary(summary: Mapping[str, Any]) -> bytes:
     """The summary as JSON bytes carrying their own CRC-32 under ``summary_crc32``."""
     body = {**summary, SEAL_KEY: _PLACEHOLDER}
     text = json.dumps(body, indent=1, sort_keys=True, default=str).encode()
     marker = f'\n "{SEAL_KEY}": "{_PLACEHOLDER}"'.encode()
     assert text.count(marker) == 1, "the summary's seal must appear once, at the top level"
-    return text.replace(marker, f'\n "{SEAL_KEY}": "{_hex(zlib.crc32(text))}"'.encode())
+    return text.replace(marker, f'\n "{SEAL_KEY}": "{_crc32_hex(zlib.crc32(text))}"'.encode())
 
 
 def write_sealed_summary(tag_dir: Path, summary: Mapping[str, Any]) -> None:
@@ -169,7 +108,7 @@ def read_checked_summary(tag_dir: Path) -> tuple[dict[str, Any] | None, str | No
         return None, f"{layout.SUMMARY}: expected JSON, found {len(raw)} bytes that are not ({error})"
     seal = re.findall(rb'\n "' + SEAL_KEY.encode() + rb'": "([0-9a-f]{8})"', raw)
     if len(seal) == 1:
-        found = _hex(zlib.crc32(_blank_seal(raw, seal[0])))
+        found = _crc32_hex(zlib.crc32(_blank_seal(raw, seal[0])))
         if found != seal[0].decode():
             return None, f"{layout.SUMMARY}: expected crc32 {seal[0].decode()}, found {found}"
         return summary, None
@@ -210,7 +149,7 @@ def _check_file(tag_dir: Path, name: str, record: FileRecord, read: bool, algori
     _, found = file_digest(path, algorithm)
     if found == want:
         return None
-    hit = _damaged_items(path, record, algorithm)
+    hit = damaged_items(path, record, algorithm)
     where = f" (damaged entries: {', '.join(hit[:3])}{', ...' if len(hit) > 3 else ''})" if hit else ""
     return f"{name}: expected {algorithm} {want} over {want_bytes} bytes, found {algorithm} {found}{where}"
 

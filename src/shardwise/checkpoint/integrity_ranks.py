@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from shardwise import comm
-from shardwise.checkpoint import integrity, layout
+from shardwise.checkpoint import checksums, integrity, layout
 
 
 def _all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
@@ -42,32 +42,32 @@ def _all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
 
 
 def gather_records(
-    records: dict[str, integrity.FileRecord], group: Any, alone: bool
-) -> dict[str, integrity.FileRecord]:
+    records: dict[str, checksums.FileRecord], group: Any, alone: bool
+) -> dict[str, checksums.FileRecord]:
     """All ranks' file records, on every rank (collective unless ``alone``)."""
     if alone:
         return dict(records)
-    merged: dict[str, integrity.FileRecord] = {}
+    merged: dict[str, checksums.FileRecord] = {}
     for part in _all_gather_bytes(json.dumps(records).encode(), group):
         merged.update(json.loads(part))
     return merged
 
 
 def checksums_section(
-    staging: Path, records: dict[str, integrity.FileRecord], only_present: bool = False
+    staging: Path, records: dict[str, checksums.FileRecord], only_present: bool = False
 ) -> dict[str, Any]:
     """The summary's ``checksums``: DCP's ``.metadata`` (checksummed here) and the data files.
 
     ``only_present``: list only the files in ``staging`` (node-local storage, where each node's
     directory holds its own ranks' files).
     """
-    size, digest = integrity.file_digest(staging / layout.DCP_METADATA)
+    size, digest = checksums.file_digest(staging / layout.DCP_METADATA)
     files = {name: rec for name, rec in records.items() if not only_present or (staging / name).is_file()}
-    files[layout.DCP_METADATA] = {"bytes": size, integrity.ALGORITHM: digest}
-    return {"algorithm": integrity.ALGORITHM, "files": files}
+    files[layout.DCP_METADATA] = {"bytes": size, checksums.ALGORITHM: digest}
+    return {"algorithm": checksums.ALGORITHM, "files": files}
 
 
-def _writer_rank(name: str, record: integrity.FileRecord) -> int:
+def _writer_rank(name: str, record: checksums.FileRecord) -> int:
     if "rank" in record:
         return int(record["rank"])
     found = re.match(r"__(\d+)_", name)
@@ -82,7 +82,7 @@ def verify_before_load(tag_dir: Path, group: Any) -> integrity.Verdict:
     """
     rank, world = comm.get_rank(group), comm.get_world_size(group)
 
-    def mine(name: str, record: integrity.FileRecord) -> bool:
+    def mine(name: str, record: checksums.FileRecord) -> bool:
         return _writer_rank(name, record) % world == rank
 
     verdict = integrity.verify_tag(tag_dir, read=mine)
