@@ -87,11 +87,11 @@ def test_a_save_records_the_checksum_of_every_file_and_item(tmp_path):
     assert sorted(p.name for p in tag_dir.iterdir()) == sorted(EVERY_FILE)
     summary = json.loads((tag_dir / layout.SUMMARY).read_text())
     files = summary["checksums"]["files"]
-    assert summary["checksums"]["algorithm"] == "crc32" and summary["format_version"] == 2
+    assert summary["checksums"]["algorithm"] == checksums.ALGORITHM and summary["format_version"] == 2
     assert sorted(files) == sorted([layout.DCP_METADATA, *SHARDS])
     for name, record in files.items():
         assert record["bytes"] == (tag_dir / name).stat().st_size
-        assert record["crc32"] == checksums.file_digest(tag_dir / name)[1]
+        assert record[checksums.ALGORITHM] == checksums.file_digest(tag_dir / name)[1]
     items = [line.split(" ", 3) for name in SHARDS for line in files[name]["items"]]
     assert {"common", "rank/0", "model/0.weight", "optim/0.weight/exp_avg"} <= {i[3] for i in items}
     assert all(files[name]["rank"] == 0 for name in SHARDS)
@@ -142,7 +142,7 @@ def test_64_bytes_of_ff_in_a_shard_name_the_damaged_entries(tmp_path):
     data[3000:3064] = b"\xff" * 64
     path.write_bytes(bytes(data))
     message, untouched = _load_error(tmp_path, "bad")
-    assert f"{SHARDS[0]}: expected crc32" in message and "damaged entries:" in message and untouched
+    assert f"{SHARDS[0]}: expected {checksums.ALGORITHM}" in message and "damaged entries:" in message and untouched
     damaged = message.split("damaged entries: ")[1]
     record = json.loads((tmp_path / "bad" / layout.SUMMARY).read_text())["checksums"]["files"][SHARDS[0]]
     hit = [line.split(" ", 3)[3] for line in record["items"] if _covers(line, 3000, 3064)]
@@ -310,3 +310,17 @@ def test_cli_export_refuses_a_damaged_tag_and_exports_an_intact_one(tmp_path, ca
         export_checkpoint(tmp_path, out)
     assert main(["checkpoint", "export", str(tmp_path), str(out), "--tag", "good"]) == 0
     assert out.is_file()
+
+
+def test_a_checkpoint_checksummed_with_crc32_still_verifies_and_damage_is_named(tmp_path, monkeypatch):
+    """Saves before the switch to XXH3 recorded CRC-32: verification follows the recorded name."""
+    monkeypatch.setattr(checksums, "ALGORITHM", "crc32")
+    _save(tmp_path, ("old",))
+    monkeypatch.undo()
+    assert checksums.ALGORITHM != "crc32"
+    summary = json.loads((tmp_path / "old" / layout.SUMMARY).read_text())
+    assert summary["checksums"]["algorithm"] == "crc32"
+    assert integrity.verify_tag(tmp_path / "old").status == "ok"
+    _flip(tmp_path / "old" / SHARDS[0])
+    verdict = integrity.verify_tag(tmp_path / "old")
+    assert verdict.damaged and any(f"{SHARDS[0]}: expected crc32" in p for p in verdict.problems)
