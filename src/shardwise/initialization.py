@@ -11,7 +11,6 @@ precision -> module placement and dtype -> optimizer (ZeRO) -> scheduler -> tele
 from __future__ import annotations
 
 import argparse
-import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,11 +23,11 @@ from shardwise.comm.topology import build_topology
 from shardwise.config import ConfigError, ResolutionContext
 from shardwise.config.resolve import ResolvedConfig
 from shardwise.engine import ShardwiseEngine
+from shardwise.optim.client import adopt_client_optimizer, client_param_groups
 from shardwise.precision.policy import build_precision
 from shardwise.preflight import load_checked_config, zero_optimizer_error
 from shardwise.profiling.telemetry import build_telemetry
 from shardwise.utils.logging import logger, set_log_level
-from shardwise.zero.sharded_optimizer import group_source_rank
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -85,7 +84,7 @@ def _user_param_groups(
     model: nn.Module, model_parameters: Any, client_optimizer: Any
 ) -> list[dict[str, Any]]:
     if isinstance(client_optimizer, torch.optim.Optimizer):
-        return [{**g, "params": list(g["params"])} for g in client_optimizer.param_groups if g["params"]]
+        return client_param_groups(client_optimizer)  # one per client group: adopted back in place
     if model_parameters is None:
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
     items = list(model_parameters)
@@ -97,15 +96,17 @@ def _user_param_groups(
 def _optimizer_factory(
     cfg: ResolvedConfig, client_optimizer: Any
 ) -> Callable[[list[dict[str, Any]]], Any] | None:
-    """How to build the inner optimizer over the tensors ZeRO hands it (masters/shards)."""
+    """How to build the inner optimizer over the tensors ZeRO hands it (masters/shards).
+
+    A client optimizer object is not rebuilt: its param groups are re-pointed in place
+    (:func:`shardwise.optim.client.adopt_client_optimizer`), so it is the one that steps and
+    a scheduler built on it drives the real learning rate.
+    """
     from shardwise.optim import build_optimizer
 
     if isinstance(client_optimizer, torch.optim.Optimizer):
-        cls = type(client_optimizer)
-        accepted = set(inspect.signature(cls).parameters)
-        defaults = {k: v for k, v in client_optimizer.defaults.items() if k in accepted}
-        logger.info("rebuilding the client %s over ZeRO's flat tensors", cls.__name__)
-        return lambda groups: cls(groups, **defaults)
+        client = client_optimizer
+        return lambda groups: adopt_client_optimizer(client, groups)
     if callable(client_optimizer):
         return lambda groups: client_optimizer(groups)
     if cfg.config.optimizer is not None:
@@ -179,26 +180,58 @@ def initialize(
         set_log_level(cfg.config.log_level)
     if cfg.config.comms_logger is not None:  # before the first broadcast, so start-up traffic is recorded too
         configure_comms_logger(cfg.config.comms_logger)
-    precision = build_precision(cfg.config)
+    root = cfg.config
+    precision = build_precision(root)
     device = _device()
-    from shardwise.zero.factory import prepare_module
+    from shardwise.zero.factory import (
+        build_zero_optimizer,
+        communication_dtype,
+        prepare_module,
+        reduction_factors,
+    )
 
-    model = prepare_module(cfg.config, precision, topology, model, device)  # stage 3: sharded in place
+    comm_dtype = communication_dtype(root.communication_data_type)
+    zero, aio = root.zero_optimization, root.aio
+    prepared = prepare_module(  # stage 3: sharded in place, with its record
+        model,
+        zero=zero,
+        aio=aio,
+        comm_dtype=comm_dtype,
+        precision=precision,
+        topology=topology,
+        device=device,
+    )
+    model = prepared.module
 
     zero_optimizer = None
     factory = _optimizer_factory(cfg, optimizer)
     if factory is not None:
-        from shardwise.zero.factory import build_zero_optimizer
 
         def checked(groups: list[dict[str, Any]]) -> Any:
             inner = factory(groups)
             _check_zero_optimizer(cfg, inner)
             return inner
 
-        groups = _user_param_groups(model, model_parameters, optimizer)
-        zero_optimizer = build_zero_optimizer(cfg.config, precision, topology, groups, checked, device)
+        reduction = reduction_factors(
+            topology.dp_size,
+            allreduce_op=root.gradient_allreduce_op,
+            prescale=root.prescale_gradients,
+            predivide_factor=root.gradient_predivide_factor,
+        )
+        zero_optimizer = build_zero_optimizer(
+            _user_param_groups(model, model_parameters, optimizer),
+            checked,
+            zero=zero,
+            aio=aio,
+            reduction=reduction,
+            gradient_clipping=root.gradient_clipping,
+            comm_dtype=comm_dtype,
+            precision=precision,
+            topology=topology,
+            record=prepared.record,
+        )
         zero_optimizer.broadcast_parameters()
-    source = group_source_rank(topology.dp_group)
+    source = comm.group_source_rank(topology.dp_group)
     for buffer in model.buffers():
         comm.broadcast(buffer, src=source, group=topology.dp_group)
 

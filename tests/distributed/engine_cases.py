@@ -197,7 +197,7 @@ def communication_options_keep_the_mean(rank: int, world: int, stage: int) -> di
 
 
 def client_optimizer_and_schedulers(rank: int, world: int, stage: int) -> dict[str, Any]:
-    """Client optimizer instance (rebuilt over ZeRO's tensors), callable, torch scheduler by name."""
+    """Client optimizer instance (re-pointed at ZeRO's tensors), callable, torch scheduler by name."""
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     model = make_model()

@@ -32,6 +32,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "get_global_rank": ("shardwise.comm.init", "get_global_rank"),
     "get_backend": ("shardwise.comm.init", "get_backend"),
     "get_world_group": ("shardwise.comm.init", "get_world_group"),
+    "group_source_rank": ("shardwise.comm.init", "group_source_rank"),
     "new_group": ("shardwise.comm.init", "new_group"),
     "barrier": ("shardwise.comm.init", "barrier"),
     # hang diagnosis

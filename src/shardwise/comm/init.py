@@ -41,6 +41,7 @@ __all__ = [
     "get_rank",
     "get_world_group",
     "get_world_size",
+    "group_source_rank",
     "init_distributed",
     "is_initialized",
     "new_group",
@@ -285,6 +286,14 @@ def get_global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     if group is None:
         return group_rank
     return dist.get_global_rank(group, group_rank)
+
+
+def group_source_rank(group: dist.ProcessGroup | None) -> int:
+    """The world rank of ``group``'s first member (None: the world, so 0).
+
+    Broadcasts name their source by world rank; "the group's first rank" is the usual one.
+    """
+    return get_global_rank(group, 0)
 
 
 def get_world_group() -> dist.ProcessGroup:

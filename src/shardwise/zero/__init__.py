@@ -20,8 +20,8 @@ from shardwise.zero.partition import BucketPlan, FlatLayout, Slot, plan_layout
 _LAZY: dict[str, tuple[str, str]] = {
     "Init": ("shardwise.zero.init_context", "Init"),
     "GatheredParameters": ("shardwise.zero.init_context", "GatheredParameters"),
-    "register_external_parameter": ("shardwise.zero.init_context", "register_external_parameter"),
-    "unregister_external_parameter": ("shardwise.zero.init_context", "unregister_external_parameter"),
+    "register_external_parameter": ("shardwise.zero.external_params", "register_external_parameter"),
+    "unregister_external_parameter": ("shardwise.zero.external_params", "unregister_external_parameter"),
     "ZeroParamStatus": ("shardwise.zero.init_context", "ZeroParamStatus"),
     "estimate_model_states_memory": ("shardwise.zero.memory_plan", "estimate_model_states_memory"),
     "ModelStatesMemory": ("shardwise.zero.memory_plan", "ModelStatesMemory"),

@@ -1,17 +1,22 @@
 """Choose and build the ZeRO strategy for a config, once.
 
-Two steps, both called from ``initialize``:
+Two steps, both called from ``initialize``; each receives the config sections it reads
+(``zero_optimization``, ``aio``) and plain values, never the whole config:
 
 - :func:`prepare_module` places the model: device and dtype at stages 0-2; at stage 3 it
-  shards the model in place with FSDP2 (:func:`shardwise.zero.fsdp_wrap.shard_model`).
+  shards the model in place with FSDP2 (:func:`shardwise.zero.fsdp_wrap.shard_model`) and
+  returns the :class:`~shardwise.zero.sharded_model.ShardedModel` record with it
+  (:class:`PreparedModel`);
 - :func:`build_zero_optimizer` returns the optimizer the engine talks to: the flat-buffer
   ``ZeroOptimizer`` for stages 0-2 (its inner optimizer wrapped by an offload store when
-  ``offload_optimizer`` is set), ``Stage3Optimizer`` for stage 3.
+  ``offload_optimizer`` is set), ``Stage3Optimizer`` for stage 3, built on the record
+  ``prepare_module`` returned.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +24,7 @@ from torch import nn
 
 from shardwise.comm.topology import Topology
 from shardwise.config.errors import ConfigError
-from shardwise.config.model import ShardwiseConfig
+from shardwise.config.sections.zero import AioConfig, ZeroConfig
 from shardwise.precision.policy import DTYPES, PrecisionPolicy
 from shardwise.zero.init_context import stash_of
 from shardwise.zero.offload import (
@@ -29,33 +34,59 @@ from shardwise.zero.offload import (
     optimizer_offload_spec,
     param_offload_spec,
 )
+from shardwise.zero.sharded_model import ShardedModel
 from shardwise.zero.sharded_optimizer import OptimizerFactory, ZeroOptimizer, ZeroPolicy
 
 
-def reduction_factors(cfg: ShardwiseConfig, world_size: int) -> tuple[float, float]:
+@dataclass(frozen=True)
+class PreparedModel:
+    """What :func:`prepare_module` did: the module, and at stage 3 its sharding record."""
+
+    module: nn.Module
+    record: ShardedModel | None = None
+
+
+def communication_dtype(name: str | None) -> torch.dtype | None:
+    """``communication_data_type`` as a torch dtype (None: reduce in the gradients' dtype).
+
+    Example:
+        >>> communication_dtype("bf16"), communication_dtype(None)
+        (torch.bfloat16, None)
+    """
+    return DTYPES[name] if name else None
+
+
+def reduction_factors(
+    world_size: int,
+    *,
+    allreduce_op: str = "mean",
+    prescale: bool = False,
+    predivide_factor: float = 1.0,
+) -> tuple[float, float]:
     """``(pre_multiplier, post_divisor)`` implementing gradient averaging (spec 7.2).
 
     Gradients are summed by the collective; the mean is ``sum / W``. Prescaling multiplies
     by ``1/W`` before; a predivide factor ``f`` multiplies by ``1/f`` before and leaves
     ``W/f`` for after. The post divisor is folded into the unscale/clip multiply of the step,
-    so averaging costs no extra pass over the gradients.
+    so averaging costs no extra pass over the gradients. The keywords are the config's
+    ``gradient_allreduce_op``, ``prescale_gradients`` and ``gradient_predivide_factor``.
 
     Example:
-        >>> from shardwise.config import load_config
-        >>> reduction_factors(load_config({"train_batch_size": 8}).config, 4)
+        >>> reduction_factors(4)
         (1.0, 4.0)
+        >>> reduction_factors(4, predivide_factor=2.0)
+        (0.5, 2.0)
     """
-    if cfg.gradient_allreduce_op == "sum":
+    if allreduce_op == "sum":
         return 1.0, 1.0
-    if cfg.prescale_gradients:
+    if prescale:
         return 1.0 / world_size, 1.0
-    f = cfg.gradient_predivide_factor
+    f = predivide_factor
     return (1.0 / f if f != 1.0 else 1.0), world_size / f
 
 
-def _check_offload(cfg: ShardwiseConfig) -> None:
-    zero = cfg.zero_optimization
-    stage = cfg.zero_stage
+def _check_offload(zero: ZeroConfig) -> None:
+    stage = int(zero.stage)
     if zero.offload_optimizer_device != "none" and stage == 0:
         raise ConfigError(
             "zero_optimization.offload_optimizer.device",
@@ -70,35 +101,51 @@ def _has_placeholders(model: nn.Module) -> bool:
 
 
 def prepare_module(
-    cfg: ShardwiseConfig,
+    model: nn.Module,
+    *,
+    zero: ZeroConfig,
+    aio: AioConfig,
+    comm_dtype: torch.dtype | None,
     precision: PrecisionPolicy,
     topology: Topology,
-    model: nn.Module,
     device: torch.device,
-) -> nn.Module:
+) -> PreparedModel:
     """Put the model where the ZeRO stage wants it; at stage 3, shard it with FSDP2.
 
     Stages 0-2: ``model.to(device)`` and, for 16-bit training, ``model.to(dtype)``.
-    Stage 3: :func:`shardwise.zero.fsdp_wrap.shard_model` (in place; the same object is
-    returned). Models built under ``zero.Init`` need stage 3.
+    Stage 3: :func:`shardwise.zero.fsdp_wrap.shard_model` (in place: the same module object
+    comes back, with the record :func:`build_zero_optimizer` needs). Models built under
+    ``zero.Init`` need stage 3.
+
+    Args:
+        model: the user's module.
+        zero: the ``zero_optimization`` section.
+        aio: the ``aio`` section (NVMe parameter offload).
+        comm_dtype: ``communication_data_type`` (:func:`communication_dtype`).
+        precision: the precision policy.
+        topology: data/model-parallel groups.
+        device: the training device.
 
     Example:
-        >>> # model = prepare_module(cfg, precision, topology, model, torch.device("cpu"))
+        >>> # prepared = prepare_module(model, zero=cfg.zero_optimization, aio=cfg.aio, comm_dtype=None,
+        >>> #                           precision=precision, topology=topology, device=torch.device("cpu"))
+        >>> # prepared.module, prepared.record
     """
-    _check_offload(cfg)
-    if cfg.zero_stage != 3:
+    _check_offload(zero)
+    stage = int(zero.stage)
+    if stage != 3:
         if _has_placeholders(model):
             raise ConfigError(
                 "zero_optimization.stage",
                 f"the model was built under shardwise.zero.Init, which partitions parameters: it needs stage 3, "
-                f"not {cfg.zero_stage}",
+                f"not {stage}",
                 "set zero_optimization.stage to 3, or build the model without zero.Init",
-                value=cfg.zero_stage,
+                value=stage,
             )
         model.to(device=device)
         if precision.param_dtype != torch.float32:
             model.to(dtype=precision.param_dtype)
-        return model
+        return PreparedModel(model)
     if topology.mp_size > 1:
         raise ConfigError(
             "zero_optimization.stage",
@@ -109,19 +156,17 @@ def prepare_module(
     from shardwise.zero.fsdp_wrap import ShardPolicy, shard_model
     from shardwise.zero.stage3_settings import settings_from_zero
 
-    comm = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
     policy = ShardPolicy(
-        settings=settings_from_zero(cfg.zero_optimization),
+        settings=settings_from_zero(zero),
         compute_dtype=precision.param_dtype,
-        reduce_dtype=comm or precision.grad_accum_dtype,
+        reduce_dtype=comm_dtype or precision.grad_accum_dtype,
         process_group=topology.dp_group,
         device=device,
-        param_offload=param_offload_spec(cfg.zero_optimization, cfg.aio),
+        param_offload=param_offload_spec(zero, aio),
         rank=topology.dp_rank,
         world_size=topology.dp_size,
     )
-    shard_model(model, policy)
-    return model
+    return PreparedModel(model, shard_model(model, policy))
 
 
 def _offloaded_factory(factory: OptimizerFactory, spec: OffloadSpec, rank: int) -> OptimizerFactory:
@@ -135,25 +180,60 @@ def _offloaded_factory(factory: OptimizerFactory, spec: OffloadSpec, rank: int) 
 
 
 def build_zero_optimizer(
-    cfg: ShardwiseConfig,
-    precision: PrecisionPolicy,
-    topology: Topology,
     param_groups: Sequence[dict[str, Any]],
     optimizer_factory: OptimizerFactory,
-    device: torch.device,
+    *,
+    zero: ZeroConfig,
+    aio: AioConfig,
+    reduction: tuple[float, float],
+    gradient_clipping: float,
+    comm_dtype: torch.dtype | None,
+    precision: PrecisionPolicy,
+    topology: Topology,
+    record: ShardedModel | None = None,
 ) -> Any:
-    """The ZeRO optimizer for the config's stage: ``ZeroOptimizer`` (0-2) or ``Stage3Optimizer``.
+    """The ZeRO optimizer for the stage: ``ZeroOptimizer`` (0-2) or ``Stage3Optimizer``.
 
-    Stage 3 needs the model to have gone through :func:`prepare_module` first.
+    Args:
+        param_groups: the user's parameter groups.
+        optimizer_factory: builds the inner torch optimizer over the tensors ZeRO hands it.
+        zero: the ``zero_optimization`` section.
+        aio: the ``aio`` section (NVMe optimizer offload).
+        reduction: ``(pre_multiplier, post_divisor)`` from :func:`reduction_factors`.
+        gradient_clipping: the config's ``gradient_clipping`` (0: off).
+        comm_dtype: ``communication_data_type`` (:func:`communication_dtype`).
+        precision: the precision policy.
+        topology: data/model-parallel groups.
+        record: stage 3 only: :attr:`PreparedModel.record` from :func:`prepare_module`.
     """
-    zero = cfg.zero_optimization
-    stage = cfg.zero_stage
-    _check_offload(cfg)
-    pre, post = reduction_factors(cfg, topology.dp_size)
-    comm_dtype = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
+    stage = int(zero.stage)
+    _check_offload(zero)
+    pre, post = reduction
     if stage == 3:
-        return _build_stage3(cfg, precision, topology, param_groups, optimizer_factory, pre, post, comm_dtype)
-    spec = optimizer_offload_spec(zero, cfg.aio)
+        if record is None:
+            raise ValueError(
+                "stage 3: build_zero_optimizer needs the record of the sharded model; shardwise.initialize "
+                "passes PreparedModel.record from zero.factory.prepare_module - do the same when building "
+                "parts by hand"
+            )
+        from shardwise.zero.stage3 import Stage3Optimizer, Stage3Policy
+
+        stage3_policy = Stage3Policy(
+            rank=topology.dp_rank,
+            world_size=topology.dp_size,
+            pre_multiplier=pre,
+            post_divisor=post,
+            check_overflow=precision.check_overflow,
+            gradient_clipping=gradient_clipping,
+            process_group=topology.dp_group,
+            comm_dtype=comm_dtype,
+            reduce_bucket_numel=int(zero.reduce_bucket_size),
+            optimizer_offload=optimizer_offload_spec(
+                zero, aio, masters_on_host=zero.offload_param_device != "none"
+            ),
+        )
+        return Stage3Optimizer(record, param_groups, optimizer_factory, stage3_policy)
+    spec = optimizer_offload_spec(zero, aio)
     if spec is not None:
         optimizer_factory = _offloaded_factory(optimizer_factory, spec, topology.dp_rank)
     policy = ZeroPolicy(
@@ -167,52 +247,9 @@ def build_zero_optimizer(
         pre_multiplier=pre,
         post_divisor=post,
         check_overflow=precision.check_overflow,
-        gradient_clipping=cfg.gradient_clipping,
+        gradient_clipping=gradient_clipping,
         process_group=topology.dp_group,
         mp_group=topology.mp_group if topology.mp_size > 1 else None,
         mp_rank=topology.mp_rank,
     )
     return ZeroOptimizer(param_groups, optimizer_factory, policy)
-
-
-def _build_stage3(
-    cfg: ShardwiseConfig,
-    precision: PrecisionPolicy,
-    topology: Topology,
-    param_groups: Sequence[dict[str, Any]],
-    optimizer_factory: OptimizerFactory,
-    pre: float,
-    post: float,
-    comm_dtype: torch.dtype | None,
-) -> Any:
-    from shardwise.zero.stage3 import Stage3Optimizer, Stage3Policy
-
-    zero = cfg.zero_optimization
-    record = None
-    for group in param_groups:
-        for p in group["params"]:
-            record = getattr(p, "_shardwise_record", None)
-            if record is not None:
-                break
-        if record is not None:
-            break
-    if record is None:
-        raise ValueError(
-            "stage 3: the parameters are not sharded; shardwise.initialize shards the model before building "
-            "the optimizer (zero.factory.prepare_module) - call that first when building parts by hand"
-        )
-    policy = Stage3Policy(
-        rank=topology.dp_rank,
-        world_size=topology.dp_size,
-        pre_multiplier=pre,
-        post_divisor=post,
-        check_overflow=precision.check_overflow,
-        gradient_clipping=cfg.gradient_clipping,
-        process_group=topology.dp_group,
-        comm_dtype=comm_dtype,
-        reduce_bucket_numel=int(zero.reduce_bucket_size),
-        optimizer_offload=optimizer_offload_spec(
-            zero, cfg.aio, masters_on_host=zero.offload_param_device != "none"
-        ),
-    )
-    return Stage3Optimizer(record, param_groups, optimizer_factory, policy)

@@ -39,14 +39,29 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import (
     register_module_module_registration_hook,
     register_module_parameter_registration_hook,
 )
 
-from shardwise.utils.logging import logger
+from shardwise.comm import collectives
+from shardwise.comm import init as comm_init
+from shardwise.zero.external_params import (
+    is_external,
+    register_external_parameter,
+    unregister_external_parameter,
+)
+from shardwise.zero.sharded_model import record_of
+
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "is_external",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]
 
 _IDS = itertools.count()
 
@@ -97,19 +112,25 @@ def gather_stash(stash: Stash) -> torch.Tensor:
     padded = stash.shard.new_zeros((rows, *tail))
     padded[: stash.shard.shape[0]].copy_(stash.shard)
     out = stash.shard.new_empty((rows * stash.world, *tail))
-    dist.all_gather_into_tensor(out, padded.contiguous(), group=stash.group)
+    collectives.all_gather_flat(out, padded.contiguous(), group=stash.group)
     return out[: stash.shape[0]].contiguous()
 
 
 # --------------------------------------------------------------------------- owners
 # Which modules register a placeholder: kept on the parameter itself (weak references to
-# the modules), up to date through a global hook installed with the first Init, so ties
-# made after construction (``tie_weights()``) are seen too.
+# the modules); for a stage-3 parameter, in its ShardedModel record. Up to date through a
+# global hook installed with the first Init, so ties made after construction
+# (``tie_weights()``) are seen too.
 _owner_hook: Any = None
 
 
 def _record_owner(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    if param is None or not (stash_of(param) is not None or hasattr(param, "_shardwise_owners")):
+    if param is None:
+        return
+    if stash_of(param) is None:
+        record = record_of(param)
+        if record is not None and record.resolve(param) is param:  # a current stage-3 parameter
+            record.add_owner(param, module, name)
         return
     owners = param.__dict__.setdefault("_shardwise_owner_refs", [])
     if not any(ref() is module and n == name for ref, n in owners):
@@ -130,7 +151,9 @@ def owners_of(param: nn.Parameter) -> list[tuple[nn.Module, str]]:
     """Modules (and attribute names) that currently register ``param``."""
     out = []
     recorded = list(getattr(param, "_shardwise_owner_refs", []))
-    recorded += list(getattr(param, "_shardwise_owners", []))
+    record = record_of(param)
+    if record is not None:
+        recorded += record.owner_refs(param)
     seen = set()
     for ref, name in recorded:
         module = ref()
@@ -220,14 +243,12 @@ class Init:
             raise ValueError("zero.Init: quantized weights (ZeRO++) are not supported; drop the flag")
         if not enabled:
             return
-        if not dist.is_initialized():
-            from shardwise.comm import init_distributed
-
-            init_distributed()
+        if not comm_init.is_initialized():
+            comm_init.init_distributed()
         self.group = _data_parallel_group(data_parallel_group or sequence_data_parallel_group, mpu)
-        self.world = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-        self.source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self.world = comm_init.get_world_size(self.group)
+        self.rank = comm_init.get_rank(self.group)
+        self.source = comm_init.group_source_rank(self.group)
         self.dtype = dtype or _config_dtype(
             config_dict_or_path if config_dict_or_path is not None else config
         )
@@ -320,7 +341,7 @@ class Init:
                 full = full.to(self.dtype)
             full = full.contiguous()
             if self.world > 1:
-                dist.broadcast(full, src=self.source, group=self.group)
+                collectives.broadcast(full, src=self.source, group=self.group)
             shard = _chunk(full, self.world, self.rank).clone()
         placeholder = nn.Parameter(
             torch.empty(full.shape, dtype=full.dtype, device="meta"), requires_grad=param.requires_grad
@@ -356,7 +377,7 @@ def _group_of(param: torch.Tensor) -> Any:
         return stash.group
     if _is_sharded(param):
         return param.device_mesh.get_group()  # type: ignore[attr-defined]
-    record = getattr(param, "_shardwise_record", None)
+    record = record_of(param)
     return None if record is None else record.process_group
 
 
@@ -422,7 +443,7 @@ class GatheredParameters:
         if stash is not None:
             return gather_stash(stash)
         if _is_sharded(param):
-            record = getattr(param, "_shardwise_record", None)
+            record = record_of(param)
             if record is not None:
                 record.ensure_resident()
             with torch.no_grad():
@@ -437,8 +458,8 @@ class GatheredParameters:
             for param, gathered, owners in self._swapped:
                 if keep:
                     full = gathered.detach()
-                    if dist.is_initialized() and dist.get_world_size() > 1:
-                        dist.broadcast(full, src=int(self.modifier_rank), group=_group_of(param))  # type: ignore[arg-type]
+                    if comm_init.get_world_size() > 1:
+                        collectives.broadcast(full, src=int(self.modifier_rank), group=_group_of(param))  # type: ignore[arg-type]
                     self._scatter_back(param, full)
                 _set_on_owners(owners, param)
             if keep:
@@ -460,45 +481,12 @@ class GatheredParameters:
 
     def _broadcast_replicated(self) -> None:
         """Stage 3's unsharded small parameters: keep the modifier's values everywhere."""
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if comm_init.get_world_size() <= 1:
             return
         for param in self.params:
-            record = getattr(param, "_shardwise_record", None)
+            record = record_of(param)
             if record is None or _is_sharded(param) or stash_of(param) is not None:
                 continue
             with torch.no_grad():
-                dist.broadcast(param.data, src=int(self.modifier_rank), group=_group_of(param))  # type: ignore[arg-type]
+                collectives.broadcast(param.data, src=int(self.modifier_rank), group=_group_of(param))  # type: ignore[arg-type]
             record.refresh_replicated(param)
-
-
-def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
-    """Declare that ``module`` uses ``parameter`` though another module registers it.
-
-    Before ``initialize`` the parameter is kept in the root shard unit (gathered through
-    the whole forward and backward); afterwards this is a no-op if it already is, and an
-    error otherwise (FSDP2 needs no per-module hooks, only the right unit).
-
-    Example:
-        >>> import torch
-        >>> head = torch.nn.Linear(4, 4)
-        >>> register_external_parameter(head, head.weight)
-    """
-    record = getattr(parameter, "_shardwise_record", None)
-    if record is not None and not record.in_root_unit(parameter):
-        raise ValueError(
-            "register_external_parameter after initialize: the parameter is sharded in a unit of its own "
-            "and would not be gathered when the using module runs; call it before shardwise.initialize"
-        )
-    parameter._shardwise_external = True  # type: ignore[attr-defined]
-    logger.debug("external parameter registered on %s", type(module).__name__)
-
-
-def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
-    """Undo :func:`register_external_parameter` (before ``initialize``)."""
-    if hasattr(parameter, "_shardwise_external"):
-        del parameter._shardwise_external
-
-
-def is_external(parameter: nn.Parameter) -> bool:
-    """Whether the parameter was registered as external."""
-    return bool(getattr(parameter, "_shardwise_external", False))

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from shardwise.comm import collectives
+from shardwise.comm import init as comm_init
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.launch_order import LaunchOrder, Unit, plan_units
 
@@ -70,17 +71,15 @@ class _Inflight:
 
 def _reduce_scatter_algorithm(groups: list[FlatGroup], process_group: Any) -> str:
     """How this group's in-place reduce-scatter runs (see ``collectives.choose_algorithm``)."""
-    import torch.distributed as dist
-
-    if not groups or not dist.is_initialized():
+    if not groups or not comm_init.is_initialized():
         return "native"
     return collectives.choose_algorithm(
         "reduce_scatter",
-        str(dist.get_backend(process_group)),
+        comm_init.get_backend(process_group),
         groups[0].device.type,
         0,
         input_is_scratch=True,
-        world_size=dist.get_world_size(process_group),
+        world_size=comm_init.get_world_size(process_group),
     )
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import collectives
+from shardwise.comm.init import group_source_rank
 from shardwise.optim.clipping import clip_coefficient, squared_norm
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
@@ -246,15 +247,6 @@ class ZeroOptimizer:
                 if torch.is_tensor(value) and value.dim() > 0:
                     total += value.numel() * value.element_size()
         return total
-
-
-def group_source_rank(group: Any) -> int:
-    """The global rank of a group's first member (broadcast sources are global ranks)."""
-    if group is None:
-        return 0
-    import torch.distributed as dist
-
-    return dist.get_global_rank(group, 0)
 
 
 def _split_by_kind(

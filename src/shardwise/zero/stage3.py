@@ -37,15 +37,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from shardwise import comm
 from shardwise.comm import collectives
+from shardwise.comm.init import group_source_rank
 from shardwise.optim.clipping import clip_coefficient
-from shardwise.zero.fsdp_wrap import ShardedModel
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
 from shardwise.zero.replicated import ReplicatedParams
-from shardwise.zero.sharded_optimizer import OptimizerFactory, StepResult, group_source_rank
+from shardwise.zero.sharded_model import ShardedModel
+from shardwise.zero.sharded_optimizer import OptimizerFactory, StepResult
 from shardwise.zero.state_layout import Holding, ParamPlace, StateLayout
 
 
@@ -114,16 +115,18 @@ class _DeferredReduceScatter:
         op: Any,
         async_op: bool = False,
     ) -> Any:
-        work: Any
-        if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            work = collectives.reduce_scatter_flat(
-                output_tensor, input_tensor, group, True, op="sum" if op == dist.ReduceOp.SUM else "avg",
-                input_is_scratch=True,
-            )  # fmt: skip
-        else:  # an op only NCCL has (PREMUL_SUM): torch's own collective
-            work = dist.reduce_scatter_single(
-                output=output_tensor, input=input_tensor, group=group, op=op, async_op=True
+        # ``op`` is a torch ``ReduceOp``: FSDP2's hook signature, the one reason to compare
+        # with ``comm.ReduceOp`` here. shard_model sets force-sum reduction with a divide
+        # factor of 1, so FSDP2 passes SUM; NCCL-only ops (PREMUL_SUM) never reach this
+        # CPU-only hook.
+        if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
+            raise ValueError(
+                f"stage 3 reduce-scatter hook: FSDP2 asked for {op!r}; only SUM and AVG occur on CPU"
             )
+        work: Any = collectives.reduce_scatter_flat(
+            output_tensor, input_tensor, group, True, op="sum" if op == comm.ReduceOp.SUM else "avg",
+            input_is_scratch=True,
+        )  # fmt: skip
         if self.armed:
             self._pending.append((work, input_tensor, output_tensor))
         else:
