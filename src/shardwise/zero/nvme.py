@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import mmap
 import os
 import shutil
 import threading
@@ -157,6 +158,12 @@ class SwapFile:
     def read(self, tensor: torch.Tensor, offset: int) -> IoHandle:
         """Start reading into ``tensor`` (contiguous, on the host) from ``offset``."""
         return self._submit(tensor, offset, write=False)
+
+    def map_private(self) -> mmap.mmap:
+        """The whole file as a private, copy-on-write memory map (writes to it stay in memory).
+
+        It stays valid after :meth:`close` (and after the file is deleted) while in use."""
+        return mmap.mmap(self._fd, self._size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     def close(self, remove: bool = True) -> None:
         """Close (and by default delete) the file."""

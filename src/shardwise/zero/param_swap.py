@@ -2,11 +2,20 @@
 
 FSDP2 keeps each sharded parameter in one padded storage (with ``offload_param`` on the
 host, through ``CPUOffloadPolicy``). Between optimizer steps :class:`ParamSwapper` writes
-those storages to a swap file under ``offload_param.nvme_path`` and frees them
-(``resize_(0)``: every view, the optimizer's included, stays valid); the root module's
-forward pre-hook, a ``state_dict`` call or ``GatheredParameters`` read them back before
-anything touches them. Requests are ``offload_param.buffer_size`` bytes, with the
-``aio`` thread settings; at most ``buffer_count`` storages are in flight at once.
+those storages to a swap file under ``offload_param.nvme_path`` and frees their memory;
+the root module's forward pre-hook, a ``state_dict`` call or ``GatheredParameters`` read
+them back before training touches them.
+
+While evicted, each storage is backed by a private, copy-on-write memory map of its bytes
+in the swap file (the storage's data pointer is exchanged in place, so every view, FSDP2's
+and the optimizer's included, stays valid): memory the kernel pages in from the file on
+demand and may drop again, not a copy. Code that reads a parameter between steps
+(``p.full_tensor()``, ``p.to_local()``) therefore sees its current values instead of
+freed memory; edits made there are not kept (they are not written back: change
+parameters inside ``shardwise.zero.GatheredParameters(..., modifier_rank=...)``).
+
+Requests are ``offload_param.buffer_size`` bytes, with the ``aio`` thread settings; at
+most ``buffer_count`` storages are in flight at once.
 """
 
 from __future__ import annotations
@@ -25,6 +34,14 @@ from shardwise.zero.offload import OffloadSpec
 def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over a whole storage."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _exchange_memory(storage: torch.UntypedStorage, replacement: torch.Tensor) -> None:
+    """Give ``storage`` the memory of ``replacement`` (same size) in place; ``replacement``
+    takes the old memory, released when it is dropped. Views of ``storage`` follow."""
+    other = replacement.untyped_storage()
+    assert other.nbytes() == storage.nbytes(), "exchanged memory must have the storage's size"
+    storage._swap_data_ptr_(other)  # type: ignore[attr-defined]  # torch's in-place exchange of the two storages' memory
 
 
 class ParamSwapper:
@@ -78,8 +95,13 @@ class ParamSwapper:
             pending.append(self.file.write(_storage_bytes(storage), offset))
         for handle in pending:
             handle.wait()
-        for storage in self.storages:
-            storage.resize_(0)
+        if self.storages:
+            # copy-on-write map of the file: reads page in from it, nothing is written back
+            mapped = self.file.map_private()
+            for storage, nbytes, offset in zip(self.storages, self.nbytes, self.offsets):
+                _exchange_memory(
+                    storage, torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
+                )
         self.resident = False
 
     def restore(self) -> None:
@@ -87,12 +109,14 @@ class ParamSwapper:
         if self.resident:
             return
         pending: list[IoHandle] = []
-        for storage, nbytes, offset in zip(self.storages, self.nbytes, self.offsets):
-            storage.resize_(nbytes)
+        fresh = [torch.empty(nbytes, dtype=torch.uint8) for nbytes in self.nbytes]
+        for buffer, offset in zip(fresh, self.offsets):
             self._in_flight(pending)
-            pending.append(self.file.read(_storage_bytes(storage), offset))
+            pending.append(self.file.read(buffer, offset))
         for handle in pending:
             handle.wait()
+        for storage, buffer in zip(self.storages, fresh):
+            _exchange_memory(storage, buffer)  # the map is released with ``fresh``
         self.resident = True
 
     def close(self) -> None:

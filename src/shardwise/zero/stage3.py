@@ -436,8 +436,10 @@ class Stage3Optimizer:
         out = {"params": 0, "grads": 0, "optimizer": 0, "offloaded_host": 0, "offloaded_nvme": 0}
         params_away = self.record.policy.param_offload is not None
         self._collect_grads()
+        swapper = self.record.swapper
+        evicted = swapper is not None and not swapper.resident  # in the swap file, mapped: not held
         for param in self.record.sharded:
-            nbytes = size(_local(param))
+            nbytes = 0 if evicted else size(_local(param))
             grad = self._acc.get(id(param))
             gbytes = size(grad)
             if params_away:
