@@ -19,12 +19,13 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.comm.comms_logger import configure_comms_logger
-from shardwise.comm.topology import build_topology
+from shardwise.comm.topology import Topology, build_topology
 from shardwise.config import ConfigError, ResolutionContext
-from shardwise.config.resolve import ResolvedConfig
+from shardwise.config.model import ShardwiseConfig
+from shardwise.config.sections.training import OptimizerConfig, SchedulerConfig
 from shardwise.engine import ShardwiseEngine
 from shardwise.optim.client import adopt_client_optimizer, client_param_groups
-from shardwise.precision.policy import build_precision
+from shardwise.precision.policy import PrecisionPolicy, build_precision
 from shardwise.preflight import load_checked_config, zero_optimizer_error
 from shardwise.profiling.telemetry import build_telemetry
 from shardwise.utils.logging import logger, set_log_level
@@ -94,9 +95,11 @@ def _user_param_groups(
 
 
 def _optimizer_factory(
-    cfg: ResolvedConfig, client_optimizer: Any
+    section: OptimizerConfig | None, offload: bool, client_optimizer: Any
 ) -> Callable[[list[dict[str, Any]]], Any] | None:
-    """How to build the inner optimizer over the tensors ZeRO hands it (masters/shards).
+    """How to build the inner optimizer over the tensors ZeRO hands it (masters/shards):
+    the client's (``optimizer=``), else the config's ``optimizer`` section (``section``;
+    ``offload``: ZeRO optimizer offload is on).
 
     A client optimizer object is not rebuilt: its param groups are re-pointed in place
     (:func:`shardwise.optim.client.adopt_client_optimizer`), so it is the one that steps and
@@ -109,35 +112,97 @@ def _optimizer_factory(
         return lambda groups: adopt_client_optimizer(client, groups)
     if callable(client_optimizer):
         return lambda groups: client_optimizer(groups)
-    if cfg.config.optimizer is not None:
-        spec = cfg.config.optimizer
-        offload = cfg.config.zero_optimization.offload_optimizer_device != "none"
+    if section is not None:
+        spec = section
         return lambda groups: build_optimizer(spec.type, dict(spec.params), groups, offload=offload)
     return None
 
 
-def _check_zero_optimizer(cfg: ResolvedConfig, optimizer: torch.optim.Optimizer) -> None:
-    error = zero_optimizer_error(cfg.config, optimizer)
+def _check_zero_optimizer(root: ShardwiseConfig, optimizer: torch.optim.Optimizer) -> None:
+    """``zero_allow_untested_optimizer``: refuse optimizers not known to work on shards."""
+    error = zero_optimizer_error(root, optimizer)
     if error is not None:
         raise error
 
 
 def _device() -> torch.device:
-    if comm.is_initialized() and comm.get_backend() == "nccl":
+    if comm.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _build_scheduler(cfg: ResolvedConfig, client_scheduler: Any, optimizer: Any) -> Any:
+def _build_scheduler(section: SchedulerConfig | None, client_scheduler: Any, optimizer: Any) -> Any:
+    """The client's scheduler (or the one its callable builds), else the config's ``scheduler``."""
     from shardwise.schedulers import build_scheduler
 
     if client_scheduler is not None:
         if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
             return client_scheduler(optimizer.optimizer if optimizer is not None else None)
         return client_scheduler
-    if cfg.config.scheduler is None or optimizer is None:
+    if section is None or optimizer is None:
         return None
-    return build_scheduler(cfg.config.scheduler.type, dict(cfg.config.scheduler.params), optimizer)
+    return build_scheduler(section.type, dict(section.params), optimizer)
+
+
+def _place_and_build_zero(
+    root: ShardwiseConfig,
+    precision: PrecisionPolicy,
+    topology: Topology,
+    device: torch.device,
+    model: nn.Module,
+    model_parameters: Any,
+    client_optimizer: Any,
+) -> tuple[nn.Module, Any]:
+    """Place (stage 3: shard) the model and build the ZeRO optimizer, handing each builder the
+    sections and values it reads. Returns the model and the optimizer (None without one)."""
+    from shardwise.zero.factory import (
+        build_zero_optimizer,
+        communication_dtype,
+        prepare_module,
+        reduction_factors,
+    )
+
+    zero, aio = root.zero_optimization, root.aio
+    comm_dtype = communication_dtype(root.communication_data_type)
+    prepared = prepare_module(  # stage 3: sharded in place, with its record
+        model,
+        zero=zero,
+        aio=aio,
+        comm_dtype=comm_dtype,
+        precision=precision,
+        topology=topology,
+        device=device,
+    )
+    offload = zero.offload_optimizer_device != "none"
+    factory = _optimizer_factory(root.optimizer, offload, client_optimizer)
+    if factory is None:
+        return prepared.module, None
+
+    def checked(groups: list[dict[str, Any]]) -> Any:
+        inner = factory(groups)
+        _check_zero_optimizer(root, inner)
+        return inner
+
+    reduction = reduction_factors(
+        topology.dp_size,
+        allreduce_op=root.gradient_allreduce_op,
+        prescale=root.prescale_gradients,
+        predivide_factor=root.gradient_predivide_factor,
+    )
+    zero_optimizer = build_zero_optimizer(
+        _user_param_groups(prepared.module, model_parameters, client_optimizer),
+        checked,
+        zero=zero,
+        aio=aio,
+        reduction=reduction,
+        gradient_clipping=root.gradient_clipping,
+        comm_dtype=comm_dtype,
+        precision=precision,
+        topology=topology,
+        record=prepared.record,
+    )
+    zero_optimizer.broadcast_parameters()
+    return prepared.module, zero_optimizer
 
 
 def initialize(
@@ -181,61 +246,18 @@ def initialize(
     if cfg.config.comms_logger is not None:  # before the first broadcast, so start-up traffic is recorded too
         configure_comms_logger(cfg.config.comms_logger)
     root = cfg.config
-    precision = build_precision(root)
+    precision = build_precision(
+        root.fp16, root.bf16, amp=root.amp, torch_autocast=root.torch_autocast, data_types=root.data_types
+    )
     device = _device()
-    from shardwise.zero.factory import (
-        build_zero_optimizer,
-        communication_dtype,
-        prepare_module,
-        reduction_factors,
+    model, zero_optimizer = _place_and_build_zero(
+        root, precision, topology, device, model, model_parameters, optimizer
     )
-
-    comm_dtype = communication_dtype(root.communication_data_type)
-    zero, aio = root.zero_optimization, root.aio
-    prepared = prepare_module(  # stage 3: sharded in place, with its record
-        model,
-        zero=zero,
-        aio=aio,
-        comm_dtype=comm_dtype,
-        precision=precision,
-        topology=topology,
-        device=device,
-    )
-    model = prepared.module
-
-    zero_optimizer = None
-    factory = _optimizer_factory(cfg, optimizer)
-    if factory is not None:
-
-        def checked(groups: list[dict[str, Any]]) -> Any:
-            inner = factory(groups)
-            _check_zero_optimizer(cfg, inner)
-            return inner
-
-        reduction = reduction_factors(
-            topology.dp_size,
-            allreduce_op=root.gradient_allreduce_op,
-            prescale=root.prescale_gradients,
-            predivide_factor=root.gradient_predivide_factor,
-        )
-        zero_optimizer = build_zero_optimizer(
-            _user_param_groups(model, model_parameters, optimizer),
-            checked,
-            zero=zero,
-            aio=aio,
-            reduction=reduction,
-            gradient_clipping=root.gradient_clipping,
-            comm_dtype=comm_dtype,
-            precision=precision,
-            topology=topology,
-            record=prepared.record,
-        )
-        zero_optimizer.broadcast_parameters()
     source = comm.group_source_rank(topology.dp_group)
     for buffer in model.buffers():
         comm.broadcast(buffer, src=source, group=topology.dp_group)
 
-    scheduler = _build_scheduler(cfg, lr_scheduler, zero_optimizer)
+    scheduler = _build_scheduler(root.scheduler, lr_scheduler, zero_optimizer)
     telemetry = build_telemetry(
         cfg,
         model,

@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from shardwise.config.model import ShardwiseConfig
+from shardwise.config.sections.precision import (
+    AmpConfig,
+    BF16Config,
+    DataTypesConfig,
+    FP16Config,
+    TorchAutocastConfig,
+)
 from shardwise.precision.loss_scaler import LossScaler, build_loss_scaler
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -76,9 +82,25 @@ class PrecisionPolicy:
         return cast(args), cast(kwargs)
 
 
-def build_precision(cfg: ShardwiseConfig) -> PrecisionPolicy:
-    """The policy for a validated config."""
-    fp16 = cfg.fp16
+def build_precision(
+    fp16: FP16Config,
+    bf16: BF16Config,
+    *,
+    amp: AmpConfig,
+    torch_autocast: TorchAutocastConfig,
+    data_types: DataTypesConfig,
+) -> PrecisionPolicy:
+    """The policy from the config's precision sections (``fp16``, ``bf16``, ``amp``,
+    ``torch_autocast``, ``data_types``), validated.
+
+    Example:
+        >>> from shardwise.config import load_config
+        >>> c = load_config({"train_batch_size": 8, "bf16": {"enabled": True}}).config
+        >>> build_precision(
+        ...     c.fp16, c.bf16, amp=c.amp, torch_autocast=c.torch_autocast, data_types=c.data_types
+        ... ).param_dtype
+        torch.bfloat16
+    """
     scaler_args = dict(
         loss_scale=fp16.loss_scale,
         initial_scale_power=fp16.initial_scale_power,
@@ -88,24 +110,25 @@ def build_precision(cfg: ShardwiseConfig) -> PrecisionPolicy:
         min_loss_scale=fp16.min_loss_scale,
     )
     autocast_dtype: torch.dtype | None = None
-    if cfg.fp16.enabled:
+    if fp16.enabled:
         param_dtype = torch.float16
-    elif cfg.bf16.enabled:
+    elif bf16.enabled:
         param_dtype = torch.bfloat16
     else:
         param_dtype = torch.float32
-        if cfg.amp.enabled:
+        if amp.enabled:
             autocast_dtype = torch.float16
-        elif cfg.torch_autocast.enabled:
-            autocast_dtype = torch.float16 if cfg.torch_autocast.dtype == "float16" else torch.bfloat16
-    fp16_math = cfg.fp16_loss_scaling
+        elif torch_autocast.enabled:
+            autocast_dtype = torch.float16 if torch_autocast.dtype == "float16" else torch.bfloat16
+    # ShardwiseConfig.fp16_loss_scaling's rule, read off the dtypes chosen above
+    fp16_math = param_dtype == torch.float16 or autocast_dtype == torch.float16
     scaler = build_loss_scaler(fp16_enabled=fp16_math, **scaler_args)  # type: ignore[arg-type]
-    accum = cfg.data_types.grad_accum_dtype
+    accum = data_types.grad_accum_dtype
     return PrecisionPolicy(
         param_dtype=param_dtype,
         grad_accum_dtype=DTYPES[accum] if accum else torch.float32,
         autocast_dtype=autocast_dtype,
         loss_scaler=scaler,
-        check_overflow=fp16_math or (param_dtype == torch.bfloat16 and cfg.bf16.check_grad_overflow),
-        cast_inputs=cfg.fp16.enabled and cfg.fp16.auto_cast,
+        check_overflow=fp16_math or (param_dtype == torch.bfloat16 and bf16.check_grad_overflow),
+        cast_inputs=fp16.enabled and fp16.auto_cast,
     )
