@@ -241,11 +241,11 @@ def initialize(
         hidden_size=_hidden_size(model),
     )
     cfg = load_checked_config(source, context=context)
-    if cfg.config.log_level:
-        set_log_level(cfg.config.log_level)
-    if cfg.config.comms_logger is not None:  # before the first broadcast, so start-up traffic is recorded too
-        configure_comms_logger(cfg.config.comms_logger)
     root = cfg.config
+    if root.log_level:
+        set_log_level(root.log_level)
+    if root.comms_logger is not None:  # before the first broadcast, so start-up traffic is recorded too
+        configure_comms_logger(root.comms_logger)
     precision = build_precision(
         root.fp16, root.bf16, amp=root.amp, torch_autocast=root.torch_autocast, data_types=root.data_types
     )
@@ -277,7 +277,7 @@ def initialize(
         engine.training_dataloader = loader
     logger.info(
         "engine ready: ZeRO stage %d, %s, batch %d = %d x %d x %d ranks",
-        cfg.config.zero_stage,
+        root.zero_stage,
         precision.name,
         cfg.batch.train_batch_size,
         cfg.batch.micro_batch_per_gpu,

@@ -65,23 +65,6 @@ KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
 KNOWN_ZERO_IMPORTS_CHECKPOINT: frozenset[tuple[str, str]] = frozenset()
 KNOWN_DIST_CALLS: frozenset[tuple[str, str]] = frozenset(
     {
-        # A2 (stage-3 wiring): every collective in zero/ goes through comm/
-        ("shardwise.zero.fsdp_wrap", "torch.distributed.broadcast"),
-        ("shardwise.zero.fsdp_wrap", "torch.distributed.get_global_rank"),
-        ("shardwise.zero.fsdp_wrap", "torch.distributed.group.WORLD"),
-        ("shardwise.zero.init_context", "torch.distributed.all_gather_into_tensor"),
-        ("shardwise.zero.init_context", "torch.distributed.broadcast"),
-        ("shardwise.zero.init_context", "torch.distributed.get_global_rank"),
-        ("shardwise.zero.init_context", "torch.distributed.get_rank"),
-        ("shardwise.zero.init_context", "torch.distributed.get_world_size"),
-        ("shardwise.zero.init_context", "torch.distributed.is_initialized"),
-        ("shardwise.zero.reducer", "torch.distributed.get_backend"),
-        ("shardwise.zero.reducer", "torch.distributed.get_world_size"),
-        ("shardwise.zero.reducer", "torch.distributed.is_initialized"),
-        ("shardwise.zero.sharded_optimizer", "torch.distributed.get_global_rank"),
-        ("shardwise.zero.stage3", "torch.distributed.ReduceOp.SUM"),
-        ("shardwise.zero.stage3", "torch.distributed.ReduceOp.AVG"),
-        ("shardwise.zero.stage3", "torch.distributed.reduce_scatter_single"),
         # B (checkpoint seam): the checkpointer asks the process group for its ranks
         ("shardwise.checkpoint.checkpointer", "torch.distributed.get_process_group_ranks"),
     }
