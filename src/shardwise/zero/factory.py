@@ -4,9 +4,10 @@ Two steps, both called from ``initialize``:
 
 - :func:`prepare_module` places the model: device and dtype at stages 0-2; at stage 3 it
   shards the model in place with FSDP2 (:func:`shardwise.zero.fsdp_wrap.shard_model`).
-- :func:`build_zero_optimizer` returns the optimizer the engine talks to: the flat-buffer
-  ``ZeroOptimizer`` for stages 0-2 (its inner optimizer wrapped by an offload store when
-  ``offload_optimizer`` is set), ``Stage3Optimizer`` for stage 3.
+- :func:`build_zero_optimizer` returns the :class:`~shardwise.zero.strategy.ZeroStrategy`
+  the engine talks to: the flat-buffer ``ZeroOptimizer`` for stages 0-2 (its inner
+  optimizer wrapped by an offload store when ``offload_optimizer`` is set),
+  ``Stage3Optimizer`` for stage 3.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from shardwise.zero.offload import (
     param_offload_spec,
 )
 from shardwise.zero.sharded_optimizer import OptimizerFactory, ZeroOptimizer, ZeroPolicy
+from shardwise.zero.strategy import ZeroStrategy
 
 
 def reduction_factors(cfg: ShardwiseConfig, world_size: int) -> tuple[float, float]:
@@ -141,8 +143,8 @@ def build_zero_optimizer(
     param_groups: Sequence[dict[str, Any]],
     optimizer_factory: OptimizerFactory,
     device: torch.device,
-) -> Any:
-    """The ZeRO optimizer for the config's stage: ``ZeroOptimizer`` (0-2) or ``Stage3Optimizer``.
+) -> ZeroStrategy:
+    """The ZeRO strategy for the config's stage: ``ZeroOptimizer`` (0-2) or ``Stage3Optimizer``.
 
     Stage 3 needs the model to have gone through :func:`prepare_module` first.
     """
@@ -184,7 +186,7 @@ def _build_stage3(
     pre: float,
     post: float,
     comm_dtype: torch.dtype | None,
-) -> Any:
+) -> ZeroStrategy:
     from shardwise.zero.stage3 import Stage3Optimizer, Stage3Policy
 
     zero = cfg.zero_optimization
