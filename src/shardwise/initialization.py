@@ -28,7 +28,7 @@ from shardwise.engine import ShardwiseEngine
 from shardwise.precision.policy import build_precision
 from shardwise.preflight import load_checked_config, zero_optimizer_error
 from shardwise.profiling.telemetry import build_telemetry
-from shardwise.runtime.hook_factory import build_step_hooks
+from shardwise.step_hook_factory import build_step_hooks
 from shardwise.utils.logging import logger, set_log_level
 from shardwise.zero.sharded_optimizer import group_source_rank
 

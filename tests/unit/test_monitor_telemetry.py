@@ -20,8 +20,8 @@ from shardwise.profiling.flops_profiler import FlopsProfiler
 from shardwise.profiling.memory import format_bytes, memory_report, model_state_bytes
 from shardwise.profiling.telemetry import Telemetry, build_telemetry
 from shardwise.profiling.timers import PHASES, ThroughputTimer, WallClockTimers
-from shardwise.runtime.hook_factory import build_step_hooks
 from shardwise.runtime.step_hooks import ForwardContext
+from shardwise.step_hook_factory import build_step_hooks
 from shardwise.utils.logging import get_logger, set_log_level
 from shardwise.utils.report import report_logger
 

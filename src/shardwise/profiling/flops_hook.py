@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from shardwise.profiling.flops_profiler import FlopsProfiler
-from shardwise.profiling.timers import WallClockTimers
+from shardwise.profiling.timers import BACKWARD, STEP, WallClockTimers
 
 if TYPE_CHECKING:
     from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
@@ -71,10 +71,10 @@ class FlopsProfilerHook:
             return
         self.profiler.stop_profile()
         self.profiling = False
-        window = self.timers.last_window()
+        window = self.timers.as_dict()  # the window just closed (the profiler forces the timers on)
         context = dict(self.context)
-        context["bwd_latency_s"] = window["bwd"] / 1000.0
-        context["step_latency_s"] = window["step"] / 1000.0
+        context["bwd_latency_s"] = window.get(BACKWARD, 0.0) / 1000.0
+        context["step_latency_s"] = window.get(STEP, 0.0) / 1000.0
         settings = self.settings
         self.profiler.print_model_profile(
             profile_step=settings.profile_step,

@@ -3,8 +3,9 @@
 - :mod:`shardwise.runtime.counters`: the progress counters as one ``Stateful`` object;
 - :mod:`shardwise.runtime.step_hooks`: the seam through which features act around forward
   and after each optimizer step (:class:`~shardwise.runtime.step_hooks.StepHook`);
-- :mod:`shardwise.runtime.hook_factory`: builds the configured step hooks;
 - :mod:`shardwise.runtime.nonfinite`: the policy for steps with non-finite gradients.
 
-Nothing is imported here, so ``import shardwise`` stays free of torch.
+The package sits below the feature packages (``profiling/``, and later ``compression/``...),
+which implement the hook protocol; :mod:`shardwise.step_hook_factory`, above them, builds the
+configured hooks. Nothing is imported here, so ``import shardwise`` stays free of torch.
 """

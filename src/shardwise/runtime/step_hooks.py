@@ -3,7 +3,7 @@
 A feature that must act on the training step (curriculum's ``curriculum_seqlen`` forward
 argument, random-LTD's kept-token count, compression schedules, profiling) implements
 :class:`StepHook` in its own package, without touching the engine.
-:func:`shardwise.runtime.hook_factory.build_step_hooks` builds the hooks the config enables,
+:func:`shardwise.step_hook_factory.build_step_hooks` builds the hooks the config enables,
 ``initialize`` hands them to the engine, and the engine calls them, in order, through
 :class:`StepHooks`:
 

@@ -1,6 +1,7 @@
 """Build the step hooks a config enables, in the order the engine calls them.
 
-A feature that acts on the training step adds its hook here (one ``build_*_hook`` call
+It sits above every feature package (it imports them) and below ``initialize``, which calls
+it. A feature that acts on the training step adds its hook here (one ``build_*_hook`` call
 returning a :class:`~shardwise.runtime.step_hooks.StepHook` or None) and lives in its own
 package; the engine does not change. Today: the flops profiler
 (:mod:`shardwise.profiling.flops_hook`).
