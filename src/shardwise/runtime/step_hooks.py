@@ -88,7 +88,8 @@ class StepHook(Protocol):
         ...
 
     def state_dict(self) -> dict[str, Any]:
-        """What the hook needs to continue after a resume (picklable plain values)."""
+        """What the hook needs to continue after a resume (picklable plain values). It is saved
+        once, in the checkpoint's common part (rank 0's): it must be the same on every rank."""
         ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
