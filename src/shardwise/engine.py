@@ -1,9 +1,12 @@
 """The training engine: orchestration only.
 
-``initialize`` builds the parts (precision policy, ZeRO optimizer, scheduler, data
-loader) and hands them to ``ShardwiseEngine``; the engine runs the loop with
-DeepSpeed's names. It holds no ZeRO, loss-scaling or checkpoint-file logic: it asks the
-part that owns each concern.
+``initialize`` builds the parts (precision policy, ZeRO strategy, scheduler, telemetry,
+step hooks, checkpointer, data loader) and hands them to ``ShardwiseEngine``; the engine
+runs the loop with DeepSpeed's names. It holds no ZeRO, loss-scaling or checkpoint-file
+logic: it asks the part that owns each concern. The ZeRO stage is reached only through
+:class:`~shardwise.zero.strategy.ZeroStrategy` (no stage checks here), features acting on
+the step through :class:`~shardwise.runtime.step_hooks.StepHooks`, and the counters live
+in one :class:`~shardwise.runtime.counters.EngineCounters`.
 """
 
 from __future__ import annotations
@@ -15,13 +18,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.checkpoint import engine_io
+from shardwise.checkpoint.checkpointer import Checkpointer
 from shardwise.comm.topology import Topology
 from shardwise.config.resolve import ResolvedConfig
 from shardwise.monitor.master import MonitorMaster
 from shardwise.precision.policy import PrecisionPolicy
 from shardwise.profiling.telemetry import Telemetry, build_telemetry
 from shardwise.profiling.timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, STEP
-from shardwise.zero.sharded_optimizer import StepResult, ZeroOptimizer
+from shardwise.runtime.counters import CounterAttribute, EngineCounters
+from shardwise.runtime.nonfinite import NonFiniteSteps, scaler_adapts
+from shardwise.runtime.step_hooks import ForwardContext, StepHooks, StepOutcome
+from shardwise.utils.logging import logger
+from shardwise.zero.strategy import StepResult, ZeroStrategy
 
 
 class ShardwiseEngine(nn.Module):
@@ -33,17 +42,24 @@ class ShardwiseEngine(nn.Module):
         >>> #     loss = engine(x, y); engine.backward(loss); engine.step()
     """
 
+    global_steps = CounterAttribute()  # DeepSpeed's counter names, kept in ``self.counters``
+    global_samples = CounterAttribute()
+    micro_steps = CounterAttribute()
+    skipped_steps = CounterAttribute()
+
     def __init__(
         self,
         module: nn.Module,
         config: ResolvedConfig,
         topology: Topology,
         precision: PrecisionPolicy,
-        optimizer: ZeroOptimizer | None,
+        optimizer: ZeroStrategy | None,
         lr_scheduler: Any,
         device: torch.device,
         collate_fn: Any = None,
         telemetry: Telemetry | None = None,
+        step_hooks: StepHooks | None = None,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -54,19 +70,19 @@ class ShardwiseEngine(nn.Module):
         self.lr_scheduler = lr_scheduler
         self.device = device
         self.collate_fn = collate_fn
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self.counters = EngineCounters()
+        self._nonfinite = NonFiniteSteps(config.config.max_consecutive_nonfinite_steps)
+        self.step_hooks = step_hooks if step_hooks is not None else StepHooks()  # initialize builds them
+        self.checkpointer = checkpointer or engine_io.build_checkpointer(config.config.checkpoint)
         self._boundary_override: bool | None = None
         self._in_no_sync = False
+        self._backward_pending = False  # a backward ran since the last step()
         self._last_step: StepResult | None = None
         self._step_applied = False
         self.training_dataloader: Any = None
         # timers, progress lines, monitors, flops profiler: built by initialize (or here from the config)
         self.telemetry = telemetry or build_telemetry(
             config,
-            module,
             device,
             topology.world_rank,
             topology.world_size,
@@ -129,13 +145,16 @@ class ShardwiseEngine(nn.Module):
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the wrapped module (inputs cast under ``fp16.auto_cast``, autocast if configured)."""
+        """Call the wrapped module: step hooks adjust the arguments, then inputs are cast under
+        ``fp16.auto_cast`` and autocast applies if configured."""
+        training = self.module.training
+        context = ForwardContext(global_step=self.global_steps, training=training)
+        args, kwargs = self.step_hooks.adjust_forward(args, kwargs, context)
         args, kwargs = self.precision.cast_forward_inputs(args, kwargs)
-        timed = self.telemetry.forward(self.global_steps, self.module.training)
-        with timed, self.precision.forward_context(self.device.type):
+        with self.telemetry.forward(training), self.precision.forward_context(self.device.type):
             return self.module(*args, **kwargs)
 
-    def _require_optimizer(self, what: str) -> ZeroOptimizer:
+    def _require_optimizer(self, what: str) -> ZeroStrategy:
         if self.optimizer is None:
             raise RuntimeError(
                 f'engine.{what}() needs an optimizer: add an "optimizer" section to the config or pass '
@@ -154,7 +173,8 @@ class ShardwiseEngine(nn.Module):
         self._boundary_override = is_boundary
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * loss_scale`` for a manual ``.backward()``."""
+        """``loss * loss_scale`` for a manual ``.backward()`` (the next ``step()`` counts it as a backward)."""
+        self._backward_pending = True
         return self.precision.loss_scaler.scale_loss(loss)
 
     def backward(
@@ -180,50 +200,75 @@ class ShardwiseEngine(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally without reducing them (stages 0 and 1)."""
+        """Accumulate gradients locally without reducing them, where the ZeRO strategy declares it can."""
         optimizer = self._require_optimizer("no_sync")
-        if self.zero_optimization_stage() >= 2:
-            raise RuntimeError(
-                f"no_sync() is not possible at ZeRO stage {self.zero_optimization_stage()}: gradients are "
-                "sharded and must be reduce-scattered every micro step; use gradient_accumulation_steps instead"
-            )
+        if not optimizer.gradient_sync_toggle:
+            raise RuntimeError(optimizer.gradient_sync_refusal)
         if self._in_no_sync:
             raise RuntimeError("no_sync() contexts cannot be nested")
         self._in_no_sync = True
-        optimizer.reducer.sync_enabled = False
+        optimizer.set_gradient_sync(False)
         try:
             yield
         finally:
-            optimizer.reducer.sync_enabled = True
+            optimizer.set_gradient_sync(True)
             self._in_no_sync = False
 
     # ------------------------------------------------------------------ the step
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
-        """Call after every micro batch; at the accumulation boundary it updates the model."""
+        """Call after every micro batch's backward; at the accumulation boundary it updates the model
+        (a non-finite gradient norm skips the update, counted in ``skipped_steps``), then calls the
+        step hooks.
+
+        A ``step()`` with no ``backward()`` since the previous ``step()`` (e.g. a second call after
+        one backward) is ignored with a warning: no counter moves and the optimizer does not step.
+        DeepSpeed counts such calls; ignoring them keeps ``global_steps`` and the accumulation
+        window true to the batches trained, and, unlike an error, cannot stop a long run.
+        """
         optimizer = self._require_optimizer("step")
         if self._in_no_sync:
             raise RuntimeError(
                 "engine.step() inside no_sync(): leave the context and run a final backward first"
             )
+        if not self._backward_pending:
+            logger.warning(
+                "engine.step() with no engine.backward() since the previous step() was ignored (global step "
+                "%d): call engine.backward(loss) once before each engine.step()",
+                self.global_steps,
+            )
+            return
+        self._backward_pending = False
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
+        result = None
         with self.telemetry.phase(STEP):
             if boundary:
-                result = optimizer.step(loss_scale=self.loss_scale)
-                self.precision.loss_scaler.update_scale(result.overflow)
-                self._last_step = result
-                if result.applied:
-                    self._step_applied = True
-                    if self.lr_scheduler is not None:
-                        self._step_scheduler(lr_kwargs)
-                else:
-                    self.skipped_steps += 1
-                self.global_steps += 1
-                self.global_samples += self.train_batch_size()
+                result = self._optimizer_step(optimizer, lr_kwargs)
         self.telemetry.after_step(boundary)
         if boundary:
             self._report_progress()
-        self.micro_steps += 1
+        self.counters.micro_steps += 1
+        if result is not None:
+            outcome = StepOutcome(self.global_steps, self.global_samples, result.applied, result.grad_norm)
+            self.step_hooks.after_optimizer_step(outcome)
+
+    def _optimizer_step(self, optimizer: ZeroStrategy, lr_kwargs: dict[str, Any] | None) -> StepResult:
+        result = optimizer.step(loss_scale=self.loss_scale)
+        scaler = self.precision.loss_scaler
+        adapts = result.overflow and scaler_adapts(scaler)  # before the scaler moves
+        scaler.update_scale(result.overflow)
+        self._last_step = result
+        counters = self.counters
+        if result.applied:
+            self._step_applied = True
+            if self.lr_scheduler is not None:
+                self._step_scheduler(lr_kwargs)
+        else:
+            counters.skipped_steps += 1
+        counters.global_steps += 1
+        counters.global_samples += self.train_batch_size()
+        self._nonfinite.record(step=counters.global_steps, applied=result.applied, scaler_adapts=adapts)
+        return result
 
     def _step_scheduler(self, lr_kwargs: dict[str, Any] | None) -> None:
         try:
@@ -248,12 +293,9 @@ class ShardwiseEngine(nn.Module):
         """Release what the engine holds outside Python objects (DeepSpeed's ``destroy``):
         waits for an asynchronous checkpoint save, deletes offload swap files, closes monitors.
         The engine is not usable for training afterwards."""
-        from shardwise.checkpoint.engine_io import wait_for_checkpoint
-
-        wait_for_checkpoint(self)
-        close = getattr(self.optimizer, "close", None)
-        if callable(close):
-            close()
+        self.checkpointer.wait()
+        if self.optimizer is not None:
+            self.optimizer.close()
         self.telemetry.monitor.close()
 
     @property
@@ -270,7 +312,7 @@ class ShardwiseEngine(nn.Module):
         return self._step_applied
 
     def get_global_grad_norm(self) -> float | None:
-        """Gradient norm of the last step, unscaled and before clipping (inf after an overflow)."""
+        """Gradient norm of the last step, unscaled and before clipping (inf after a skipped step)."""
         return None if self._last_step is None else self._last_step.grad_norm
 
     def get_global_grad_norm_post_clip(self) -> float | None:
@@ -352,59 +394,12 @@ class ShardwiseEngine(nn.Module):
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
 
-    # ------------------------------------------------------------------ checkpoints (logic in checkpoint/)
-    def save_checkpoint(
-        self,
-        save_dir: str,
-        tag: str | None = None,
-        client_state: dict[str, Any] | None = None,
-        save_latest: bool = True,
-        exclude_frozen_parameters: bool = False,
-    ) -> bool:
-        """Save a topology-free checkpoint under ``save_dir/tag`` (every rank must call it)."""
-        from shardwise.checkpoint.engine_io import save_checkpoint
-
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-
-    def load_checkpoint(
-        self,
-        load_dir: str,
-        tag: str | None = None,
-        load_module_strict: bool = True,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-        custom_load_fn: Any = None,
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        """Load a checkpoint saved on any world size and stage; returns ``(path, client_state)``."""
-        from shardwise.checkpoint.engine_io import load_checkpoint
-
-        return load_checkpoint(
-            self,
-            load_dir,
-            tag,
-            load_module_strict,
-            load_optimizer_states,
-            load_lr_scheduler_states,
-            load_module_only,
-            custom_load_fn,
-        )
-
-    def save_16bit_model(
-        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
-    ) -> bool:
-        """Rank 0 writes the module's 16-bit (or fp32) state dict to ``save_dir/save_filename``."""
-        from shardwise.checkpoint.engine_io import save_16bit_model
-
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
-
-    save_fp16_model = save_16bit_model
-
-    def wait_for_checkpoint(self) -> None:
-        """Block until an asynchronous save has finished writing (re-raising its error)."""
-        from shardwise.checkpoint.engine_io import wait_for_checkpoint
-
-        wait_for_checkpoint(self)
+    # ------------------------------------------------------------------ checkpoints: checkpoint/engine_io's functions
+    save_checkpoint = engine_io.save_checkpoint
+    load_checkpoint = engine_io.load_checkpoint
+    save_16bit_model = engine_io.save_16bit_model
+    save_fp16_model = engine_io.save_16bit_model
+    wait_for_checkpoint = engine_io.wait_for_checkpoint
 
     def __getattr__(self, name: str) -> Any:
         try:

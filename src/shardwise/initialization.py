@@ -4,8 +4,8 @@
 would shadow the ``shardwise.initialize`` function on the package.)
 
 topology -> config (with the objects handed in resolving "auto") -> comms logger ->
-precision -> module placement and dtype -> optimizer (ZeRO) -> scheduler -> telemetry
-(monitors, timers, flops profiler) -> engine -> data loader.
+precision -> module placement and dtype -> ZeRO strategy -> scheduler -> telemetry
+(monitors, timers) -> step hooks (the flops profiler...) -> checkpointer -> engine -> data loader.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.checkpoint.engine_io import build_checkpointer
 from shardwise.comm.comms_logger import configure_comms_logger
 from shardwise.comm.topology import Topology, build_topology
 from shardwise.config import ConfigError, ResolutionContext
@@ -28,6 +29,7 @@ from shardwise.optim.client import adopt_client_optimizer, client_param_groups
 from shardwise.precision.policy import PrecisionPolicy, build_precision
 from shardwise.preflight import load_checked_config, zero_optimizer_error
 from shardwise.profiling.telemetry import build_telemetry
+from shardwise.step_hook_factory import build_step_hooks
 from shardwise.utils.logging import logger, set_log_level
 
 
@@ -260,7 +262,6 @@ def initialize(
     scheduler = _build_scheduler(root.scheduler, lr_scheduler, zero_optimizer)
     telemetry = build_telemetry(
         cfg,
-        model,
         device,
         topology.world_rank,
         topology.world_size,
@@ -269,7 +270,17 @@ def initialize(
         precision=precision,
     )
     engine = ShardwiseEngine(
-        model, cfg, topology, precision, zero_optimizer, scheduler, device, collate_fn, telemetry=telemetry
+        model,
+        cfg,
+        topology,
+        precision,
+        zero_optimizer,
+        scheduler,
+        device,
+        collate_fn,
+        telemetry=telemetry,
+        step_hooks=build_step_hooks(cfg.config, model, rank=topology.world_rank, telemetry=telemetry),
+        checkpointer=build_checkpointer(cfg.config.checkpoint),
     )
     loader = None
     if training_data is not None:

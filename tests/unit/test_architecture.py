@@ -30,10 +30,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("comm",),  # the one door to torch.distributed: init, topology, collectives, diagnostics
     ("precision", "optim", "schedulers", "data", "monitor"),  # parts that only need comm/config
     ("preflight",),  # the model-free checks of initialize, shared with `config check` (builds on a probe)
+    ("runtime",),  # engine counters, the non-finite step policy, the step-hook protocol
     ("zero",),  # ZeRO stages 0-3 (optimizers, reducer, FSDP2 wrapping)
     ("checkpoint",),  # DCP save/load, resharding, DeepSpeed import
     ("profiling",),  # timers, flops profiler, telemetry (reads monitor/precision)
-    ("engine",),  # orchestration only
+    ("engine", "step_hook_factory"),  # orchestration only; the builder of the configured step hooks
     ("initialization", "launcher"),  # the two entry points: initialize() and the launcher
     ("cli",),  # the ``shardwise`` command
     ("testing",),  # the multi-process test harness (may use anything)

@@ -15,10 +15,13 @@ from shardwise.config import load_config
 from shardwise.monitor import MonitorMaster
 from shardwise.monitor.base import Monitor
 from shardwise.profiling import progress
+from shardwise.profiling.flops_hook import FlopsProfilerHook
 from shardwise.profiling.flops_profiler import FlopsProfiler
 from shardwise.profiling.memory import format_bytes, memory_report, model_state_bytes
 from shardwise.profiling.telemetry import Telemetry, build_telemetry
 from shardwise.profiling.timers import PHASES, ThroughputTimer, WallClockTimers
+from shardwise.runtime.step_hooks import ForwardContext
+from shardwise.step_hook_factory import build_step_hooks
 from shardwise.utils.logging import get_logger, set_log_level
 from shardwise.utils.report import report_logger
 
@@ -160,7 +163,7 @@ def test_telemetry_boundary_on_one_rank(caplog):
     try:
         for step in (1, 2):
             for micro_loss in (0.5, 0.25):  # GAS 2: the engine hands over loss / GAS
-                with telemetry.forward(step - 1):
+                with telemetry.forward():
                     pass
                 with telemetry.phase("bwd"):
                     pass
@@ -189,12 +192,15 @@ def test_eval_forwards_are_not_timed_or_profiled():
         timers=WallClockTimers(True, clock=_Clock()),  # a clock read would fail: no ticks
         throughput=ThroughputTimer(True, 8, clock=_Clock()),
         monitor=MonitorMaster(),
-        flops_profiler=FlopsProfiler(model),
-        flops_settings=load_config({"train_batch_size": 8}).config.flops_profiler,
     )
-    with telemetry.forward(global_steps=1, training=False):
+    profiler = FlopsProfiler(model)
+    hook = FlopsProfilerHook(
+        profiler, load_config({"train_batch_size": 8}).config.flops_profiler, telemetry.timers, {}
+    )
+    hook.adjust_forward((), {}, ForwardContext(global_step=1, training=False))
+    with telemetry.forward(training=False):
         model(torch.randn(2, 3))
-    assert telemetry.flops_profiler.stats == {}  # profile_step 1, but an eval forward
+    assert profiler.stats == {}  # profile_step 1, but an eval forward
 
 
 def test_build_telemetry_from_config():
@@ -206,14 +212,17 @@ def test_build_telemetry_from_config():
             "gradient_clipping": 0.5,
         }
     )
-    telemetry = build_telemetry(cfg, nn.Linear(2, 2), torch.device("cpu"), rank=0, world_size=1)
+    telemetry = build_telemetry(cfg, torch.device("cpu"), rank=0, world_size=1)
     assert telemetry.timers.enabled  # the flops profiler forces the wall-clock timers on
-    assert telemetry.flops_profiler is not None and telemetry.gradient_clipping == 0.5
+    hooks = build_step_hooks(cfg.config, nn.Linear(2, 2), rank=0, telemetry=telemetry)
+    assert [type(h) for h in hooks] == [FlopsProfilerHook] and telemetry.gradient_clipping == 0.5
     assert telemetry.throughput.enabled and telemetry.steps_per_print == 5
-    quiet = build_telemetry(load_config({"train_batch_size": 8}), nn.Linear(2, 2), torch.device("cpu"), 1, 2)
+    quiet_cfg = load_config({"train_batch_size": 8})
+    quiet = build_telemetry(quiet_cfg, torch.device("cpu"), 1, 2)
     assert not quiet.timers.enabled and not quiet.monitor.enabled and not quiet.tracks_loss
     assert not quiet.throughput.enabled  # nothing reports samples/s: no clock reads
-    assert quiet.flops_profiler is None
+    assert len(build_step_hooks(quiet_cfg.config, nn.Linear(2, 2), rank=1, telemetry=quiet)) == 0
+    assert len(build_step_hooks(cfg.config, nn.Linear(2, 2), rank=1, telemetry=telemetry)) == 0  # rank 0 only
 
 
 # ---------------------------------------------------------------------------------- comms logger

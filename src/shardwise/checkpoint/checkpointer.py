@@ -9,7 +9,8 @@ What a save does (every rank calls it):
 1. wait for the previous asynchronous save (its error, if any, is raised here);
 2. check the tag is the same on every rank (``checkpoint.tag_validation``);
 3. collect the state: module entries, the optimizer's topology-free pieces, counters,
-   scheduler, loss scaler, client state, and per rank the RNG states and loader position;
+   scheduler, loss scaler, step hooks, client state, and per rank the RNG states and loader
+   position;
 4. write it with DCP into ``.<tag>.partial`` (every rank its own shards, in parallel,
    fsynced; :mod:`~shardwise.checkpoint.publish` does steps 4-5); with
    ``checkpoint.async_save`` the state is first copied and steps 4-5 run in a background
@@ -181,6 +182,7 @@ class Checkpointer:
             "counters": dict(state.counters),
             "lr_scheduler": state.lr_scheduler.state_dict() if _stateful(state.lr_scheduler) else None,
             "loss_scaler": state.loss_scaler.state_dict() if _stateful(state.loss_scaler) else None,
+            "step_hooks": state.step_hooks.state_dict() if _stateful(state.step_hooks) else {},
             "client_state": client_state,
             "ds_config": state.ds_config,
             "exclude_frozen_parameters": exclude_frozen,
@@ -360,6 +362,8 @@ class Checkpointer:
             state.lr_scheduler.load_state_dict(common["lr_scheduler"])
         if with_optimizer and _stateful(state.loss_scaler) and common.get("loss_scaler") is not None:
             state.loss_scaler.load_state_dict(common["loss_scaler"])
+        if _stateful(state.step_hooks):  # checkpoints from before step hooks have no entry
+            state.step_hooks.load_state_dict(common.get("step_hooks") or {})
         if per_rank is None:
             return
         if _stateful(state.data_loader) and per_rank.get("data_loader") is not None:

@@ -1,15 +1,15 @@
 """DeepSpeed's engine checkpoint methods, as functions of the engine.
 
-``ShardwiseEngine.save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model`` delegate
-here, so the engine stays free of checkpoint logic. Each call builds a
-:class:`~shardwise.checkpoint.checkpointer.TrainingState` from the engine's parts and hands
-it to the engine's :class:`~shardwise.checkpoint.checkpointer.Checkpointer` (one per engine,
-so an asynchronous save can be waited for).
+``ShardwiseEngine.save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model`` /
+``wait_for_checkpoint`` *are* these functions (bound as methods), so the engine stays free
+of checkpoint logic. Each call builds a :class:`~shardwise.checkpoint.checkpointer.TrainingState`
+from the engine's parts (its counters, step hooks and the rest, each ``Stateful``) and hands it
+to ``engine.checkpointer``, which ``initialize`` built with :func:`build_checkpointer` (one per
+engine, so an asynchronous save can be waited for).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,24 +23,23 @@ from shardwise.checkpoint.param_state import ParamOptimizerState
 from shardwise.comm.diagnostics import check_all_ranks_arrive
 from shardwise.utils.logging import logger
 
-_CHECKPOINTERS: weakref.WeakKeyDictionary[Any, Checkpointer] = weakref.WeakKeyDictionary()
 
+def build_checkpointer(section: Any) -> Checkpointer:
+    """The checkpointer for the config's ``checkpoint`` section (``initialize`` gives it to the engine).
 
-def checkpointer_for(engine: Any) -> Checkpointer:
-    """The engine's checkpointer (created on first use from its ``checkpoint`` section)."""
-    found = _CHECKPOINTERS.get(engine)
-    if found is None:
-        section = engine.config.config.checkpoint
-        found = Checkpointer(
-            CheckpointOptions(
-                tag_validation=section.tag_validation,
-                use_node_local_storage=section.use_node_local_storage,
-                load_universal=section.load_universal,
-                async_save=section.async_save,
-            )
+    Example:
+        >>> from shardwise.config import load_config
+        >>> build_checkpointer(load_config({"train_batch_size": 8}).config.checkpoint).options.async_save
+        False
+    """
+    return Checkpointer(
+        CheckpointOptions(
+            tag_validation=section.tag_validation,
+            use_node_local_storage=section.use_node_local_storage,
+            load_universal=section.load_universal,
+            async_save=section.async_save,
         )
-        _CHECKPOINTERS[engine] = found
-    return found
+    )
 
 
 def optimizer_state(optimizer: Any) -> OptimizerState | None:
@@ -71,12 +70,8 @@ def training_state(engine: Any) -> TrainingState:
         lr_scheduler=engine.lr_scheduler,
         loss_scaler=engine.precision.loss_scaler,
         data_loader=engine.training_dataloader,
-        counters={
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "skipped_steps": engine.skipped_steps,
-            "micro_steps": engine.micro_steps,
-        },
+        counters=engine.counters.state_dict(),
+        step_hooks=engine.step_hooks,
         zero_stage=engine.zero_optimization_stage(),
         dp_world_size=topology.dp_size,
         mp_rank=topology.mp_rank,
@@ -107,7 +102,7 @@ def save_checkpoint(
     # A save called on only some ranks would hang in its first collective: fail fast instead,
     # naming the ranks that did not come and where they are.
     check_all_ranks_arrive("save_checkpoint")
-    checkpointer_for(engine).save(
+    engine.checkpointer.save(
         training_state(engine),
         save_dir,
         tag=tag,
@@ -138,7 +133,7 @@ def load_checkpoint(
     """
     check_all_ranks_arrive("load_checkpoint")
     state = training_state(engine)
-    result = checkpointer_for(engine).load(
+    result = engine.checkpointer.load(
         state,
         load_dir,
         tag=None if tag is None else str(tag),
@@ -150,17 +145,15 @@ def load_checkpoint(
     )
     if result is None:
         return None, None
-    for name, value in result.counters.items():
-        if hasattr(engine, name):
-            setattr(engine, name, int(value))
+    engine.counters.load_state_dict(result.counters)
     if "global_samples" not in result.counters and "global_steps" in result.counters:
-        engine.global_samples = engine.global_steps * engine.train_batch_size()
+        engine.counters.global_samples = engine.global_steps * engine.train_batch_size()
     return str(result.path), result.client_state
 
 
 def wait_for_checkpoint(engine: Any) -> None:
     """Block until the engine's asynchronous save (if any) is published; raises its error."""
-    checkpointer_for(engine).wait()
+    engine.checkpointer.wait()
 
 
 def save_16bit_model(

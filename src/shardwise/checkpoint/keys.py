@@ -11,7 +11,7 @@ checkpoint can be read without the model that wrote it:
 ``optim/<name>/<key>``      optimizer state: element-wise tensors at the parameter's shape
                             (``exp_avg``...), scalars (``step``)
 ``optim/param_groups``      per param group: hyperparameters and the parameter names
-``common``                  counters, scheduler, loss scaler, client state, config
+``common``                  counters, scheduler, loss scaler, step hooks, client state, config
 ``rank/<r>``                per-rank state: RNG states, data-loader position
 ==========================  ========================================================
 """

@@ -28,6 +28,7 @@ class TrainingState:
         loss_scaler: the precision policy's scaler, or None.
         data_loader: a Stateful loader, or None.
         counters: ``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``.
+        step_hooks: the engine's step hooks (``Stateful``: one state per hook name), or None.
         zero_stage, dp_world_size, mp_rank, mp_world_size: the layout, recorded in the summary.
         ds_config: the resolved config, saved for reference.
         process_group: group for DCP and the collectives (None: the world).
@@ -39,6 +40,7 @@ class TrainingState:
     loss_scaler: Any = None
     data_loader: Any = None
     counters: dict[str, int] = field(default_factory=dict)
+    step_hooks: Any = None
     zero_stage: int = 0
     dp_world_size: int = 1
     mp_rank: int = 0

@@ -79,6 +79,8 @@ class ShardwiseConfig(Section):
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     gradient_clipping: float = Field(1.0, ge=0)
+    # shardwise extension: this many optimizer steps in a row with non-finite gradients stop the run
+    max_consecutive_nonfinite_steps: int = Field(20, ge=1)
     # communication
     communication_data_type: CommDType | None = None
     seq_parallel_communication_data_type: CommDType = "fp32"
@@ -142,6 +144,13 @@ class ShardwiseConfig(Section):
                 "float": "fp32",
             }
             return aliases.get(lowered, lowered)
+        return value
+
+    @field_validator("max_consecutive_nonfinite_steps", mode="before")
+    @classmethod
+    def _no_bool_count(cls, value: object) -> object:
+        if isinstance(value, bool):
+            raise ValueError("must be a whole number of steps >= 1, not true/false (the default is 20)")
         return value
 
     @field_validator("log_level", mode="before")

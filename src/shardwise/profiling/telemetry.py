@@ -10,7 +10,10 @@ hands over the loss of each backward, and at each accumulation boundary calls
   line aggregated over ranks), through :func:`shardwise.utils.report.report_logger`
   so it shows on rank 0 at the default log level;
 * at every boundary, monitor events (rank 0 writes);
-* the flops profiler at ``profile_step`` (rank 0), and the start-up memory report.
+* the start-up memory report.
+
+The flops profiler acts on the step through its own step hook
+(:mod:`shardwise.profiling.flops_hook`); this module only forces the timers on for it.
 
 Values that need every rank (the loss mean, timer mean and max) are gathered with one
 small all-gather, only on boundaries where something will be printed or logged, and
@@ -31,7 +34,6 @@ from shardwise.config.resolve import ResolvedConfig
 from shardwise.monitor.master import MonitorMaster, build_monitor
 from shardwise.precision.loss_scaler import NoOpLossScaler
 from shardwise.profiling import progress
-from shardwise.profiling.flops_profiler import FlopsProfiler
 from shardwise.profiling.memory import memory_report
 from shardwise.profiling.timers import FORWARD, PHASES, ThroughputTimer, WallClockTimers
 from shardwise.utils.report import report_logger
@@ -42,7 +44,7 @@ _UNTIMED = contextlib.nullcontext()
 
 
 class Telemetry:
-    """Timers, progress reporting, monitors and the flops profiler of one engine.
+    """Timers, progress reporting and monitors of one engine.
 
     Args:
         steps_per_print: progress-line interval in optimizer steps (None: never).
@@ -54,10 +56,8 @@ class Telemetry:
         rank: global rank.
         world_size: ranks the values are aggregated over.
         device: where the gathered tensor lives (CUDA under nccl).
-        flops_profiler: the profiler (rank 0, when enabled), else None.
-        flops_settings: the ``flops_profiler`` section (``profile_step``, ``module_depth``...).
         memory_breakdown: log the memory report at start-up.
-        context: run facts for the flops report (world/dp/mp sizes, samples per step).
+        context: run facts for reports (world/dp/mp sizes, samples per step).
 
     Example:
         >>> t = Telemetry(steps_per_print=None, timers=WallClockTimers(False),
@@ -78,8 +78,6 @@ class Telemetry:
         rank: int = 0,
         world_size: int = 1,
         device: torch.device | None = None,
-        flops_profiler: FlopsProfiler | None = None,
-        flops_settings: Any = None,
         memory_breakdown: bool = False,
         context: dict[str, Any] | None = None,
     ) -> None:
@@ -92,15 +90,12 @@ class Telemetry:
         self.rank = rank
         self.world_size = world_size
         self.device = device or torch.device("cpu")
-        self.flops_profiler = flops_profiler
-        self.flops_settings = flops_settings
         self.memory_breakdown = memory_breakdown
         self.context = dict(context or {})
         self.tracks_loss = bool(steps_per_print) or monitor.enabled
         self._loss_sum: torch.Tensor | None = None
         self._interval = dict.fromkeys(PHASES, 0.0)
         self._interval_steps = 0
-        self._profiling = False
         self.last_stats: progress.StepStats | None = None
 
     # ------------------------------------------------------------------ engine hooks
@@ -108,19 +103,15 @@ class Telemetry:
         """Time phase ``name`` (``"fwd"``, ``"bwd"``, ``"bwd_inner"``, ``"bwd_allreduce"``, ``"step"``)."""
         return self.timers.phase(name)
 
-    def forward(self, global_steps: int, training: bool = True) -> AbstractContextManager[None]:
-        """Enter around the module's forward: starts the clocks and, at ``profile_step``, the profiler.
+    def forward(self, training: bool = True) -> AbstractContextManager[None]:
+        """Enter around the module's forward: starts the clocks.
 
-        Forwards in eval mode (``training=False``: evaluation between steps) are not timed,
-        counted in the throughput or profiled.
+        Forwards in eval mode (``training=False``: evaluation between steps) are not timed
+        or counted in the throughput.
         """
         if not training:
             return _UNTIMED
         self.throughput.start()
-        profiler = self.flops_profiler
-        if profiler is not None and not self._profiling and global_steps == self.flops_settings.profile_step:
-            profiler.start_profile()
-            self._profiling = True
         return self.timers.phase(FORWARD)
 
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -205,8 +196,6 @@ class Telemetry:
                 )
             self._interval = dict.fromkeys(PHASES, 0.0)
             self._interval_steps = 0
-        if self._profiling:
-            self._finish_profile(window)
         return stats
 
     def _gather(
@@ -241,24 +230,6 @@ class Telemetry:
         all_gather_flat(out, mine)
         return out.view(self.world_size, len(row)).tolist()
 
-    def _finish_profile(self, window: dict[str, float]) -> None:
-        profiler, settings = self.flops_profiler, self.flops_settings
-        assert profiler is not None and settings is not None, "profiling without a profiler"
-        profiler.stop_profile()
-        self._profiling = False
-        context = dict(self.context)
-        context["bwd_latency_s"] = window["bwd"] / 1000.0
-        context["step_latency_s"] = window["step"] / 1000.0
-        profiler.print_model_profile(
-            profile_step=settings.profile_step,
-            module_depth=settings.module_depth,
-            top_modules=settings.top_modules,
-            detailed=settings.detailed,
-            output_file=settings.output_file,
-            context=context,
-        )
-        profiler.end_profile()
-
     def wall_clock_timers(self) -> dict[str, float]:
         """``engine.get_wall_clock_timers()``: the last micro step and window, in ms."""
         return self.timers.as_dict()
@@ -266,7 +237,6 @@ class Telemetry:
 
 def build_telemetry(
     config: ResolvedConfig,
-    model: nn.Module,
     device: torch.device,
     rank: int,
     world_size: int,
@@ -280,7 +250,6 @@ def build_telemetry(
 
     Args:
         config: the resolved config (its ``batch`` gives the sizes).
-        model: the module (profiled by the flops profiler).
         device: the training device.
         rank: global rank.
         world_size: all ranks.
@@ -295,19 +264,15 @@ def build_telemetry(
     Example:
         >>> from shardwise.config import load_config
         >>> cfg = load_config({"train_batch_size": 8, "steps_per_print": 10})
-        >>> build_telemetry(cfg, torch.nn.Linear(2, 2), torch.device("cpu"), 0, 1).steps_per_print
+        >>> build_telemetry(cfg, torch.device("cpu"), 0, 1).steps_per_print
         10
     """
     sections, batch = config.config, config.batch
-    flops_cfg = sections.flops_profiler
-    # Enabling the profiler forces the timers on: its report needs bwd and step latency.
-    timers_on = bool(sections.wall_clock_breakdown or flops_cfg.enabled)
+    # Enabling the flops profiler (a step hook) forces the timers on: its report needs bwd and step latency.
+    timers_on = bool(sections.wall_clock_breakdown or sections.flops_profiler.enabled)
     throughput_cfg = sections.timers.throughput
     loss_scaling = precision is not None and not isinstance(precision.loss_scaler, NoOpLossScaler)
     monitor = monitor if monitor is not None else build_monitor(config, rank)
-    profiler = None
-    if flops_cfg.enabled and rank == 0 and flops_cfg.profile_step >= 0:
-        profiler = FlopsProfiler(model, recompute_fwd_factor=flops_cfg.recompute_fwd_factor)
     return Telemetry(
         steps_per_print=sections.steps_per_print,
         timers=WallClockTimers(timers_on, device),
@@ -324,8 +289,6 @@ def build_telemetry(
         rank=rank,
         world_size=world_size,
         device=device,
-        flops_profiler=profiler,
-        flops_settings=flops_cfg,
         memory_breakdown=bool(sections.memory_breakdown),
         context={
             "world_size": world_size,

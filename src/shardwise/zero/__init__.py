@@ -1,5 +1,6 @@
 """ZeRO: flat buffers, partition maths, bucketed gradient reduction, the sharded optimizer
-(stages 0-2), stage 3 on FSDP2, offload, ``Init``/``GatheredParameters`` and the memory plan.
+(stages 0-2), stage 3 on FSDP2 (both behind the engine's one interface, ``ZeroStrategy``),
+offload, ``Init``/``GatheredParameters`` and the memory plan.
 
 ``import shardwise.zero`` stays light: the torch-heavy names load on first use.
 
@@ -26,6 +27,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "estimate_model_states_memory": ("shardwise.zero.memory_plan", "estimate_model_states_memory"),
     "ModelStatesMemory": ("shardwise.zero.memory_plan", "ModelStatesMemory"),
     "Stage3Optimizer": ("shardwise.zero.stage3", "Stage3Optimizer"),
+    "ZeroStrategy": ("shardwise.zero.strategy", "ZeroStrategy"),
+    "StepResult": ("shardwise.zero.strategy", "StepResult"),
 }
 
 __all__ = ["BucketPlan", "FlatLayout", "Slot", "plan_layout", *_LAZY]

@@ -7,7 +7,7 @@ Two steps, both called from ``initialize``; each receives the config sections it
   shards the model in place with FSDP2 (:func:`shardwise.zero.fsdp_wrap.shard_model`) and
   returns the :class:`~shardwise.zero.sharded_model.ShardedModel` record with it
   (:class:`PreparedModel`);
-- :func:`build_zero_optimizer` returns the optimizer the engine talks to: the flat-buffer
+- :func:`build_zero_optimizer` returns the :class:`~shardwise.zero.strategy.ZeroStrategy` the engine talks to: the flat-buffer
   ``ZeroOptimizer`` for stages 0-2 (its inner optimizer wrapped by an offload store when
   ``offload_optimizer`` is set), ``Stage3Optimizer`` for stage 3, built on the record
   ``prepare_module`` returned.
@@ -36,6 +36,7 @@ from shardwise.zero.offload import (
 )
 from shardwise.zero.sharded_model import ShardedModel
 from shardwise.zero.sharded_optimizer import OptimizerFactory, ZeroOptimizer, ZeroPolicy
+from shardwise.zero.strategy import ZeroStrategy
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ def build_zero_optimizer(
     precision: PrecisionPolicy,
     topology: Topology,
     record: ShardedModel | None = None,
-) -> Any:
+) -> ZeroStrategy:
     """The ZeRO optimizer for the stage: ``ZeroOptimizer`` (0-2) or ``Stage3Optimizer``.
 
     Args:

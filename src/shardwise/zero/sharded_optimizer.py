@@ -3,9 +3,11 @@
 ``ZeroOptimizer`` owns the flat groups, the gradient reducer and the inner torch
 optimizer (which sees only the fp32 tensors this rank updates). Its ``step`` is, in
 order: finish reductions; one all-reduce of the squared gradient norm (which also
-detects inf/NaN: a non-finite sum means overflow, so no separate flag collective);
-skip on overflow; one multiply that averages over ranks, unscales and clips; the inner
-optimizer step; copy fp32 masters into 16-bit parameters; all-gather updated shards.
+detects inf/NaN: no separate flag collective); the shared step maths
+(:func:`shardwise.zero.step_math.plan_step`: skip a non-finite step, else one multiply that
+averages over ranks, unscales and clips); the inner optimizer step; copy fp32 masters into
+16-bit parameters; all-gather updated shards. It implements
+:class:`~shardwise.zero.strategy.ZeroStrategy`.
 
 Stage 0: no sharding (each rank steps the whole buffer; grads all-reduced).
 Stage 1: optimizer state sharded; grads reduce-scattered at the accumulation boundary.
@@ -14,7 +16,6 @@ Stage 2: stage 1 plus sharded gradients, reduce-scattered every micro step.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,13 +25,15 @@ from torch import nn
 
 from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
-from shardwise.optim.clipping import clip_coefficient, squared_norm
+from shardwise.optim.clipping import squared_norm
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
 from shardwise.zero.offload import checkpoint_view
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
 from shardwise.zero.shard_accumulator_reducer import ShardAccumulatorReducer
 from shardwise.zero.state_layout import FlatPiece, Holding, ParamPlace, StateLayout
+from shardwise.zero.step_math import plan_step
+from shardwise.zero.strategy import StepResult, ZeroStrategy, sharded_gradients_refusal
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
@@ -55,16 +58,7 @@ class ZeroPolicy:
     mp_rank: int = 0
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """Outcome of one optimizer step."""
-
-    applied: bool
-    grad_norm: float  # true (unscaled, unclipped) global norm; inf on overflow
-    overflow: bool
-
-
-class ZeroOptimizer:
+class ZeroOptimizer(ZeroStrategy):
     """Flat-buffer ZeRO (stages 0, 1, 2) around a torch optimizer built on the masters."""
 
     def __init__(
@@ -74,6 +68,11 @@ class ZeroOptimizer:
         policy: ZeroPolicy,
     ) -> None:
         self.policy = policy
+        self.mean_divisor = policy.post_divisor  # the collective summed pre_multiplier-scaled grads
+        self.gradient_sync_toggle = policy.stage < 2  # stage 2 reduce-scatters every micro step
+        self.gradient_sync_refusal = (
+            "" if self.gradient_sync_toggle else sharded_gradients_refusal(policy.stage)
+        )
         shard = policy.stage >= 1
         self.groups: list[FlatGroup] = []
         self.group_index: list[int] = []  # flat group -> user param group
@@ -146,6 +145,12 @@ class ZeroOptimizer:
             flat.zero_grads()
         self.reducer.new_accumulation()
 
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Reduce gradients in backward (True) or accumulate them locally (False; stages 0-1)."""
+        if not enabled and not self.gradient_sync_toggle:
+            raise RuntimeError(self.gradient_sync_refusal)
+        self.reducer.sync_enabled = enabled
+
     # ------------------------------------------------------------------ the step
     def _squared_norm(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self.groups[0].device)
@@ -165,14 +170,17 @@ class ZeroOptimizer:
         self.reducer.finish()
         for flat in self.groups:
             flat.settle()  # slots no gradient reached in this window (e.g. no_sync at the boundary)
-        policy = self.policy
-        divisor = policy.post_divisor * loss_scale
-        scaled_norm = math.sqrt(float(self._squared_norm()))
-        norm = scaled_norm / divisor
-        if not math.isfinite(norm) and policy.check_overflow:
+        plan = plan_step(
+            float(self._squared_norm()),
+            mean_divisor=self.mean_divisor,
+            loss_scale=loss_scale,
+            max_norm=self.policy.gradient_clipping,
+            check_overflow=self.policy.check_overflow,
+        )
+        if not plan.apply:
             self.zero_grad()
-            return StepResult(applied=False, grad_norm=math.inf, overflow=True)
-        multiplier = clip_coefficient(scaled_norm, policy.gradient_clipping, loss_scale=divisor)
+            return plan.result()
+        multiplier = plan.multiplier
         for flat in self.groups:
             if multiplier != 1.0:
                 torch._foreach_mul_(flat.grad, multiplier)
@@ -182,7 +190,7 @@ class ZeroOptimizer:
         self.optimizer.step()
         self._publish_parameters()
         self.zero_grad()
-        return StepResult(applied=True, grad_norm=norm, overflow=False)
+        return plan.result()
 
     def _publish_parameters(self) -> None:
         """Masters -> parameter buffer, then (sharded) all-gather every bucket."""

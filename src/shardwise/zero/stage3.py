@@ -9,14 +9,15 @@ accumulation across micro steps adds into the shard). ``Stage3Optimizer`` then d
 - the inner torch optimizer steps plain tensors that *are* this rank's fp32 shards
   (views of FSDP2's sharded storage: no DTensor dispatch in the step, no copies), plus
   the fp32 masters of the unsharded small parameters;
-- one all-reduce of the squared norm of the local shards (inf/NaN = fp16 overflow: skip);
-- one multiply that averages over ranks, unscales and clips;
+- one all-reduce of the squared norm of the local shards, then the shared step maths
+  (:func:`shardwise.zero.step_math.plan_step`: a non-finite norm skips the step, else one
+  multiply averages over ranks, unscales and clips);
 - the step (through an :class:`~shardwise.zero.offload.OffloadStore` with
   ``offload_optimizer``), then the unsharded parameters are refreshed from their masters.
 
 There is no all-gather after the step: FSDP2 gathers the updated shards at the next
-forward. ``no_sync`` maps to FSDP2's ``set_requires_gradient_sync`` (the engine refuses
-it from stage 2 on, as DeepSpeed does).
+forward. It implements :class:`~shardwise.zero.strategy.ZeroStrategy` and declares no
+gradient-sync toggle: ``no_sync`` is refused, as DeepSpeed does from stage 2 on.
 
 Two things FSDP2 does not do by itself, measured on the benchmark GPT (2 gloo ranks):
 
@@ -31,7 +32,6 @@ Two things FSDP2 does not do by itself, measured on the benchmark GPT (2 gloo ra
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,12 +42,13 @@ from torch import nn
 from shardwise import comm
 from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
-from shardwise.optim.clipping import clip_coefficient
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
 from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_model import ShardedModel
-from shardwise.zero.sharded_optimizer import OptimizerFactory, StepResult
+from shardwise.zero.sharded_optimizer import OptimizerFactory
 from shardwise.zero.state_layout import Holding, ParamPlace, StateLayout
+from shardwise.zero.step_math import plan_step
+from shardwise.zero.strategy import StepResult, ZeroStrategy, sharded_gradients_refusal
 
 
 @dataclass(frozen=True)
@@ -64,24 +65,6 @@ class Stage3Policy:
     comm_dtype: torch.dtype | None = None
     reduce_bucket_numel: int = 500_000_000
     optimizer_offload: OffloadSpec | None = None
-
-
-class _SyncSwitch:
-    """``reducer.sync_enabled``: FSDP2's gradient sync, and the unsharded group's all-reduce."""
-
-    def __init__(self, record: ShardedModel) -> None:
-        self._record = record
-        self._enabled = True
-
-    @property
-    def sync_enabled(self) -> bool:
-        """False inside ``no_sync``: gradients accumulate unreduced."""
-        return self._enabled
-
-    @sync_enabled.setter
-    def sync_enabled(self, value: bool) -> None:
-        self._enabled = bool(value)
-        self._record.module.set_requires_gradient_sync(self._enabled)  # type: ignore[operator]
 
 
 class _DeferredReduceScatter:
@@ -145,8 +128,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-class Stage3Optimizer:
-    """ZeRO stage 3 over an FSDP2-wrapped module (same interface as ``ZeroOptimizer``).
+class Stage3Optimizer(ZeroStrategy):
+    """ZeRO stage 3 over an FSDP2-wrapped module (a :class:`~shardwise.zero.strategy.ZeroStrategy`).
 
     Args:
         record: what wrapping produced (``factory.prepare_module``).
@@ -168,6 +151,9 @@ class Stage3Optimizer:
     ) -> None:
         self.record = record
         self.policy = policy
+        self.mean_divisor = policy.post_divisor / policy.pre_multiplier  # FSDP2 reduces by a plain sum
+        self.gradient_sync_toggle = False  # gradients are reduce-scattered into shards every micro step
+        self.gradient_sync_refusal = sharded_gradients_refusal(3)
         self.sharded: list[nn.Parameter] = []  # trainable sharded params, optimizer order
         self.masters: list[torch.Tensor] = []  # their local fp32 shards (views)
         replicated_params: list[nn.Parameter] = []
@@ -222,7 +208,6 @@ class Stage3Optimizer:
             )
         else:
             self.optimizer = optimizer_factory(inner_groups)
-        self.reducer = _SyncSwitch(record)
         # every trainable sharded parameter's accumulated gradient (local fp32 shard); the
         # optimizer's masters take theirs from here
         self._trainable = [p for p in record.sharded if p.requires_grad]
@@ -292,8 +277,7 @@ class Stage3Optimizer:
         self._collect_grads()
         if self._deferred is not None:
             self._deferred.armed = False
-        if self.reducer.sync_enabled:
-            self.replicated.reduce_micro_step()
+        self.replicated.reduce_micro_step()
 
     def _collect_grads(self) -> None:
         """Wait for deferred reductions, then move each shard gradient out of ``param.grad``
@@ -309,6 +293,11 @@ class Stage3Optimizer:
             previous = self._acc.get(id(param))
             self._acc[id(param)] = local if previous is None else previous.add_(local)
             param.grad = None
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Gradients are always reduced at stage 3: switching it off raises (``gradient_sync_refusal``)."""
+        if not enabled:
+            raise RuntimeError(self.gradient_sync_refusal)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (sharded and unsharded)."""
@@ -351,22 +340,25 @@ class Stage3Optimizer:
         self.record.ensure_resident()
         self._rebind_masters()
         sharded_grads = self._bind_grads()
-        divisor = policy.post_divisor / policy.pre_multiplier * loss_scale
-        scaled_norm = math.sqrt(self._squared_norm(sharded_grads))
-        norm = scaled_norm / divisor
-        if not math.isfinite(norm) and policy.check_overflow:
+        plan = plan_step(
+            self._squared_norm(sharded_grads),
+            mean_divisor=self.mean_divisor,
+            loss_scale=loss_scale,
+            max_norm=policy.gradient_clipping,
+            check_overflow=policy.check_overflow,
+        )
+        if not plan.apply:
             self.zero_grad()
-            return StepResult(applied=False, grad_norm=math.inf, overflow=True)
-        multiplier = clip_coefficient(scaled_norm, policy.gradient_clipping, loss_scale=divisor)
-        if multiplier != 1.0:
+            return plan.result()
+        if plan.multiplier != 1.0:
             grads = sharded_grads + self.replicated.grads()
             if grads:
-                torch._foreach_mul_(grads, multiplier)
+                torch._foreach_mul_(grads, plan.multiplier)
         self.optimizer.step()
         self.replicated.publish()
         self.zero_grad()
         self.record.evict()
-        return StepResult(applied=True, grad_norm=norm, overflow=False)
+        return plan.result()
 
     # ------------------------------------------------------------------ checkpoints
     def state_layout(self) -> StateLayout:

@@ -1,0 +1,44 @@
+"""Build the step hooks a config enables, in the order the engine calls them.
+
+It sits above every feature package (it imports them) and below ``initialize``, which calls
+it. A feature that acts on the training step adds its hook here (one ``build_*_hook`` call
+returning a :class:`~shardwise.runtime.step_hooks.StepHook` or None) and lives in its own
+package; the engine does not change. Today: the flops profiler
+(:mod:`shardwise.profiling.flops_hook`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from shardwise.profiling.flops_hook import build_flops_profiler_hook
+from shardwise.profiling.telemetry import Telemetry
+from shardwise.runtime.step_hooks import StepHook, StepHooks
+
+__all__ = ["build_step_hooks"]
+
+
+def build_step_hooks(config: Any, model: nn.Module, *, rank: int, telemetry: Telemetry) -> StepHooks:
+    """The configured hooks, in calling order (empty when no feature needs one).
+
+    Args:
+        config: the validated config model (``ShardwiseConfig``).
+        model: the (placed, possibly sharded) module.
+        rank: global rank.
+        telemetry: the engine's telemetry (its timers and run facts feed the profiler's report).
+
+    Example:
+        >>> import torch
+        >>> from shardwise.config import load_config
+        >>> from shardwise.profiling.telemetry import build_telemetry
+        >>> cfg = load_config({"train_batch_size": 8, "flops_profiler": {"enabled": True}})
+        >>> telemetry = build_telemetry(cfg, torch.device("cpu"), 0, 1)
+        >>> [hook.name for hook in build_step_hooks(cfg.config, torch.nn.Linear(2, 2), rank=0, telemetry=telemetry)]
+        ['flops_profiler']
+    """
+    candidates: list[StepHook | None] = [
+        build_flops_profiler_hook(config, model, rank, telemetry.timers, telemetry.context),
+    ]
+    return StepHooks([hook for hook in candidates if hook is not None])
