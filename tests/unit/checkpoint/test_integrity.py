@@ -21,7 +21,7 @@ from shardwise.checkpoint.param_state import ParamOptimizerState
 from shardwise.cli.main import main
 from shardwise.utils.logging import get_logger
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_ckpt"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_ckpt"
 SHARDS = ["__0_0.distcp", "__0_1.distcp"]  # thread_count=2: one process writes two data files
 EVERY_FILE = [layout.DCP_METADATA, *SHARDS, layout.SUMMARY]
 
