@@ -32,6 +32,7 @@ per-micro-step bucket buffers reduce-scattered into shard accumulators).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +84,7 @@ def _reduce_scatter_algorithm(groups: list[FlatGroup], process_group: Any) -> st
     )
 
 
-class GradientReducer:
+class GradientReducer(ABC):
     """Owns the hooks and the in-flight reductions of a set of flat groups.
 
     A subclass per gradient layout says how a gradient is stored (``_accumulate``), how one
@@ -114,21 +115,22 @@ class GradientReducer:
         ]
 
     # ------------------------------------------------------------------ per layout
+    @abstractmethod
     def _reduces_in_pieces(self, algorithm: str) -> bool:
         """Whether buckets are reduced in pieces while backward runs, given the in-place
         reduce-scatter ``algorithm`` ("all_reduce" at stage 0)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _accumulate(self, gi: int, pi: int, param: torch.Tensor) -> None:
         """Move ``param.grad`` into this layout's buffers (unless autograd already did)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _launch_unit(self, k: int) -> None:
         """Launch the reduction of unit ``k`` of the launch order."""
-        raise NotImplementedError
 
     def new_accumulation(self) -> None:
         """Called after the optimizer step (and when gradients are zeroed)."""
+        return  # nothing to reset by default (stage 2 overrides it)
 
     # ------------------------------------------------------------------ hooks
     def _label(self, gi: int, pi: int) -> str:
