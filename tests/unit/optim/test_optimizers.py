@@ -435,7 +435,7 @@ def test_auto_value_is_rejected_clearly():
 def test_onebit_family_maps_to_uncompressed_math():
     # Real configs from DeepSpeedExamples (bing_bert 1-bit Adam / 0/1 Adam / 1-bit Lamb). The
     # warning that compression is not implemented is the config's, given once at load time
-    # (tests/unit/test_config_inert.py::test_onebit_optimizers_warn_once_at_load).
+    # (tests/unit/config/test_inert.py::test_onebit_optimizers_warn_once_at_load).
     onebit_adam = {
         "lr": 4e-4,
         "weight_decay": 0.01,

@@ -277,7 +277,7 @@ def test_config_check_lists_ignored_settings_under_a_heading_and_strict_fails(
 
 def _shared_dir() -> Path:
     env = os.environ.get("SHARDWISE_SHARED")
-    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared"
+    return Path(env) if env else Path(__file__).resolve().parents[3].parent / "shared"
 
 
 def test_seed_sections_file_names_every_section_that_does_nothing(

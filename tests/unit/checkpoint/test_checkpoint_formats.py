@@ -21,7 +21,7 @@ from shardwise.checkpoint.param_state import ParamOptimizerState
 from shardwise.checkpoint.writers import read_safetensors, write_state_dict
 from shardwise.cli.checkpoint_cmd import add_parser
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_ckpt"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_ckpt"
 
 
 # ---------------------------------------------------------------------------- boxes
