@@ -373,3 +373,37 @@ def test_the_checks_see_what_they_check() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _strongly_connected(graph) == [["a", "b", "c"]]
     assert _cycle_path(graph, ["a", "b", "c"]) == "a -> b -> c -> a"
+
+
+TESTS = Path(__file__).resolve().parents[1]
+PROJECT_CHECKS = frozenset(
+    {"test_architecture.py", "test_corpus.py", "test_package.py", "test_docstring_examples.py"}
+)
+
+
+def test_unit_tests_mirror_the_source_tree() -> None:
+    """A unit test lives under the package it tests; only top-level modules and project checks sit flat."""
+    top_level_modules = {path.stem for path in SRC.glob("*.py")}
+    flat = {path.name for path in (TESTS / "unit").glob("test_*.py")}
+    misplaced = sorted(
+        name
+        for name in flat
+        if name not in PROJECT_CHECKS and name[len("test_") : -len(".py")] not in top_level_modules
+    )
+    assert not misplaced, f"move these under tests/unit/<package>/: {misplaced}"
+    packages = {path.name for path in SRC.iterdir() if (path / "__init__.py").exists()}
+    stray = sorted(
+        str(path.relative_to(TESTS))
+        for path in (TESTS / "unit").glob("*/test_*.py")
+        if path.parent.name not in packages
+    )
+    assert not stray, f"these test directories name no src/shardwise package: {stray}"
+
+
+def test_test_file_names_are_unique() -> None:
+    """pytest collects without __init__.py files (prepend mode): two equal basenames would clash."""
+    seen: dict[str, list[str]] = {}
+    for path in TESTS.rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(TESTS)))
+    clashes = {name: where for name, where in seen.items() if len(where) > 1}
+    assert not clashes, f"rename one of each: {clashes}"
