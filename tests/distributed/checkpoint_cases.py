@@ -241,10 +241,10 @@ def load_and_train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any
 
 # ---------------------------------------------------------------------------- atomicity and async
 def _failing_writes(after: int, action: str) -> Any:
-    """Make DCP's per-item writer fail (raise, or kill the process) after ``after`` items."""
-    import torch.distributed.checkpoint.filesystem as fs
+    """Make the checkpoint writer's per-item write fail (raise, or kill the process) after ``after`` items."""
+    from shardwise.checkpoint.raw_storage import RawWriter
 
-    original = fs._write_item
+    original = RawWriter._write_item
     calls = {"n": 0}
 
     def write_item(*args: Any, **kwargs: Any) -> Any:
@@ -255,8 +255,8 @@ def _failing_writes(after: int, action: str) -> Any:
             raise OSError("injected: disk full")
         return original(*args, **kwargs)
 
-    fs._write_item = write_item
-    return lambda: setattr(fs, "_write_item", original)
+    RawWriter._write_item = write_item  # type: ignore[method-assign]
+    return lambda: setattr(RawWriter, "_write_item", original)
 
 
 def interrupted_save_keeps_previous(rank: int, world: int, root: str) -> dict[str, Any]:

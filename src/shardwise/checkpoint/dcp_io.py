@@ -8,11 +8,14 @@ ZeRO-3) natively. ZeRO stages 1-2 own *flat ranges* of parameters, which DCP can
 describe, so :class:`FlatShards` presents a rank's flat ranges as boxes (see
 :mod:`shardwise.checkpoint.boxes`) through DCP's ``_Checkpointable`` hooks
 (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``): the files
-then hold every tensor at its real shape, readable by any layout, stage or tool.
+then hold every tensor at its real shape, readable by any layout or stage.
 
 Two small planner subclasses are needed, and this module says why at each. Saves go through
-:class:`ChecksumWriter`, DCP's file writer that also records the CRC-32 of every file and
-item it wrote (see :mod:`shardwise.checkpoint.integrity`).
+:class:`ChecksumWriter`, which stores tensors as raw bytes
+(:class:`~shardwise.checkpoint.raw_storage.RawWriter`) and records the checksum of every file
+and item it wrote (see :mod:`shardwise.checkpoint.integrity`); loads go through
+:class:`~shardwise.checkpoint.raw_storage.RawAwareReader`, which also reads checkpoints whose
+tensors DCP's own writer stored with ``torch.save``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -48,6 +51,7 @@ from torch.futures import Future
 
 from shardwise.checkpoint import checksums
 from shardwise.checkpoint.boxes import Box, flat_range_to_boxes
+from shardwise.checkpoint.raw_storage import RawAwareReader, RawWriter
 
 Piece = tuple[int, int, torch.Tensor]
 """``(start, stop, data)``: flat elements ``[start, stop)`` of a tensor, held in 1-D ``data``."""
@@ -214,8 +218,8 @@ def saved_entries(metadata: Metadata) -> dict[str, SavedEntry]:
     return out
 
 
-class ChecksumWriter(FileSystemWriter):
-    """DCP's file writer that also records the CRC-32 of each file it wrote and of each item in it.
+class ChecksumWriter(RawWriter):
+    """The raw-bytes DCP writer that also records the checksum of each file it wrote and of each item in it.
 
     Why a subclass: DCP's writer keeps no checksum, and its per-item results (file, offset,
     length) are only known here. After the files are written and fsynced, each is read back
@@ -288,7 +292,7 @@ def load(
     Tensor and FlatShards targets are written into; other values are replaced by the saved
     Python objects.
     """
-    reader = FileSystemReader(os.fspath(path))
+    reader = RawAwareReader(os.fspath(path))
     with _plain_errors("loading", path):
         torch.distributed.checkpoint.load(
             targets,
@@ -327,7 +331,7 @@ class StreamingReader:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._reader = FileSystemReader(os.fspath(path))
+        self._reader = RawAwareReader(os.fspath(path))
         self.metadata = self._reader.read_metadata()
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
         self.entries = saved_entries(self.metadata)
