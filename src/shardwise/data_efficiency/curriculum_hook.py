@@ -95,5 +95,6 @@ def build_legacy_curriculum_hook(config: Any) -> LegacyCurriculumHook | None:
         section.schedule_type,
         section.schedule_config,
         where="curriculum_learning",
+        seqlen=section.curriculum_type == "seqlen",
     )
     return LegacyCurriculumHook(schedule, section.curriculum_type)

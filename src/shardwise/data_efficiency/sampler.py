@@ -163,7 +163,7 @@ class CurriculumSampler(Sampler[int]):
         taken: list[np.ndarray] = []
         while n > 0:
             start = positions[i]
-            chunk = clusters[i][start : start + n]
+            chunk = clusters[i][start : start + n].copy()  # a copy: the cluster may be reshuffled below
             taken.append(chunk)
             positions[i] += len(chunk)
             n -= len(chunk)

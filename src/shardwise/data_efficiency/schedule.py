@@ -74,6 +74,7 @@ class CurriculumSchedule:
         schedule_config: the type's keys (``total_curriculum_step``, ``difficulty_step``,
             ``root_degree``; ``difficulty`` and ``max_step`` lists for fixed_discrete).
         where: the config path, for error messages.
+        seqlen: the difficulty is a sequence length: warn when the step is not a multiple of 8.
 
     Raises:
         ConfigError: a required key is missing or inconsistent (the message names it).
@@ -86,6 +87,7 @@ class CurriculumSchedule:
         schedule_type: str,
         schedule_config: Mapping[str, Any],
         where: str = "curriculum_learning",
+        seqlen: bool = False,
     ) -> None:
         if schedule_type not in SCHEDULE_TYPES:
             raise ConfigError(
@@ -113,7 +115,7 @@ class CurriculumSchedule:
             k = _need(schedule_config, "difficulty_step", where)
             if schedule_type == "fixed_root":
                 _need(schedule_config, "root_degree", where)
-            if k % 8:
+            if seqlen and k % 8:
                 logger.warning(
                     "%s.schedule_config.difficulty_step = %s is not a multiple of 8: with fp16 a sequence "
                     "length that is a multiple of 8 uses Tensor Cores",
