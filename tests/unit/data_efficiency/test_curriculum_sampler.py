@@ -182,3 +182,15 @@ def test_no_metric_and_disabled_sections() -> None:
             ).config
         )
     assert _build(load_config({"train_batch_size": 8}).config) is None
+
+
+def test_a_metric_named_twice_in_the_file_is_an_error_naming_it(tmp_path: Path) -> None:
+    text = (
+        '{"train_batch_size": 8, "data_efficiency": {"enabled": true, "data_sampling": {"enabled": true, '
+        '"curriculum_learning": {"enabled": true, "curriculum_metrics": {"seqlen": {}, "seqlen": {}}}}}}'
+    )
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert info.value.key == "seqlen" and "more than once" in info.value.rule and info.value.fix
