@@ -19,6 +19,11 @@ second positional one) is gathered to the kept tokens: ``[batch, ..., seq, seq]`
 last two dimensions for ``model_type: "decoder"``, ``[batch, ..., seq]`` key masks on their last
 dimension for ``"encoder"``.
 
+The wrapped layers' parameter names gain ``.layer`` (``blocks.1.layer.attn.qkv.weight``): the
+checkpoints and exports of a converted model carry those names, so load them into a model
+converted the same way (DeepSpeed strips its wrapper's names from ``module_state_dict``; here the
+names follow the module tree, which DCP's sharded checkpoints rely on).
+
 Example:
     >>> import torch
     >>> layer = RandomLTDLayer(torch.nn.Identity())
