@@ -14,7 +14,10 @@ Differences from DeepSpeed: every rank computes the same batches from ``data_eff
 instead of rank 0 computing and broadcasting them (no collective, and the sampler runs inside
 the data loader); clusters are kept in memory (``data_cluster_path``, when set, receives a copy
 of each for inspection) and a resumed run replays the draws instead of reading them back, which
-is why the position saved in the checkpoint is the loader's (epoch, batches consumed).
+is why the position saved in the checkpoint is the loader's (epoch, batches consumed). A resume on
+another topology with the same global batch size replays the same global batches; with another
+global batch size the order after the resume differs. The whole run (``num_epochs`` passes over
+the data) is one pass of the loader: a loader iterated past it starts the curriculum again.
 
 Example:
     >>> import numpy as np

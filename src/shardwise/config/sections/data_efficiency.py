@@ -87,7 +87,8 @@ class DataRoutingConfig(Section):
 
 
 class DataEfficiencyConfig(Section):
-    """``data_efficiency``."""
+    """``data_efficiency``: acted on by :mod:`shardwise.data_efficiency` (the curriculum sampler in
+    ``deepspeed_io``, the random-LTD step hook); ``dynamic_batching`` is not implemented (inert)."""
 
     enabled: bool = False
     seed: int = 1234
