@@ -369,9 +369,31 @@ class ShardwiseEngine(nn.Module):
         collate_fn: Any = None,
         num_local_io_workers: int | None = None,
     ) -> Any:
-        """A distributed data loader over ``dataset`` with the micro batch size."""
-        from shardwise.data import build_data_loader
+        """A distributed data loader over ``dataset`` with the micro batch size.
 
+        With ``data_efficiency.data_sampling.curriculum_learning`` enabled, the training route
+        draws through the curriculum sampler (and takes ``num_workers``/``pin_memory`` from
+        ``data_sampling`` unless given here).
+        """
+        from shardwise.data import build_data_loader
+        from shardwise.data_efficiency.sampler_factory import (
+            build_curriculum_sampler,
+            curriculum_sampling_enabled,
+        )
+
+        sampling = self._config.config.data_efficiency.data_sampling
+        if route == "train" and data_sampler is None and curriculum_sampling_enabled(self._config.config):
+            data_sampler = build_curriculum_sampler(
+                self._config.config,
+                num_samples=len(dataset),
+                micro_batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                dp_rank=self.topology.dp_rank,
+                dp_size=self.dp_world_size,
+                gradient_accumulation_steps=self.gradient_accumulation_steps(),
+            )
+            if data_sampler is not None:
+                num_local_io_workers = num_local_io_workers or sampling.num_workers
+                pin_memory = pin_memory or sampling.pin_memory
         return build_data_loader(
             dataset,
             batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
@@ -384,6 +406,14 @@ class ShardwiseEngine(nn.Module):
             data_sampler=data_sampler,
             route=route,
         )
+
+    def set_custom_curriculum_learning_schedule(self, schedule: Any) -> None:
+        """Give ``schedule_type: "custom"`` curricula their functions: ``fn(step) -> difficulty``
+        for the legacy ``curriculum_learning`` section, or ``{metric: fn}`` for the data-sampling
+        metrics (the training loader's sampler)."""
+        from shardwise.data_efficiency.custom_schedule import set_custom_schedule
+
+        set_custom_schedule(self.step_hooks, self.training_dataloader, schedule)
 
     # ------------------------------------------------------------------ module access
     def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:

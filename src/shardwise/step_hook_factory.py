@@ -3,8 +3,10 @@
 It sits above every feature package (it imports them) and below ``initialize``, which calls
 it. A feature that acts on the training step adds its hook here (one ``build_*_hook`` call
 returning a :class:`~shardwise.runtime.step_hooks.StepHook` or None) and lives in its own
-package; the engine does not change. Today: the flops profiler
-(:mod:`shardwise.profiling.flops_hook`).
+package; the engine does not change. Today: the legacy curriculum
+(:mod:`shardwise.data_efficiency.curriculum_hook`), random-LTD
+(:mod:`shardwise.data_efficiency.random_ltd_hook`) and the flops profiler
+(:mod:`shardwise.profiling.flops_hook`), in that order (the profiler sees the final arguments).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 
 from torch import nn
 
+from shardwise.data_efficiency.curriculum_hook import build_legacy_curriculum_hook
+from shardwise.data_efficiency.random_ltd_hook import build_random_ltd_hook
 from shardwise.profiling.flops_hook import build_flops_profiler_hook
 from shardwise.profiling.telemetry import Telemetry
 from shardwise.runtime.step_hooks import StepHook, StepHooks
@@ -39,6 +43,8 @@ def build_step_hooks(config: Any, model: nn.Module, *, rank: int, telemetry: Tel
         ['flops_profiler']
     """
     candidates: list[StepHook | None] = [
+        build_legacy_curriculum_hook(config),
+        build_random_ltd_hook(config, model),
         build_flops_profiler_hook(config, model, rank, telemetry.timers, telemetry.context),
     ]
     return StepHooks([hook for hook in candidates if hook is not None])

@@ -297,14 +297,8 @@ INERT_KEYS: tuple[InertKey, ...] = (
         "no quantization, pruning or layer reduction is applied: the model trains at full size and precision",
     ),
     InertKey(
-        "data_efficiency",
-        "no curriculum sampling or random layerwise token dropping: batches come from the data loader "
-        "as they are, and every layer sees every token",
-        _enabled,
-    ),
-    InertKey(
-        "curriculum_learning",
-        "no curriculum: the model's forward gets no curriculum_seqlen, every batch trains at full difficulty",
+        "data_efficiency.data_sampling.dynamic_batching",
+        "no dynamic batching: every batch has the configured micro-batch size",
         _enabled,
     ),
     InertKey("progressive_layer_drop", "no layers are dropped: every layer runs every step", _enabled),

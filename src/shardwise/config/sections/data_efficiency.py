@@ -87,7 +87,8 @@ class DataRoutingConfig(Section):
 
 
 class DataEfficiencyConfig(Section):
-    """``data_efficiency``."""
+    """``data_efficiency``: acted on by :mod:`shardwise.data_efficiency` (the curriculum sampler in
+    ``deepspeed_io``, the random-LTD step hook); ``dynamic_batching`` is not implemented (inert)."""
 
     enabled: bool = False
     seed: int = 1234
@@ -98,8 +99,8 @@ class DataEfficiencyConfig(Section):
 class LegacyCurriculumConfig(Section):
     """Top-level ``curriculum_learning`` (removed in DeepSpeed 0.19.8; kept here).
 
-    Accepted and validated; not acted on yet (``shardwise.config.inert`` warns when it is
-    enabled): the model's forward does not receive ``curriculum_seqlen``.
+    When enabled, every training forward receives ``curriculum_seqlen=<difficulty>``
+    (:mod:`shardwise.data_efficiency.curriculum_hook`).
     """
 
     enabled: bool = False

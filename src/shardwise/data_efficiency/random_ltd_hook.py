@@ -1,0 +1,173 @@
+"""``data_efficiency.data_routing.random_ltd`` as a step hook: checks the section against the
+model's wrapped layers and sets their kept-token count on every training forward.
+
+The schedule moves to ``global_steps`` on each training forward (DeepSpeed's ``update_seq``),
+and every :class:`~shardwise.data_efficiency.random_ltd.RandomLTDLayer` of the model then keeps
+that many tokens. The hook's state (DeepSpeed's ``random_ltd`` checkpoint entry:
+``consumed_layer_tokens``, ``current_steps``, ``current_value``, ``min_value``, ``max_value``) is
+saved in checkpoints. The model must have been converted with
+:func:`~shardwise.data_efficiency.random_ltd.convert_to_random_ltd` before ``initialize``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from shardwise.config.errors import ConfigError
+from shardwise.data_efficiency.random_ltd import RandomLTDLayer, random_ltd_layers
+from shardwise.data_efficiency.schedule import RandomLTDSchedule
+from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
+
+__all__ = ["RandomLTDHook", "build_random_ltd_hook"]
+
+_PATH = "data_efficiency.data_routing.random_ltd"
+
+
+class RandomLTDHook:
+    """Sets the kept-token count of the model's random-LTD layers from the schedule.
+
+    Attributes:
+        schedule: the kept-length schedule (its state is saved in checkpoints).
+        layers: the model's wrapped layers.
+    """
+
+    name = "random_ltd"
+
+    def __init__(self, schedule: RandomLTDSchedule, layers: list[RandomLTDLayer]) -> None:
+        self.schedule = schedule
+        self.layers = layers
+
+    def adjust_forward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: ForwardContext
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """On a training forward: move the schedule to ``global_step``, set every layer's count."""
+        if context.training:
+            kept = self.schedule.update(context.global_step)
+            for layer in self.layers:
+                layer.kept_tokens = kept
+        return args, kwargs
+
+    def after_optimizer_step(self, outcome: StepOutcome) -> None:
+        """Nothing: the count follows the step counter at the next forward."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """DeepSpeed's ``random_ltd`` entry."""
+        return self.schedule.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the schedule and the layers' count."""
+        self.schedule.load_state_dict(state)
+        for layer in self.layers:
+            layer.kept_tokens = self.schedule.current_value
+
+
+def _check(section: Any, layers: list[RandomLTDLayer]) -> None:
+    ids = list(section.random_ltd_layer_id)
+    total = section.total_layer_num
+    if total is None or total < 1:
+        raise ConfigError(
+            f"{_PATH}.total_layer_num",
+            "must be the model's number of layers (>= 1)",
+            "set it to the number of transformer layers",
+            value=total,
+        )
+    if section.random_ltd_layer_num is None or section.random_ltd_layer_num != len(ids):
+        raise ConfigError(
+            f"{_PATH}.random_ltd_layer_num",
+            f"must equal the length of random_ltd_layer_id ({len(ids)})",
+            "list exactly random_ltd_layer_num layer ids",
+            value=section.random_ltd_layer_num,
+        )
+    if len(set(ids)) != len(ids) or any(not 0 <= i < total for i in ids):
+        raise ConfigError(
+            f"{_PATH}.random_ltd_layer_id",
+            f"ids must be distinct and in [0, total_layer_num={total})",
+            "fix the ids or total_layer_num",
+            value=ids,
+        )
+    if section.model_type not in ("decoder", "encoder"):
+        raise ConfigError(
+            f"{_PATH}.model_type", 'must be "decoder" or "encoder"', "set one", value=section.model_type
+        )
+    if section.hidden_state_order not in ("batch_seq_dim", "seq_batch_dim"):
+        raise ConfigError(
+            f"{_PATH}.hidden_state_order",
+            'must be "batch_seq_dim" or "seq_batch_dim"',
+            "set the layout of the layers' hidden states",
+            value=section.hidden_state_order,
+        )
+    lr_schedule = section.layer_token_lr_schedule or {}
+    if lr_schedule.get("enabled"):
+        raise ConfigError(
+            f"{_PATH}.layer_token_lr_schedule.enabled",
+            "is not implemented (DeepSpeed raises NotImplementedError too)",
+            "set it to false and use the config's scheduler",
+            value=True,
+        )
+    schedule = section.random_ltd_schedule
+    if schedule.schedule_type != "fixed_linear":
+        raise ConfigError(
+            f"{_PATH}.random_ltd_schedule.schedule_type",
+            'must be "fixed_linear"',
+            'set "fixed_linear"',
+            value=schedule.schedule_type,
+        )
+    if not 0 < schedule.min_value <= schedule.max_value:
+        raise ConfigError(
+            f"{_PATH}.random_ltd_schedule.min_value",
+            f"must be in (0, max_value={schedule.max_value}]",
+            "set min_value to the first kept length and max_value to the full length",
+            value=schedule.min_value,
+        )
+    for key in ("require_steps", "seq_per_step"):
+        value = schedule.schedule_config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"{_PATH}.random_ltd_schedule.schedule_config.{key}",
+                "must be an integer >= 1",
+                f'add "{key}" to schedule_config',
+                value=value,
+            )
+    if len(layers) != len(ids):
+        raise ConfigError(
+            f"{_PATH}.random_ltd_layer_num",
+            f"says {len(ids)} layers drop tokens, but the model has {len(layers)} RandomLTDLayer wrappers",
+            "call shardwise.data_efficiency.convert_to_random_ltd(model, LayerClass, random_ltd_layer_id) "
+            "before initialize",
+            value=section.random_ltd_layer_num,
+        )
+
+
+def build_random_ltd_hook(config: Any, model: nn.Module) -> RandomLTDHook | None:
+    """The hook for an enabled ``data_routing.random_ltd``, else None.
+
+    The wrapped layers take ``hidden_state_order``, ``model_type`` and ``model_mask_name`` from
+    the section.
+
+    Raises:
+        ConfigError: an inconsistent section, or a model whose wrapped layers do not match it.
+    """
+    efficiency = config.data_efficiency
+    section = efficiency.data_routing.random_ltd
+    if not (efficiency.enabled and efficiency.data_routing.enabled and section.enabled):
+        return None
+    layers = random_ltd_layers(model)
+    _check(section, layers)
+    for layer in layers:
+        layer.seq_dim = 0 if section.hidden_state_order == "seq_batch_dim" else 1
+        layer.model_type = section.model_type
+        layer.mask_name = section.model_mask_name
+    sched = section.random_ltd_schedule
+    schedule = RandomLTDSchedule(
+        sched.min_value,
+        sched.max_value,
+        sched.schedule_config["require_steps"],
+        sched.schedule_config["seq_per_step"],
+        total_layers=section.total_layer_num,
+        ltd_layers=len(section.random_ltd_layer_id),
+        global_batch_size=config.train_batch_size,
+    )
+    return RandomLTDHook(schedule, layers)
