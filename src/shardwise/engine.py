@@ -415,6 +415,12 @@ class ShardwiseEngine(nn.Module):
 
         set_custom_schedule(self.step_hooks, self.training_dataloader, schedule)
 
+    def get_pld_theta(self) -> float | None:
+        """The progressive-layer-drop keep probability the next training forward receives
+        (None when ``progressive_layer_drop`` is off)."""
+        hook = self.step_hooks.named("progressive_layer_drop")
+        return None if hook is None else float(hook.theta)  # type: ignore[attr-defined]
+
     # ------------------------------------------------------------------ module access
     def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
         """The wrapped module's state dict."""

@@ -5,7 +5,8 @@ it. A feature that acts on the training step adds its hook here (one ``build_*_h
 returning a :class:`~shardwise.runtime.step_hooks.StepHook` or None) and lives in its own
 package; the engine does not change. Today: the legacy curriculum
 (:mod:`shardwise.data_efficiency.curriculum_hook`), random-LTD
-(:mod:`shardwise.data_efficiency.random_ltd_hook`) and the flops profiler
+(:mod:`shardwise.data_efficiency.random_ltd_hook`), progressive layer drop
+(:mod:`shardwise.runtime.progressive_layer_drop`) and the flops profiler
 (:mod:`shardwise.profiling.flops_hook`), in that order (the profiler sees the final arguments).
 """
 
@@ -19,6 +20,7 @@ from shardwise.data_efficiency.curriculum_hook import build_legacy_curriculum_ho
 from shardwise.data_efficiency.random_ltd_hook import build_random_ltd_hook
 from shardwise.profiling.flops_hook import build_flops_profiler_hook
 from shardwise.profiling.telemetry import Telemetry
+from shardwise.runtime.progressive_layer_drop import build_progressive_layer_drop_hook
 from shardwise.runtime.step_hooks import StepHook, StepHooks
 
 __all__ = ["build_step_hooks"]
@@ -45,6 +47,7 @@ def build_step_hooks(config: Any, model: nn.Module, *, rank: int, telemetry: Tel
     candidates: list[StepHook | None] = [
         build_legacy_curriculum_hook(config),
         build_random_ltd_hook(config, model),
+        build_progressive_layer_drop_hook(config, model.forward),
         build_flops_profiler_hook(config, model, rank, telemetry.timers, telemetry.context),
     ]
     return StepHooks([hook for hook in candidates if hook is not None])

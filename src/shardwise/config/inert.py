@@ -301,7 +301,6 @@ INERT_KEYS: tuple[InertKey, ...] = (
         "no dynamic batching: every batch has the configured micro-batch size",
         _enabled,
     ),
-    InertKey("progressive_layer_drop", "no layers are dropped: every layer runs every step", _enabled),
     InertKey("eigenvalue", "no Hessian eigenvalues are computed", _enabled),
     InertKey("quantize_training", "no MoQ quantization: weights stay in the training precision", _enabled),
     InertKey("autotuning", "no autotuning: the run trains with the config as written", _enabled),

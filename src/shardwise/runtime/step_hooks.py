@@ -122,6 +122,10 @@ class StepHooks:
     def __len__(self) -> int:
         return len(self._hooks)
 
+    def named(self, name: str) -> StepHook | None:
+        """The hook called ``name``, or None when the config enables no such hook."""
+        return next((hook for hook in self._hooks if hook.name == name), None)
+
     def adjust_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], context: ForwardContext
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:

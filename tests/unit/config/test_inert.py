@@ -136,7 +136,6 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "data_efficiency.data_sampling.dynamic_batching": {
         "data_efficiency": {"enabled": True, "data_sampling": {"dynamic_batching": {"enabled": True}}}
     },
-    "progressive_layer_drop": {"progressive_layer_drop": {"enabled": True}},
     "eigenvalue": {"eigenvalue": {"enabled": True}},
     "quantize_training": {"quantize_training": {"enabled": True}},
     "autotuning": {"autotuning": {"enabled": True}},
