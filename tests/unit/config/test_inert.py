@@ -132,7 +132,6 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     },
     "activation_checkpointing": {"activation_checkpointing": {"partition_activations": True}},
     "sparse_attention": {"sparse_attention": {"mode": "fixed"}},
-    "compression_training": {"compression_training": {"layer_reduction": {"enabled": True}}},
     "data_efficiency.data_sampling.dynamic_batching": {
         "data_efficiency": {"enabled": True, "data_sampling": {"dynamic_batching": {"enabled": True}}}
     },
@@ -295,7 +294,6 @@ def test_seed_sections_file_names_every_section_that_does_nothing(
         "'optimizer.type' = 'OneBitAdam'",
         "section 'activation_checkpointing'",
         "section 'sparse_attention'",
-        "section 'compression_training'",
     ):
         assert name in text
     # implemented (issue 15): the legacy curriculum and random-LTD sections act, so they are not listed
