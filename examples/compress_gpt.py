@@ -78,6 +78,13 @@ def main() -> None:
     _train(engine, batches, args.dense_steps)
     print(f"dense:      loss {_eval(model, data):.4f} | {_size(model, {})}")
 
+    baseline = copy.deepcopy(model)  # the dense model trained as long, for comparison
+    engine, _, loader, _ = deepspeed.initialize(
+        model=baseline, model_parameters=baseline.parameters(), training_data=data, config=dense_config
+    )
+    _train(engine, iter(deepspeed.RepeatingLoader(loader)), args.compress_steps)
+    print(f"dense, +{args.compress_steps} steps: loss {_eval(baseline, data):.4f} (the baseline)")
+
     student = copy.deepcopy(model)
     engine, _, loader, _ = deepspeed.initialize(
         model=student, model_parameters=student.parameters(), training_data=data, config=config

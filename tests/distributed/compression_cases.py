@@ -97,3 +97,45 @@ def run(rank: int, world: int, tmp: str, stage: int) -> dict:
         "resumed_heads": fresh.output.compression["head_pruning"].active,
         "stage3_error": error,
     }
+
+
+def quant_config() -> dict:
+    cfg = config(3)
+    section = cfg["compression_training"]
+    del section["head_pruning"]
+    section["activation_quantization"] = {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "range_calibration": "dynamic"},
+        "different_groups": {"aq": {"params": {"bits": 8}, "modules": ["output"]}},
+    }
+    return cfg
+
+
+def run_stage3(rank: int, world: int, tmp: str, under_init: bool) -> dict:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, 32, (8, 6), generator=gen)
+    y = (x + 1) % 32
+    if under_init:
+        with shardwise.zero.Init(config_dict_or_path=quant_config()):
+            model = TinyBert()
+    else:
+        model = TinyBert()
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=quant_config())
+    losses = []
+    for _ in range(12):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.save_checkpoint(tmp, tag="t")
+    fresh = TinyBert()
+    engine2, *_ = shardwise.initialize(
+        model=fresh, model_parameters=fresh.parameters(), config=quant_config()
+    )
+    engine2.load_checkpoint(tmp, tag="t")
+    return {
+        "losses": losses,
+        "bits": model.output.compression["weight_quantization"].bits,
+        "resumed_steps": compression_scheduler(fresh).training_steps,
+        "resumed_bits": fresh.output.compression["weight_quantization"].bits,
+    }

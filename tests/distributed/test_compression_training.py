@@ -22,3 +22,11 @@ def test_quantization_and_head_pruning_train_and_resume(tmp_path, stage):
         assert result["bits"] == result["resumed_bits"] == 6
         assert result["heads_on"] and result["resumed_heads"]
         assert "compression_training.head_pruning.shared_parameters.enabled" in result["stage3_error"]
+
+
+@pytest.mark.parametrize("under_init", [False, True], ids=["stage3", "zero.Init"])
+def test_quantization_trains_at_stage_3(tmp_path, under_init):
+    results = run_distributed(cases.run_stage3, world_size=2, args=(str(tmp_path), under_init), timeout=300)
+    for result in results:
+        assert result["losses"][-1] < result["losses"][0]
+        assert result["bits"] == result["resumed_bits"] == 6 and result["resumed_steps"] == 12

@@ -116,8 +116,8 @@ def _attach(model: nn.Module, tech: TechniqueSettings, related: dict[tuple[str, 
                 if tech.name in module.compression:
                     raise ConfigError(
                         f"{key}.modules",
-                        f"module {name!r} is matched by two groups of {tech.name}",
-                        "make the groups' patterns disjoint",
+                        f"module {name!r} is matched twice for {tech.name} (by two patterns or two groups)",
+                        "make the patterns disjoint",
                     )
                 module.compression[tech.name] = _TECHNIQUE_CLASSES[tech.name](
                     tech.shared, group.params, key, module

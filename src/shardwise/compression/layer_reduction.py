@@ -31,6 +31,13 @@ def _get(model: nn.Module, name: str, key: str, what: str) -> nn.Module:
 
 def _copy(student: nn.Module, teacher: nn.Module, where: str) -> None:
     target, source = student.state_dict(), teacher.state_dict()
+    if any(t.is_meta for t in (*target.values(), *source.values())):
+        raise ConfigError(
+            _KEY,
+            f"cannot copy {where}: the model holds zero.Init placeholders (no values on this rank)",
+            "build the student and teacher outside shardwise.zero.Init for layer reduction, or leave "
+            "teacher_model out (the model then keeps its own listed layers)",
+        )
     if target.keys() != source.keys() or any(target[k].shape != source[k].shape for k in target):
         raise ConfigError(
             _KEY,

@@ -25,7 +25,7 @@ __all__ = [
     "make_compressed",
 ]
 
-ORDER = ("sparse_pruning", "row_pruning", "head_pruning", "channel_pruning", "weight_quantization")
+ORDER = ("weight_quantization", "sparse_pruning", "row_pruning", "head_pruning", "channel_pruning")
 
 
 class ModuleTechnique:

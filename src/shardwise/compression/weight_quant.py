@@ -1,16 +1,16 @@
-"""Weight quantization: ``start_bits`` down to ``target_bits`` from ``schedule_offset``.
+"""Weight quantization from ``schedule_offset``, as DeepSpeed's two paths do it.
 
-As in DeepSpeed's quantizer, the width drops by one bit once ``quantization_period`` steps of
-quantization have passed, and the period doubles after each drop (drops after P, 2P, 4P, ...
-steps) until ``target_bits``. With ``fp16_mixed_quantize`` the forward uses
-``r * w + (1 - r) * q(w)`` where ``r`` starts at 1 and falls by ``quantize_change_ratio`` every
-step (back to 1 when the width drops). The schedule is a function of the step count, so a
-resume continues it exactly.
-
-``quantize_weight_in_forward`` false (DeepSpeed quantized the fp16 master weights inside its
-optimizer) and ``quantizer_kernel`` (its CUDA kernel) both map to this one path: the forward
-uses the quantized weights, gradients pass straight through, the optimizer keeps full
-precision weights; ``redundancy_clean`` bakes the quantized values.
+``quantize_weight_in_forward`` true (DeepSpeed's compression layers): the forward uses the
+weights quantized to ``target_bits``. False (the default; DeepSpeed quantized the fp16 weights
+inside its optimizer, MoQ-style): the width starts at ``start_bits`` and drops by one bit once
+``quantization_period`` steps of quantization have passed, the period doubling after each drop
+(drops after P, 2P, 4P, ... steps) until ``target_bits``; here that schedule is applied in the
+forward too, so the optimizer keeps full-precision weights and gradients pass straight through.
+With ``fp16_mixed_quantize`` the forward uses ``r * w + (1 - r) * q(w)`` where ``r`` starts at 1
+and falls by ``quantize_change_ratio`` every step (back to 1 when the width drops). Embeddings
+are quantized per row (token-wise), other weights in ``quantize_groups`` groups. The schedule is
+a function of the step count, so a resume continues it exactly; ``redundancy_clean`` bakes the
+quantized values. ``quantizer_kernel`` (DeepSpeed's CUDA kernel) selects this same path.
 """
 
 from __future__ import annotations
@@ -52,13 +52,16 @@ class WeightQuantization(ModuleTechnique):
         super().__init__(int(shared["schedule_offset"]))
         self.start_bits, self.target_bits = int(params["start_bits"]), int(params["target_bits"])
         self.period = int(params["quantization_period"])
-        self.groups = int(shared["quantize_groups"])
+        self.in_forward = bool(shared["quantize_weight_in_forward"])
+        self.groups = (
+            module.weight.shape[0] if isinstance(module, nn.Embedding) else int(shared["quantize_groups"])
+        )
         self.symmetric = shared["quantization_type"] == "symmetric"
         self.stochastic = shared["rounding"] == "stochastic"
         mixed = shared["fp16_mixed_quantize"]
         self.mixed = bool(mixed["enabled"])
         self.change_ratio = float(mixed["quantize_change_ratio"])
-        self.bits = self.start_bits
+        self.bits = self.target_bits if self.in_forward else self.start_bits
         self.real_ratio = 1.0
         weight: torch.Tensor = module.weight  # type: ignore[assignment]
         if weight.numel() % self.groups:
@@ -72,7 +75,10 @@ class WeightQuantization(ModuleTechnique):
     def update(self, module: nn.Module, step: int) -> None:
         super().update(module, step)
         steps = max(0, step - self.schedule_offset)
-        self.bits, last_drop = bits_at(steps, self.start_bits, self.target_bits, self.period)
+        if self.in_forward:
+            self.bits, last_drop = self.target_bits, 0
+        else:
+            self.bits, last_drop = bits_at(steps, self.start_bits, self.target_bits, self.period)
         self.real_ratio = max(0.0, 1.0 - self.change_ratio * (steps - last_drop)) if self.mixed else 0.0
 
     def transform(

@@ -38,7 +38,7 @@ def test_weight_quantization_waits_for_its_offset_then_keeps_at_most_two_to_the_
     ref = model(x)
     cfg = _cfg(
         "weight_quantization",
-        {"schedule_offset": 3, "quantize_groups": 4, "quantize_weight_in_forward": True},
+        {"schedule_offset": 3, "quantize_groups": 4},
         {
             "wq": {
                 "params": {"start_bits": 8, "target_bits": 4, "quantization_period": 2},
@@ -58,6 +58,23 @@ def test_weight_quantization_waits_for_its_offset_then_keeps_at_most_two_to_the_
         for group in weight.detach().reshape(4, -1):
             assert len(group.unique()) <= 2**bits
     assert not torch.equal(model(x), ref)
+
+
+def test_quantize_weight_in_forward_uses_the_target_bits_and_embeddings_are_quantized_per_row():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 12), nn.Linear(12, 4))
+    cfg = _cfg(
+        "weight_quantization",
+        {"schedule_offset": 1, "quantize_weight_in_forward": True},
+        {"wq": {"params": {"start_bits": 8, "target_bits": 3, "quantization_period": 50}, "modules": ["*"]}},
+    )
+    init_compression(model, cfg)
+    _step(model, 1)
+    for module in model:
+        assert module.compression["weight_quantization"].bits == 3
+    table, _ = model[0].compressed_weight()
+    assert all(len(row.unique()) <= 8 for row in table)  # one scale per token
+    assert len(table.unique()) > 8
 
 
 @pytest.mark.parametrize("qtype", ["symmetric", "asymmetric"])
@@ -292,7 +309,9 @@ def test_init_compression_is_idempotent_and_config_mistakes_name_the_key():
     tech = model[0].compression["row_pruning"]
     init_compression(model, cfg)
     assert model[0].compression["row_pruning"] is tech
-    with pytest.raises(ConfigError, match=r"compression_training\.row_pruning\.different_groups\.rp\.modules"):
+    with pytest.raises(
+        ConfigError, match=r"compression_training\.row_pruning\.different_groups\.rp\.modules"
+    ):
         init_compression(
             _mlp(), _cfg("row_pruning", {}, {"rp": {"params": {"dense_ratio": 0.5}, "modules": ["nothing"]}})
         )
