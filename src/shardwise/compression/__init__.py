@@ -9,5 +9,22 @@ own module (:mod:`.weight_quant`, :mod:`.activation_quant`, :mod:`.sparse_prunin
 :mod:`.scheduler` turns them on at their ``schedule_offset`` and the engine advances it every
 optimizer step through :mod:`.hook` (a step hook, so its state is checkpointed).
 
-Nothing here is imported by ``import shardwise`` (no torch at package import).
+Nothing here is imported by ``import shardwise`` (no torch at package import). As in DeepSpeed,
+``shardwise.compression.init_compression`` and ``redundancy_clean`` are also reachable here, and
+``deepspeed.compression.compress.init_compression`` works after ``import shardwise as deepspeed``.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["compress", "init_compression", "redundancy_clean"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("init_compression", "redundancy_clean"):
+        return getattr(importlib.import_module("shardwise.compression.compress"), name)
+    if name == "compress":
+        return importlib.import_module("shardwise.compression.compress")
+    raise AttributeError(f"module 'shardwise.compression' has no attribute {name!r}")

@@ -35,6 +35,7 @@ from shardwise.compression.settings import CompressionSettings, TechniqueSetting
 from shardwise.compression.sparse_pruning import SparsePruning
 from shardwise.compression.weight_quant import WeightQuantization
 from shardwise.config.errors import ConfigError
+from shardwise.utils.logging import logger
 
 __all__ = ["compression_scheduler", "compression_settings", "init_compression", "redundancy_clean"]
 
@@ -172,6 +173,11 @@ def init_compression(
                 "pass the same config to init_compression and initialize",
             )
         return model
+    if settings.techniques["weight_quantization"].shared.get("quantizer_kernel"):
+        logger.info(
+            "compression_training.weight_quantization.shared_parameters.quantizer_kernel: DeepSpeed's CUDA "
+            "quantizer kernel is not used; shardwise quantizes in the forward with the same formulas"
+        )
     if settings.layer_reduction.enabled:
         reduce_layers(model, settings.layer_reduction, teacher_model)
     related: dict[tuple[str, str], list[str]] = {}
