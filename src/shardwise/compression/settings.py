@@ -214,8 +214,8 @@ def _check_group(tech: str, key: str, params: dict[str, Any], shared: dict[str, 
         if target > start:
             raise ConfigError(f"{key}.params.target_bits", f"must be <= start_bits ({start})", "", target)
         period = params["quantization_period"]
-        if not isinstance(period, int) or period < 1:
-            raise ConfigError(f"{key}.params.quantization_period", "must be an integer >= 1", "", period)
+        if not isinstance(period, int) or period < 0:
+            raise ConfigError(f"{key}.params.quantization_period", "must be an integer >= 0", "", period)
     elif tech == "activation_quantization":
         bits = params["bits"]
         if not isinstance(bits, int) or not 2 <= bits <= 32:

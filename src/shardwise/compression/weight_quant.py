@@ -34,7 +34,12 @@ def bits_at(quant_steps: int, start_bits: int, target_bits: int, period: int) ->
     Example:
         >>> [bits_at(s, 8, 4, 10)[0] for s in (0, 9, 10, 19, 20, 40, 80, 1000)]
         [8, 8, 7, 7, 6, 5, 4, 4]
+        >>> [bits_at(s, 8, 6, 0)[0] for s in (0, 1, 2)]
+        [7, 6, 6]
     """
+    if period == 0:  # DeepSpeed's quantizer then drops a bit at every step, the first one included
+        bits = max(target_bits, start_bits - (quant_steps + 1))
+        return bits, min(quant_steps, start_bits - bits - 1) if bits < start_bits else 0
     bits, next_drop, last = start_bits, period, 0
     while bits > target_bits and quant_steps >= next_drop:
         bits, last, next_drop = bits - 1, next_drop, next_drop * 2
