@@ -255,7 +255,7 @@ def initialize(
     if root.compression_training is not None:
         from shardwise.compression.zero_rules import prepare_for_engine
 
-        prepare_for_engine(model, cfg, optimizer)
+        prepare_for_engine(model, cfg, optimizer, model_parameters)
     model, zero_optimizer = _place_and_build_zero(
         root, precision, topology, device, model, model_parameters, optimizer
     )

@@ -27,8 +27,9 @@ class TinyBert(nn.Module):
         return nn.functional.cross_entropy(self.head(h).reshape(-1, 32), y.reshape(-1))
 
 
-def config(stage: int) -> dict:
+def config(stage: int, bf16: bool = False) -> dict:
     return {
+        "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": 8,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
         "zero_optimization": {"stage": stage},
@@ -60,13 +61,15 @@ def config(stage: int) -> dict:
     }
 
 
-def run(rank: int, world: int, tmp: str, stage: int) -> dict:
+def run(rank: int, world: int, tmp: str, stage: int, bf16: bool = False) -> dict:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 32, (8, 6), generator=gen)
     y = (x + 1) % 32
     model = TinyBert()
-    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config(stage))
+    engine, *_ = shardwise.initialize(
+        model=model, model_parameters=model.parameters(), config=config(stage, bf16)
+    )
     losses = []
     for _ in range(12):
         loss = engine(x, y)
@@ -78,7 +81,9 @@ def run(rank: int, world: int, tmp: str, stage: int) -> dict:
     heads_on = model.output.compression["head_pruning"].active
     engine.save_checkpoint(tmp, tag="t")
     fresh = TinyBert()
-    engine2, *_ = shardwise.initialize(model=fresh, model_parameters=fresh.parameters(), config=config(stage))
+    engine2, *_ = shardwise.initialize(
+        model=fresh, model_parameters=fresh.parameters(), config=config(stage, bf16)
+    )
     engine2.load_checkpoint(tmp, tag="t")
     resumed = compression_scheduler(fresh)
     error = ""

@@ -1,6 +1,7 @@
 """compression_training through initialize on 2 gloo ranks: a small BERT-style model with weight
-quantization and head pruning trains (loss goes down) at ZeRO stages 1-2, the schedule advances
-every step and survives save/resume, and pruning at stage 3 is refused naming the key."""
+quantization and head pruning trains (loss goes down) at ZeRO stages 0-2 (fp32, and bf16 at 2), the schedule advances
+every step and survives save/resume, and pruning at stage 3 is refused naming the key;
+quantization (weights and activations) trains at stage 3, also on a model built under zero.Init."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from shardwise.testing import run_distributed
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_quantization_and_head_pruning_train_and_resume(tmp_path, stage):
-    results = run_distributed(cases.run, world_size=2, args=(str(tmp_path), stage), timeout=300)
+@pytest.mark.parametrize(("stage", "bf16"), [(0, False), (1, False), (2, False), (2, True)])
+def test_quantization_and_head_pruning_train_and_resume(tmp_path, stage, bf16):
+    results = run_distributed(cases.run, world_size=2, args=(str(tmp_path), stage, bf16), timeout=300)
     for result in results:
         losses = result["losses"]
         assert losses[-1] < losses[0]
