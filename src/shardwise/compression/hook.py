@@ -41,10 +41,9 @@ class CompressionHook:
 
 
 def build_compression_hook(config: Any, model: nn.Module) -> CompressionHook | None:
-    """The hook for a config whose ``compression_training`` acts on ``model`` (else None)."""
+    """The hook for a model ``init_compression`` prepared (by ``initialize`` from the config's
+    ``compression_training``, or by the script itself); None for any other model."""
     from shardwise.compression.compress import compression_scheduler
 
     scheduler = compression_scheduler(model)
-    if getattr(config, "compression_training", None) is None or scheduler is None:
-        return None
-    return CompressionHook(scheduler)
+    return None if scheduler is None else CompressionHook(scheduler)
