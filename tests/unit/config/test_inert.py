@@ -298,6 +298,8 @@ def test_seed_sections_file_names_every_section_that_does_nothing(
         assert name in text
     # implemented (issue 15): the legacy curriculum and random-LTD sections act, so they are not listed
     assert "curriculum_learning" not in text and "data_efficiency" not in text
+    # implemented (issue 16): compression_training acts, so it is not listed either
+    assert "compression_training" not in text
     # left at their defaults there: a disabled autotuning block and sparse_gradients: false
     assert "'autotuning'" not in text and "'sparse_gradients'" not in text
     assert main(["config", "check", str(seeds), "--world-size", "2", "--strict"]) == 1
