@@ -27,6 +27,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "load_config": ("shardwise.config", "load_config"),
     "comm": ("shardwise.comm", None),
     "zero": ("shardwise.zero", None),
+    "compression": ("shardwise.compression", None),
     "config": ("shardwise.config", None),
     "RepeatingLoader": ("shardwise.data", "RepeatingLoader"),
 }

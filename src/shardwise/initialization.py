@@ -252,6 +252,10 @@ def initialize(
         root.fp16, root.bf16, amp=root.amp, torch_autocast=root.torch_autocast, data_types=root.data_types
     )
     device = _device()
+    if root.compression_training is not None:
+        from shardwise.compression.zero_rules import prepare_for_engine
+
+        prepare_for_engine(model, cfg, optimizer, model_parameters)
     model, zero_optimizer = _place_and_build_zero(
         root, precision, topology, device, model, model_parameters, optimizer
     )

@@ -6,8 +6,9 @@ returning a :class:`~shardwise.runtime.step_hooks.StepHook` or None) and lives i
 package; the engine does not change. Today: the legacy curriculum
 (:mod:`shardwise.data_efficiency.curriculum_hook`), random-LTD
 (:mod:`shardwise.data_efficiency.random_ltd_hook`), progressive layer drop
-(:mod:`shardwise.runtime.progressive_layer_drop`) and the flops profiler
-(:mod:`shardwise.profiling.flops_hook`), in that order (the profiler sees the final arguments).
+(:mod:`shardwise.runtime.progressive_layer_drop`), the compression scheduler
+(:mod:`shardwise.compression.hook`) and the flops profiler (:mod:`shardwise.profiling.flops_hook`), in
+that order (the profiler sees the final arguments).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from shardwise.compression.hook import build_compression_hook
 from shardwise.data_efficiency.curriculum_hook import build_legacy_curriculum_hook
 from shardwise.data_efficiency.random_ltd_hook import build_random_ltd_hook
 from shardwise.profiling.flops_hook import build_flops_profiler_hook
@@ -48,6 +50,7 @@ def build_step_hooks(config: Any, model: nn.Module, *, rank: int, telemetry: Tel
         build_legacy_curriculum_hook(config),
         build_random_ltd_hook(config, model),
         build_progressive_layer_drop_hook(config, model.forward),
+        build_compression_hook(config, model),
         build_flops_profiler_hook(config, model, rank, telemetry.timers, telemetry.context),
     ]
     return StepHooks([hook for hook in candidates if hook is not None])

@@ -293,10 +293,6 @@ INERT_KEYS: tuple[InertKey, ...] = (
         "sparse_attention", "no block-sparse attention kernels: the model's own attention runs", _present
     ),
     InertKey(
-        "compression_training",
-        "no quantization, pruning or layer reduction is applied: the model trains at full size and precision",
-    ),
-    InertKey(
         "data_efficiency.data_sampling.dynamic_batching",
         "no dynamic batching: every batch has the configured micro-batch size",
         _enabled,

@@ -132,7 +132,6 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     },
     "activation_checkpointing": {"activation_checkpointing": {"partition_activations": True}},
     "sparse_attention": {"sparse_attention": {"mode": "fixed"}},
-    "compression_training": {"compression_training": {"layer_reduction": {"enabled": True}}},
     "data_efficiency.data_sampling.dynamic_batching": {
         "data_efficiency": {"enabled": True, "data_sampling": {"dynamic_batching": {"enabled": True}}}
     },
@@ -294,11 +293,12 @@ def test_seed_sections_file_names_every_section_that_does_nothing(
         "'optimizer.type' = 'OneBitAdam'",
         "section 'activation_checkpointing'",
         "section 'sparse_attention'",
-        "section 'compression_training'",
     ):
         assert name in text
     # implemented (issue 15): the legacy curriculum and random-LTD sections act, so they are not listed
     assert "curriculum_learning" not in text and "data_efficiency" not in text
+    # implemented (issue 16): compression_training acts, so it is not listed either
+    assert "compression_training" not in text
     # left at their defaults there: a disabled autotuning block and sparse_gradients: false
     assert "'autotuning'" not in text and "'sparse_gradients'" not in text
     assert main(["config", "check", str(seeds), "--world-size", "2", "--strict"]) == 1
