@@ -25,7 +25,7 @@ NCCL; they are recorded by the comms logger as ``all_to_all_single`` and
 Example:
     >>> packed = pack_signs(torch.tensor([1.0, -2.0, 0.0, -0.5, 3.0, 1.0, -1.0, 2.0, -4.0]))
     >>> packed.tolist(), unpack_signs(packed, 9).tolist()
-    ([117, 0], [1.0, -1.0, 1.0, -1.0, 1.0, 1.0, -1.0, 1.0, -1.0])
+    ([181, 0], [1.0, -1.0, 1.0, -1.0, 1.0, 1.0, -1.0, 1.0, -1.0])
 """
 
 from __future__ import annotations
