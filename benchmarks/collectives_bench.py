@@ -13,7 +13,13 @@ which is what a reduce-scatter or all-gather cost before ``shardwise.comm.exchan
 * ``all_reduce``: ``dist.all_reduce`` of the buffer, in place;
 * ``rs native`` / ``rs exchange``: ``shardwise.comm.reduce_scatter_flat`` with ``algorithm="native"``
   (torch's ``reduce_scatter_single``) / ``"exchange"`` (point-to-point, see ``comm/exchange.py``);
-* ``ag native`` / ``ag exchange``: ``all_gather_flat`` likewise.
+* ``ag native`` / ``ag exchange``: ``all_gather_flat`` likewise;
+* ``1-bit``: ``shardwise.comm.compressed_allreduce.CompressedAllReduce.average`` of the buffer (the
+  error-compensated 1-bit average of 1-bit Adam: sign bits packed 8 per byte, an all-to-all and
+  an all-gather of 1/8 and 1/(8 x world) of the fp32 bytes, scales, compression on the CPU);
+  fp32 rows only (the 1-bit optimizers compress fp32 momentum).
+
+A second table gives the bytes one rank sends per call, fp32 all-reduce against the 1-bit one.
 
 ``shardwise.comm.collectives.choose_algorithm`` picks from these numbers. This is a benchmark, not
 a test: nothing here asserts.
@@ -32,22 +38,28 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
-COLUMNS = ["all_reduce", "rs native", "rs exchange", "ag native", "ag exchange"]
+COLUMNS = ["all_reduce", "rs native", "rs exchange", "ag native", "ag exchange", "1-bit"]
 
 
 def _calls(full: Any, shard: Any) -> dict[str, Any]:
     """One callable per column, over this size's buffers."""
+    import torch
     import torch.distributed as dist
 
     from shardwise.comm import collectives
+    from shardwise.comm.compressed_allreduce import CompressedAllReduce
 
-    return {
+    calls = {
         "all_reduce": lambda: dist.all_reduce(full),
         "rs native": lambda: collectives.reduce_scatter_flat(shard, full, algorithm="native"),
         "rs exchange": lambda: collectives.reduce_scatter_flat(shard, full, algorithm="exchange"),
         "ag native": lambda: collectives.all_gather_flat(full, shard, algorithm="native"),
         "ag exchange": lambda: collectives.all_gather_flat(full, shard, algorithm="exchange"),
     }
+    if full.dtype == torch.float32:
+        onebit = CompressedAllReduce(full.numel())
+        calls["1-bit"] = lambda: onebit.average(full)
+    return calls
 
 
 def _rank_main(rank: int, world: int, sizes_mib: list[int], rounds: int) -> list[dict[str, Any]]:
@@ -102,8 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'dtype':9} {'MiB':>4} " + " ".join(f"{c:>20}" for c in COLUMNS))
     for row in rows:
         base = row["ms"]["all_reduce"]
-        cells = [f"{row['ms'][c]:8.1f} ({row['ms'][c] / base:4.2f}x)" for c in COLUMNS]
+        cells = [
+            f"{row['ms'][c]:8.1f} ({row['ms'][c] / base:4.2f}x)" if c in row["ms"] else "-" for c in COLUMNS
+        ]
         print(f"{row['dtype']:9} {row['mib']:>4} " + " ".join(f"{cell:>20}" for cell in cells))
+    from shardwise.comm.compressed_allreduce import compressed_bytes
+
+    print("bytes one rank sends per call (fp32): all_reduce 4n, 1-bit n/8 + n/(8 x world) + scales")
+    for row in rows:
+        if row["dtype"] == "float32":
+            fp32, onebit = 4 * row["numel"], compressed_bytes(row["numel"], args.world_size)
+            print(f"  {row['mib']:>4} MiB: {fp32:>12,} vs {onebit:>10,} ({fp32 / onebit:.1f}x fewer)")
     if args.out:
         args.out.write_text(json.dumps({"world_size": args.world_size, "rows": rows}, indent=2))
     return 0

@@ -69,7 +69,17 @@ def zero_optimizer_error(cfg: ShardwiseConfig, optimizer: Any) -> ConfigError | 
     the config's optimizer, built on the probe.
     """
     from shardwise.optim import is_zero_supported
+    from shardwise.optim.exchanging import GradientExchangingOptimizer
 
+    if cfg.zero_stage != 0 and isinstance(optimizer, GradientExchangingOptimizer):
+        return ConfigError(
+            "zero_optimization.stage",
+            f"{type(optimizer).__name__} averages its momentum itself with 1-bit compression after its "
+            "warm-up, which needs whole gradients and whole optimizer state on every rank: ZeRO stage 0 only "
+            "(DeepSpeed's 1-bit optimizers refuse ZeRO as well)",
+            'set "zero_optimization": {"stage": 0}, or use Adam/AdamW to shard with ZeRO',
+            value=cfg.zero_stage,
+        )
     if cfg.zero_stage >= 1 and not is_zero_supported(optimizer) and not cfg.zero_allow_untested_optimizer:
         return ConfigError(
             "zero_allow_untested_optimizer",

@@ -191,6 +191,7 @@ class Checkpointer:
         items[keys.rank_key(comm.get_rank(state.process_group))] = {
             "rng": rng.capture(),
             "data_loader": state.data_loader.state_dict() if _stateful(state.data_loader) else None,
+            "optimizer": state.optimizer.rank_state_dict() if state.optimizer is not None else None,
         }
         return items
 
@@ -364,6 +365,9 @@ class Checkpointer:
             state.loss_scaler.load_state_dict(common["loss_scaler"])
         if _stateful(state.step_hooks):  # checkpoints from before step hooks have no entry
             state.step_hooks.load_state_dict(common.get("step_hooks") or {})
+        if with_optimizer and state.optimizer is not None:
+            # per-rank optimizer state (1-bit error buffers) continues only on the rank that saved it
+            state.optimizer.load_rank_state_dict(per_rank.get("optimizer") if own and per_rank else None)
         if per_rank is None:
             return
         if _stateful(state.data_loader) and per_rank.get("data_loader") is not None:

@@ -273,6 +273,18 @@ class OptimizerState:
         """Re-read the fp32 masters from the (just loaded) parameters: weights-only loads."""
         self.layout.masters_from_params()
 
+    # ------------------------------------------------------------------ per-rank state
+    def rank_state_dict(self) -> dict[str, Any] | None:
+        """The state this rank holds for itself (1-bit error buffers), or None where there is none."""
+        holder = self.layout.rank_state
+        return None if holder is None else holder.rank_state_dict()
+
+    def load_rank_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore :meth:`rank_state_dict` (None: this rank has no saved state: start afresh)."""
+        holder = self.layout.rank_state
+        if holder is not None:
+            holder.load_rank_state_dict(state)
+
 
 def _presented(
     place: ParamPlace,

@@ -125,7 +125,7 @@ class IgnoredSetting:
 
 
 def _onebit(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
-    return isinstance(value, str) and value.lower() in ("onebitadam", "zerooneadam", "onebitlamb")
+    return isinstance(value, str) and value.lower() in ("zerooneadam", "onebitlamb")
 
 
 def _hpz_unused(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
@@ -142,9 +142,9 @@ _BELOW_3 = frozenset({0, 1, 2})
 _AT_3 = frozenset({3})
 
 _ONEBIT_TEXT = (
-    "communication compression is not implemented: the optimizer math is the uncompressed AdamW "
-    "(OneBitAdam, ZeroOneAdam) or uncompressed Lamb (OneBitLamb) update with full-precision gradient "
-    "reduction, and the compression keys (freeze_step, var_freeze_step, cuda_aware, comm_backend_name, "
+    "communication compression is not implemented for it: the optimizer math is the uncompressed AdamW "
+    "(ZeroOneAdam) or uncompressed Lamb (OneBitLamb) update with full-precision gradient "
+    "reduction, and the compression keys (var_freeze_step, freeze_step, cuda_aware, comm_backend_name, "
     "coeff_beta, factor_max, factor_min, factor_threshold, ...) are dropped"
 )
 

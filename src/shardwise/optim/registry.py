@@ -29,6 +29,7 @@ from shardwise.optim.hyperparameters import check_hyperparameters
 from shardwise.optim.lamb import Lamb
 from shardwise.optim.lion import Lion
 from shardwise.optim.names import unknown_type_error
+from shardwise.optim.onebit_adam import OneBitAdam
 from shardwise.utils.logging import logger
 
 __all__ = [
@@ -219,9 +220,9 @@ def _lion(type_name: str, params: dict[str, Any], model_parameters: list[Any], *
     return _construct(type_name, Lion, model_parameters, params)
 
 
-# name -> (uncompressed equivalent, keys of its own that only steer communication)
+# name -> (uncompressed equivalent, keys of its own that only steer communication); OneBitAdam
+# is real (shardwise.optim.onebit_adam), the other two still train uncompressed.
 _ONEBIT: dict[str, tuple[str, frozenset[str]]] = {
-    "onebitadam": ("adam", frozenset({"freeze_step", "cuda_aware", "comm_backend_name"})),
     "zerooneadam": (
         "adam",
         frozenset(
@@ -256,21 +257,43 @@ _ONEBIT_ADAM_KEYS = frozenset(
 )
 
 
+def _refuse_eps_inside_sqrt(type_name: str, params: dict[str, Any]) -> None:
+    if params.pop("eps_inside_sqrt", False):
+        raise KeyedValueError(
+            f'optimizer "{type_name}": "eps_inside_sqrt": true is not supported for the Adam '
+            "update. Fix: remove it (the default, false, adds eps after the square root).",
+            "optimizer.params.eps_inside_sqrt",
+            True,
+        )
+
+
+def _onebit_adam(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
+    _check_keys(
+        type_name,
+        "OneBitAdam",
+        params,
+        _ONEBIT_ADAM_KEYS | {"freeze_step", "cuda_aware", "comm_backend_name"},
+    )
+    _refuse_eps_inside_sqrt(type_name, params)
+    if params.get("amsgrad", False):
+        raise KeyedValueError(
+            f'optimizer "{type_name}": "amsgrad": true is not supported by 1-bit Adam (DeepSpeed raises '
+            "for it too). Fix: remove it.",
+            "optimizer.params.amsgrad",
+            params["amsgrad"],
+        )
+    return _construct(type_name, OneBitAdam, model_parameters, params)
+
+
 def _onebit(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
     base, comm_keys = _ONEBIT[type_name.lower()]
     if base == "adam":
         _check_keys(type_name, "uncompressed AdamW", params, _ONEBIT_ADAM_KEYS | comm_keys)
-        if params.pop("eps_inside_sqrt", False):
-            raise KeyedValueError(
-                f'optimizer "{type_name}": "eps_inside_sqrt": true is not supported for the Adam '
-                "update. Fix: remove it (the default, false, adds eps after the square root).",
-                "optimizer.params.eps_inside_sqrt",
-                True,
-            )
+        _refuse_eps_inside_sqrt(type_name, params)
     for key in comm_keys:  # no compression here; shardwise.config.inert warns about it, once
         params.pop(key, None)
     if base == "adam":
-        # 1-bit Adam and 0/1 Adam add weight decay to the update: the AdamW form.
+        # 0/1 Adam adds weight decay to the update: the AdamW form.
         return _build_adam(type_name, params, model_parameters, offload=offload, force_adamw=True)
     return _construct(type_name, Lamb, model_parameters, params, comm_keys)
 
@@ -308,7 +331,7 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
     "adagrad": _adagrad,
     "lamb": _lamb,
     "lion": _lion,
-    "onebitadam": _onebit,
+    "onebitadam": _onebit_adam,
     "zerooneadam": _onebit,
     "onebitlamb": _onebit,
     "muadam": _mup("MuAdam"),

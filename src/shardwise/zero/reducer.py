@@ -99,6 +99,7 @@ class GradientReducer(ABC):
         self.process_group = process_group
         self.reduce_this_backward = True  # set by the engine before each backward
         self.sync_enabled = True  # False inside no_sync()
+        self.optimizer_exchanges = False  # the optimizer averages by itself (1-bit): no reduction
         self._inflight: list[_Inflight] = []
         algorithm = _reduce_scatter_algorithm(groups, process_group) if policy.shard else "all_reduce"
         self._piece_exchange = policy.shard and algorithm == "exchange"
@@ -137,6 +138,8 @@ class GradientReducer(ABC):
         return f"parameter {pi} of group {gi} (shape {tuple(self.groups[gi].params[pi].shape)})"
 
     def _reducing(self) -> bool:
+        if self.optimizer_exchanges:
+            return False
         return self.sync_enabled and (self.policy.every_micro_step or self.reduce_this_backward)
 
     def _make_hook(self, gi: int, pi: int) -> Callable[[torch.Tensor], None]:

@@ -26,6 +26,7 @@ from torch import nn
 from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
 from shardwise.optim.clipping import squared_norm
+from shardwise.optim.exchanging import GradientExchangingOptimizer
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
 from shardwise.zero.offload import checkpoint_view
@@ -110,6 +111,11 @@ class ZeroOptimizer(ZeroStrategy):
             ),
             policy.process_group,
         )
+        self.exchanging: GradientExchangingOptimizer | None = (
+            self.optimizer if isinstance(self.optimizer, GradientExchangingOptimizer) else None
+        )
+        if self.exchanging is not None:
+            self.exchanging.attach_process_group(policy.process_group)
         self._bind_master_grads()
 
     # ------------------------------------------------------------------ wiring
@@ -132,8 +138,13 @@ class ZeroOptimizer(ZeroStrategy):
 
     # ------------------------------------------------------------------ micro steps
     def prepare_backward(self, is_boundary: bool) -> None:
-        """Tell the reducer whether this backward ends an accumulation window."""
+        """Tell the reducer whether this backward ends an accumulation window, and whether the
+        optimizer exchanges by itself at the next step (then gradients stay local)."""
         self.reducer.reduce_this_backward = is_boundary
+        self.reducer.optimizer_exchanges = self._optimizer_exchanges()
+
+    def _optimizer_exchanges(self) -> bool:
+        return self.exchanging is not None and self.exchanging.exchanges_gradients
 
     def after_backward(self) -> None:
         """Complete this backward's reductions (waits for in-flight buckets)."""
@@ -152,14 +163,16 @@ class ZeroOptimizer(ZeroStrategy):
         self.reducer.sync_enabled = enabled
 
     # ------------------------------------------------------------------ the step
-    def _squared_norm(self) -> torch.Tensor:
+    def _squared_norm(self, local_gradients: bool = False) -> torch.Tensor:
+        """Sum of squares of the reduced gradients (``local_gradients``: of every rank's own,
+        un-reduced gradients, summed over the ranks)."""
         total = torch.zeros((), dtype=torch.float32, device=self.groups[0].device)
         mp_rank0 = self.policy.mp_rank == 0
         for flat, is_tp in zip(self.groups, self.tp_flags):
             if not (is_tp or mp_rank0):
                 continue  # replicated across model-parallel ranks: count it once
             total += squared_norm(flat.grad).to(total.device)
-        if self.policy.stage >= 1 and self.policy.world_size > 1:
+        if (self.policy.stage >= 1 or local_gradients) and self.policy.world_size > 1:
             collectives.all_reduce(total, op="sum", group=self.policy.process_group)
         if self.policy.mp_group is not None:
             collectives.all_reduce(total, op="sum", group=self.policy.mp_group)
@@ -170,9 +183,17 @@ class ZeroOptimizer(ZeroStrategy):
         self.reducer.finish()
         for flat in self.groups:
             flat.settle()  # slots no gradient reached in this window (e.g. no_sync at the boundary)
+        local = self._optimizer_exchanges()
+        if local:
+            # Un-reduced gradients (the optimizer averages its momentum itself): each rank's own
+            # gradient is unscaled as it is, and clipped by the root mean square of the ranks' norms
+            # (an upper bound of the mean's norm), the same multiplier on every rank.
+            squared = float(self._squared_norm(local_gradients=True)) / self.policy.world_size
+        else:
+            squared = float(self._squared_norm())
         plan = plan_step(
-            float(self._squared_norm()),
-            mean_divisor=self.mean_divisor,
+            squared,
+            mean_divisor=1.0 if local else self.mean_divisor,
             loss_scale=loss_scale,
             max_norm=self.policy.gradient_clipping,
             check_overflow=self.policy.check_overflow,
@@ -232,6 +253,7 @@ class ZeroOptimizer(ZeroStrategy):
             device=self.groups[0].device if self.groups else torch.device("cpu"),
             process_group=self.policy.process_group,
             partitioned=self.policy.stage >= 1 and self.policy.world_size > 1,
+            rank_state=self.exchanging,
         )
 
     def _refresh_masters(self) -> None:

@@ -115,6 +115,8 @@ class StateLayout:
         process_group: the ranks among which ``FLAT`` pieces are partitioned.
         partitioned: ``FLAT`` pieces are disjoint across ``process_group`` (whole tensors are
             then summed over it); False where every rank holds every piece.
+        rank_state: state each rank holds for itself, saved per rank (``rank_state_dict()`` /
+            ``load_rank_state_dict(state or None)``): the 1-bit optimizers' error buffers; None: none.
     """
 
     optimizer: Any
@@ -126,3 +128,4 @@ class StateLayout:
     device: torch.device
     process_group: Any = None
     partitioned: bool = False
+    rank_state: Any = None

@@ -30,6 +30,7 @@ from shardwise.optim import (
     scale_,
     squared_norm,
 )
+from shardwise.optim.onebit_adam import OneBitAdam
 
 pytestmark = pytest.mark.numeric
 
@@ -444,10 +445,11 @@ def test_onebit_family_maps_to_uncompressed_math():
         "cuda_aware": False,
         "comm_backend_name": "nccl",
     }
+    # OneBitAdam is real (tests/unit/optim/test_onebit_adam.py): DeepSpeed's update, never bias-corrected
     opt = build_optimizer("OneBitAdam", onebit_adam, _model_params())
-    assert type(opt) is AdamNoBiasCorrection and opt.defaults["adam_w_mode"] is True
+    assert type(opt) is OneBitAdam and opt.freeze_step == 23000
     assert opt.defaults["lr"] == 4e-4 and opt.defaults["weight_decay"] == 0.01
-    assert type(build_optimizer("OnebitAdam", {"freeze_step": 400}, _model_params())) is torch.optim.AdamW
+    assert type(build_optimizer("OnebitAdam", {"freeze_step": 400}, _model_params())) is OneBitAdam
     zero_one = {
         "lr": 1e-3,
         "weight_decay": 0.01,

@@ -1,0 +1,45 @@
+"""The seam between an optimizer that communicates by itself and the ZeRO stage that runs it.
+
+1-bit optimizers (:class:`~shardwise.optim.onebit_adam.OneBitAdam`) replace the gradient
+all-reduce, after a warm-up, by a compressed exchange of their momentum inside ``step()``.
+They declare it through :class:`GradientExchangingOptimizer`; the stage-0 strategy
+(:class:`shardwise.zero.sharded_optimizer.ZeroOptimizer`) then
+
+- hands the optimizer its data-parallel group once (:meth:`attach_process_group`);
+- before every backward, asks :attr:`exchanges_gradients`: when True, gradients stay local
+  (the reducer launches no all-reduce), and the step unscales/clips the local gradients;
+- saves :meth:`rank_state_dict` per rank in checkpoints (error buffers differ per rank).
+
+Example:
+    >>> import torch
+    >>> isinstance(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), GradientExchangingOptimizer)
+    False
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["GradientExchangingOptimizer"]
+
+
+@runtime_checkable
+class GradientExchangingOptimizer(Protocol):
+    """An optimizer that, in some phases, averages its state across ranks itself."""
+
+    @property
+    def exchanges_gradients(self) -> bool:
+        """The next ``step()`` exchanges by itself: gradients must reach it un-reduced (local)."""
+        ...
+
+    def attach_process_group(self, group: Any) -> None:
+        """The data-parallel group to exchange over (None: the world); called once, before training."""
+        ...
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's own state (error buffers), saved per rank."""
+        ...
+
+    def load_rank_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore :meth:`rank_state_dict` (None: no saved state for this rank; start afresh)."""
+        ...
