@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("zero",),  # ZeRO stages 0-3 (optimizers, reducer, FSDP2 wrapping)
     ("checkpoint",),  # DCP save/load, resharding, DeepSpeed import
     ("profiling",),  # timers, flops profiler, telemetry (reads monitor/precision)
-    ("data_efficiency",),  # curriculum schedules and sampler, data analyzer, random-LTD (their step hooks)
+    ("data_efficiency", "autotuning"),  # curriculum/sampler/random-LTD; autotuning (metric hook, space, tuners)
     ("engine", "step_hook_factory"),  # orchestration only; the builder of the configured step hooks
     ("initialization", "launcher"),  # the two entry points: initialize() and the launcher
     ("cli",),  # the ``shardwise`` command
