@@ -57,9 +57,16 @@ def predicted_bytes(ds_config: Mapping[str, Any], info: ModelInfo, world_size: i
         ConfigError: the candidate's config is not valid (the caller records it as such).
     """
     from shardwise.config import load_config
+    from shardwise.utils.logging import get_logger
     from shardwise.zero.memory_plan import plan_from_config
 
-    resolved = load_config(dict(ds_config), world_size=world_size)
+    log = get_logger()
+    level = log.level
+    log.setLevel("ERROR")  # the config's own warnings belong to the experiment's log, not once per candidate
+    try:
+        resolved = load_config(dict(ds_config), world_size=world_size)
+    finally:
+        log.setLevel(level)
     plan = plan_from_config(resolved.config, info.num_params, world_size)
     states = plan.device_total if on_gpu else plan.memory_total
     micro = int(resolved.config.train_micro_batch_size_per_gpu or 1)

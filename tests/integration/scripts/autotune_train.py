@@ -1,4 +1,4 @@
-"""A tiny training script for the autotuning tests: a two-layer MLP on random data.
+"""A tiny training script for tests/integration/test_autotuning.py: a two-layer MLP on random data.
 
 ``--steps`` optimizer steps (an autotuning experiment ends itself earlier); ``--batch_size``
 (set through ``arg_mappings``) is written to ``--record`` with the config's micro batch, so a
