@@ -7,8 +7,9 @@ package; the engine does not change. Today: the legacy curriculum
 (:mod:`shardwise.data_efficiency.curriculum_hook`), random-LTD
 (:mod:`shardwise.data_efficiency.random_ltd_hook`), progressive layer drop
 (:mod:`shardwise.runtime.progressive_layer_drop`), the compression scheduler
-(:mod:`shardwise.compression.hook`) and the flops profiler (:mod:`shardwise.profiling.flops_hook`), in
-that order (the profiler sees the final arguments).
+(:mod:`shardwise.compression.hook`), the flops profiler (:mod:`shardwise.profiling.flops_hook`) and the
+autotuning experiment's measurement (:mod:`shardwise.autotuning.metric_hook`), in that order (the
+profiler sees the final arguments; the autotuning hook may end the run, so it comes last).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from torch import nn
 
+from shardwise.autotuning.metric_hook import build_autotuning_hook
 from shardwise.compression.hook import build_compression_hook
 from shardwise.data_efficiency.curriculum_hook import build_legacy_curriculum_hook
 from shardwise.data_efficiency.random_ltd_hook import build_random_ltd_hook
@@ -52,5 +54,6 @@ def build_step_hooks(config: Any, model: nn.Module, *, rank: int, telemetry: Tel
         build_progressive_layer_drop_hook(config, model.forward),
         build_compression_hook(config, model),
         build_flops_profiler_hook(config, model, rank, telemetry.timers, telemetry.context),
+        build_autotuning_hook(config, model, rank=rank),  # last: it may end the run after writing
     ]
     return StepHooks([hook for hook in candidates if hook is not None])

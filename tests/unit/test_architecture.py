@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("checkpoint",),  # DCP save/load, resharding, DeepSpeed import
     ("profiling",),  # timers, flops profiler, telemetry (reads monitor/precision)
     ("compression",),  # compression_training: quantization, pruning, layer reduction (a step hook)
-    ("data_efficiency",),  # curriculum schedules and sampler, data analyzer, random-LTD (their step hooks)
+    ("data_efficiency", "autotuning"),  # curriculum/sampler/random-LTD; autotuning (metric hook, space, tuners)
     ("engine", "step_hook_factory"),  # orchestration only; the builder of the configured step hooks
     ("initialization", "launcher"),  # the two entry points: initialize() and the launcher
     ("cli",),  # the ``shardwise`` command

@@ -299,7 +299,6 @@ INERT_KEYS: tuple[InertKey, ...] = (
     ),
     InertKey("eigenvalue", "no Hessian eigenvalues are computed", _enabled),
     InertKey("quantize_training", "no MoQ quantization: weights stay in the training precision", _enabled),
-    InertKey("autotuning", "no autotuning: the run trains with the config as written", _enabled),
     InertKey("hybrid_engine", "there is no generation engine; the model trains as a plain module", _enabled),
     InertKey("tensor_parallel", "no automatic tensor parallelism: the model is not split"),
     InertKey("pipeline", "there is no pipeline engine: the section is used only with a PipelineModule"),

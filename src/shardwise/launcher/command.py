@@ -7,7 +7,8 @@ processes in :mod:`shardwise.launcher.runners`; this module parses, logs, and pr
 failure summary.
 
 Options of ours on top of DeepSpeed's: ``--dry_run`` (print every node's command and exit),
-``--rdzv_backend static|c10d``, ``--rdzv_id``, ``--max_restarts``.
+``--rdzv_backend static|c10d``, ``--rdzv_id``, ``--max_restarts``, and for ``--autotuning``
+(:mod:`shardwise.autotuning`) ``--autotuning_memory_per_rank`` and ``--autotuning_timeout``.
 
 Example:
     shardwise --num_gpus 2 train.py --deepspeed --deepspeed_config ds.json
@@ -18,6 +19,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -55,6 +58,24 @@ def _node_spec(text: str) -> str:
             "'worker-0:0,2@worker-1', or leave the option out to use every host and slot."
         )
     return text
+
+
+_BYTE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+AUTOTUNING_FLAGS = ("--autotuning", "--autotuning_memory_per_rank", "--autotuning_timeout")
+"""Launcher options that an autotuning experiment's own launch does not get."""
+
+
+def _byte_count(text: str) -> int:
+    """``"2G"``, ``"512M"`` (binary units) or a number of bytes."""
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = value[-1:] if value[-1:] in _BYTE_UNITS else ""
+    try:
+        count = float(value[: len(value) - len(unit)]) * _BYTE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (write 2G, 512M or 1000000)") from None
+    if count <= 0:
+        raise argparse.ArgumentTypeError(f"the byte count must be > 0, got {text!r}")
+    return int(count)
 
 
 def build_parser(prog: str = "shardwise") -> argparse.ArgumentParser:
@@ -127,8 +148,19 @@ def build_parser(prog: str = "shardwise") -> argparse.ArgumentParser:
     add("--save_pid", action="store_true", help="write this launcher's pid to /tmp/<pid>.shardwise")
     add("--enable_each_rank_log", default=None, metavar="DIR", help="per-rank stdout/stderr files under DIR")
     add(
-        "--autotuning", default="", choices=["", "tune", "run"], help="accepted for compatibility; see --help"
+        "--autotuning",
+        default="",
+        choices=["", "tune", "run"],
+        help="tune: search the config's autotuning space and write the best config; run: then train with it",
     )
+    add(
+        "--autotuning_memory_per_rank",
+        type=_byte_count,
+        default=None,
+        metavar="BYTES",
+        help="autotuning: memory one rank may use (e.g. 2G; default the GPU's, or host memory / ranks per node)",
+    )
+    add("--autotuning_timeout", type=float, default=900.0, help="autotuning: seconds per experiment (default 900)")
     add("--elastic_training", action="store_true", help="elastic run: torchrun with --nnodes=min:max (c10d)")
     add("--min_elastic_nodes", type=int, default=-1, help="elastic: fewest nodes to run with (default 1)")
     add("--max_elastic_nodes", type=int, default=-1, help="elastic: most nodes (default: all hosts)")
@@ -259,16 +291,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "shardwise") -> int:
         return 2
     args = parser.parse_args(argv)
     set_log_level("ERROR" if args.quiet else args.log_level)
-    if args.autotuning == "tune":
-        logger.error(
-            "--autotuning tune is not available in this shardwise release: it would only search for settings "
-            "without training. Use --autotuning run (trains with the given config) or drop the flag."
-        )
-        return 2
-    if args.autotuning == "run":
-        logger.warning(
-            "--autotuning run: autotuning is not available yet; training with the config as given."
-        )
     options = options_from_args(args)
     try:
         pool = load_pool(options.hostfile)
@@ -280,10 +302,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "shardwise") -> int:
         env_files = _read_env_files(env_file_paths(environ, cwd, os.path.expanduser("~")))
         plan = plan_launch(options, pool=pool, device_count=_device_count(), environ=environ, cwd=cwd,
                            env_files=env_files)  # fmt: skip
+        if args.autotuning and not args.dry_run:
+            tuned = _autotune(args, argv, plan)
+            if tuned is None or args.autotuning == "tune":
+                return 0 if tuned is not None else 1
+            options = dataclasses.replace(options, user_args=tuple(tuned))
+            plan = plan_launch(options, pool=pool, device_count=_device_count(), environ=environ, cwd=cwd,
+                               env_files=env_files)  # fmt: skip
         commands = build_commands(plan, cwd)
         if options.elastic_training:
             _check_elastic(plan)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
         logger.error("%s", exc)
         return 2
     for line in describe_plan(plan).splitlines():
@@ -305,6 +334,58 @@ def main(argv: Sequence[str] | None = None, prog: str = "shardwise") -> int:
         with open(f"/tmp/{os.getpid()}.shardwise", "w", encoding="utf-8") as handle:
             handle.write(str(os.getpid()))
     return _run(plan, commands)
+
+
+def _launcher_args(argv: Sequence[str], args: argparse.Namespace) -> list[str]:
+    """The launcher options of ``argv`` (before the script) without the autotuning ones."""
+    options = list(argv[: len(argv) - len(args.user_args) - 1])
+    out: list[str] = []
+    skip = False
+    for item in options:
+        if skip:
+            skip = False
+            continue
+        name = item.split("=", 1)[0]
+        if name in AUTOTUNING_FLAGS:
+            skip = "=" not in item
+            continue
+        out.append(item)
+    return out
+
+
+def _autotune(args: argparse.Namespace, argv: Sequence[str], plan: LaunchPlan) -> list[str] | None:
+    """Run the tuning; the script's arguments for the best config (None: nothing succeeded)."""
+    from shardwise.autotuning.autotuner import Autotuner, TuneRequest
+    from shardwise.autotuning.runner import ExperimentLaunch
+
+    config_path = find_deepspeed_config(plan.options.user_args)
+    if config_path is None or not os.path.isfile(config_path):
+        raise ValueError(
+            f"--autotuning {args.autotuning}: the script's arguments name no existing --deepspeed_config file "
+            f"(got {config_path!r}); the tuning space and the autotuning section are read from it. Pass "
+            "--deepspeed_config ds_config.json to the script."
+        )
+    launch = ExperimentLaunch(
+        tuple(_launcher_args(argv, args)),
+        args.user_script,
+        tuple(args.user_args),
+        timeout_s=args.autotuning_timeout,
+    )
+    request = TuneRequest(
+        config_path=config_path,
+        launch=launch,
+        world_size=plan.world_size,
+        ranks_per_node=max(len(slots) for slots in plan.resources.values()),
+        on_gpu=_device_count() > 0,
+        memory_per_rank=args.autotuning_memory_per_rank,
+    )
+    tuner = Autotuner(request)  # it adds the config's arg_mappings to the launch
+    result = tuner.tune()
+    if result.best_config_path is None:
+        return None
+    with open(result.best_config_path, encoding="utf-8") as handle:
+        best_config = json.load(handle)
+    return tuner.request.launch.script_args(result.best_config_path, best_config)
 
 
 def _run(plan: LaunchPlan, commands: Sequence[RunnerCommand]) -> int:

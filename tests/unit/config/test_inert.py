@@ -137,7 +137,6 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     },
     "eigenvalue": {"eigenvalue": {"enabled": True}},
     "quantize_training": {"quantize_training": {"enabled": True}},
-    "autotuning": {"autotuning": {"enabled": True}},
     "hybrid_engine": {"hybrid_engine": {"enabled": True}},
     "tensor_parallel": {"tensor_parallel": {"autotp_size": 2}},
     "pipeline": {"pipeline": {"stages": 2}},
