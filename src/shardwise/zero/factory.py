@@ -232,6 +232,8 @@ def build_zero_optimizer(
             optimizer_offload=optimizer_offload_spec(
                 zero, aio, masters_on_host=zero.offload_param_device != "none"
             ),
+            quantized_weights=bool(zero.zero_quantized_weights),
+            quantized_gradients=bool(zero.zero_quantized_gradients),
         )
         return Stage3Optimizer(record, param_groups, optimizer_factory, stage3_policy)
     spec = optimizer_offload_spec(zero, aio)

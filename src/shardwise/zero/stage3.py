@@ -41,7 +41,9 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.comm import collectives
+from shardwise.comm.comms_logger import COMMS_LOGGER
 from shardwise.comm.init import group_source_rank
+from shardwise.comm.quantized_collectives import LoggedAllGather, QuantizedAllGather, QuantizedReduceScatter
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
 from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_model import ShardedModel
@@ -65,6 +67,8 @@ class Stage3Policy:
     comm_dtype: torch.dtype | None = None
     reduce_bucket_numel: int = 500_000_000
     optimizer_offload: OffloadSpec | None = None
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
 
 
 class _DeferredReduceScatter:
@@ -213,10 +217,18 @@ class Stage3Optimizer(ZeroStrategy):
         self._trainable = [p for p in record.sharded if p.requires_grad]
         self._acc: dict[int, torch.Tensor] = {}
         self._deferred: _DeferredReduceScatter | None = None
-        if record.policy.device.type == "cpu" and record.policy.reduce_dtype == torch.float32:
+        if policy.quantized_gradients:
+            for module in record.fsdp_modules():
+                module.set_custom_reduce_scatter(QuantizedReduceScatter())  # type: ignore[operator]
+        elif record.policy.device.type == "cpu" and record.policy.reduce_dtype == torch.float32:
             self._deferred = _DeferredReduceScatter()
             for module in record.fsdp_modules():
                 module.set_custom_reduce_scatter(self._deferred)  # type: ignore[operator]
+        # qwZ; else, while the comms logger records, FSDP2's own all-gather through it (bit-identical)
+        gather = QuantizedAllGather() if policy.quantized_weights else LoggedAllGather() if COMMS_LOGGER.enabled else None
+        if gather is not None:
+            for module in record.fsdp_modules():
+                module.set_custom_all_gather(gather)  # type: ignore[operator]
         self._kept_units = [u for u, r in zip(record.units, record.reshard) if r is False] + [record.module]
         self._resharding_after_backward = True
         record.replicated_listener = self._on_replicated_edit
