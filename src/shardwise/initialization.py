@@ -202,6 +202,8 @@ def _place_and_build_zero(
         precision=precision,
         topology=topology,
         record=prepared.record,
+        disable_allgather=bool(root.disable_allgather),
+        param_names={id(p): name for name, p in prepared.module.named_parameters()},
     )
     zero_optimizer.broadcast_parameters()
     return prepared.module, zero_optimizer

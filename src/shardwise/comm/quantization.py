@@ -106,7 +106,9 @@ def quantize_packed(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> torch.Tensor
     return pack(*quantize_blocks(x, block))
 
 
-def dequantize_packed(buffer: torch.Tensor, numel: int, dtype: torch.dtype, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+def dequantize_packed(
+    buffer: torch.Tensor, numel: int, dtype: torch.dtype, block: int = DEFAULT_BLOCK
+) -> torch.Tensor:
     """:func:`unpack` then :func:`dequantize_blocks`."""
     values, scales = unpack(buffer, numel, block)
     return dequantize_blocks(values, scales, numel, dtype)

@@ -56,7 +56,9 @@ def quantized_all_gather(
     _finish(record)
     size = packed.numel()
     for r in range(world):
-        out[r * n : (r + 1) * n] = q.dequantize_packed(gathered[r * size : (r + 1) * size], n, out.dtype, block)
+        out[r * n : (r + 1) * n] = q.dequantize_packed(
+            gathered[r * size : (r + 1) * size], n, out.dtype, block
+        )
 
 
 def quantized_reduce_scatter(
@@ -72,7 +74,9 @@ def quantized_reduce_scatter(
     out, inp = output.view(-1), input_full.view(-1)
     n = out.numel()
     if inp.numel() != world * n:
-        raise ValueError(f"quantized_reduce_scatter: input has {inp.numel()} elements, expected {world} x {n}")
+        raise ValueError(
+            f"quantized_reduce_scatter: input has {inp.numel()} elements, expected {world} x {n}"
+        )
     send = torch.cat([q.quantize_packed(inp[r * n : (r + 1) * n], block) for r in range(world)])
     recv = torch.empty_like(send)
     size = send.numel() // world
@@ -133,5 +137,15 @@ class QuantizedReduceScatter(_FsdpHook):
         async_op: bool = False,
     ) -> None:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise ValueError(f"quantized reduce-scatter (qgZ): FSDP2 asked for {op!r}; only SUM and AVG are supported")
+            raise ValueError(
+                f"quantized reduce-scatter (qgZ): FSDP2 asked for {op!r}; only SUM and AVG are supported"
+            )
         quantized_reduce_scatter(output_tensor, input_tensor, group, op == dist.ReduceOp.AVG, self.block)
+
+
+def all_gather_hook(quantized: bool) -> QuantizedAllGather | LoggedAllGather | None:
+    """The all-gather hook for stage 3's FSDP2 units: qwZ when ``quantized``; else, while the comms
+    logger is on, :class:`LoggedAllGather` (bit-identical, recorded); else None (FSDP2's own)."""
+    if quantized:
+        return QuantizedAllGather()
+    return LoggedAllGather() if _COMMS.enabled else None
