@@ -297,7 +297,16 @@ def initialize(
         cfg.batch.gradient_accumulation_steps,
         topology.dp_size,
     )
+    if root.dump_state:  # DeepSpeed prints its whole configuration at start-up with dump_state
+        logger.info("configuration (dump_state):\n%s", dump_state_text(cfg))
     return engine, zero_optimizer, loader, scheduler
+
+
+def dump_state_text(resolved: Any) -> str:
+    """Every resolved key and its value, one ``key = value`` per line (``dump_state: true``)."""
+    flat = resolved.flat()
+    width = max((len(k) for k in flat), default=0)
+    return "\n".join(f"  {key:<{width}} = {value!r}" for key, value in sorted(flat.items()))
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
