@@ -31,6 +31,7 @@ from shardwise.preflight import load_checked_config, zero_optimizer_error
 from shardwise.profiling.telemetry import build_telemetry
 from shardwise.step_hook_factory import build_step_hooks
 from shardwise.utils.logging import logger, set_log_level
+from shardwise.utils.report import report_logger
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -298,7 +299,7 @@ def initialize(
         topology.dp_size,
     )
     if root.dump_state:  # DeepSpeed prints its whole configuration at start-up with dump_state
-        logger.info("configuration (dump_state):\n%s", dump_state_text(cfg))
+        report_logger().info("configuration (dump_state):\n%s", dump_state_text(cfg))
     return engine, zero_optimizer, loader, scheduler
 
 

@@ -206,7 +206,7 @@ class ZeroOptimizer(ZeroStrategy):
         """``ignore_unused_parameters: false``: raise naming the parameters without a gradient this window."""
         arrived = {id(self.groups[gi].params[pi]) for gi, pi in self.reducer.arrived}
         params = [p for flat in self.groups for p in flat.params]
-        raise_if_unused(params, lambda p: id(p) in arrived, self.policy.param_names)
+        raise_if_unused(params, arrived, self.policy.param_names)
 
     def _publish_parameters(self) -> None:
         """Masters -> parameter buffer, then (sharded) bring every rank's updated shards to all

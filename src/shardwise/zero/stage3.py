@@ -349,7 +349,8 @@ class Stage3Optimizer(ZeroStrategy):
         policy = self.policy
         self.record.ensure_resident()
         if policy.fail_on_unused:  # ignore_unused_parameters: false
-            raise_if_unused(self._trainable, lambda p: id(p) in self._acc, policy.param_names)
+            params = [*self._trainable, *self.replicated.params]
+            raise_if_unused(params, self._acc.keys() | self.replicated.arrived, policy.param_names)
         self._rebind_masters()
         sharded_grads = self._bind_grads()
         plan = plan_step(

@@ -7,7 +7,7 @@ optimizer step (every stage) and raises :class:`UnusedParametersError` with thei
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 _SHOWN = 20
@@ -36,12 +36,10 @@ def unused_parameters_error(names: Sequence[str]) -> UnusedParametersError:
     )
 
 
-def raise_if_unused(
-    params: Iterable[Any], used: Callable[[Any], bool], names: Mapping[int, str] | None
-) -> None:
-    """Raise :func:`unused_parameters_error` for the ``params`` that are not ``used``, named by
-    ``names`` (``id(parameter) -> name``; the shape where a name is unknown)."""
+def raise_if_unused(params: Iterable[Any], used: Container[int], names: Mapping[int, str] | None) -> None:
+    """Raise :func:`unused_parameters_error` for the ``params`` whose ``id`` is not in ``used``, named
+    by ``names`` (``id(parameter) -> name``; the shape where a name is unknown)."""
     known = names or {}
-    missing = [known.get(id(p), f"<unnamed, shape {tuple(p.shape)}>") for p in params if not used(p)]
+    missing = [known.get(id(p), f"<unnamed, shape {tuple(p.shape)}>") for p in params if id(p) not in used]
     if missing:
         raise unused_parameters_error(missing)
