@@ -5,6 +5,7 @@ train within a stated margin of the exact run; hpZ trains exactly like the flat 
 from __future__ import annotations
 
 import pytest
+import torch
 import zeropp_cases as cases
 
 from shardwise.comm.quantization import packed_numel
@@ -44,6 +45,39 @@ def test_training_within_margin_of_exact(runs) -> None:
         for a, b in zip(exact, quant):
             assert abs(a - b) <= LOSS_MARGIN * a, (exact, quant)
     assert exact[-1] < exact[0] and quant[-1] < quant[0]
+
+
+# units reshard after forward (else the tiny model stays gathered into backward and there is no
+# backward all-gather for hpZ to keep inside a group)
+RESHARD = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}
+HPZ_CASES = [
+    {"name": "flat", "zero": RESHARD},
+    {"name": "hpz2", "zero": {**RESHARD, "zero_hpz_partition_size": 2}},
+    {"name": "hpz2_qwz", "zero": {**RESHARD, "zero_hpz_partition_size": 2, "zero_quantized_weights": True}},
+]
+
+
+@pytest.fixture(scope="module")
+def hpz_runs():
+    results = run_distributed_cases(cases.train_stage3, HPZ_CASES, world_size=4, timeout=400)
+    return {case["name"]: result for case, result in zip(HPZ_CASES, results)}
+
+
+def test_hpz_backward_gathers_stay_in_groups_of_two(hpz_runs) -> None:
+    flat, hpz = hpz_runs["flat"][0]["gathers"], hpz_runs["hpz2"][0]["gathers"]
+    assert set(flat) == {4}  # every gather over all 4 ranks
+    assert set(hpz) == {2, 4} and hpz[2] >= hpz[4] - cases.STEPS  # backward gathers in the pair
+    assert sum(hpz.values()) == sum(flat.values())
+    assert set(hpz_runs["hpz2_qwz"][0]["gathers"]) == {2, 4}
+
+
+def test_hpz_trains_exactly_like_the_flat_partition(hpz_runs) -> None:
+    for rank in range(4):
+        flat, hpz = hpz_runs["flat"][rank], hpz_runs["hpz2"][rank]
+        assert flat["losses"] == hpz["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(flat["masters"], hpz["masters"]))
+        quant = hpz_runs["hpz2_qwz"][rank]["losses"]
+        assert all(abs(a - b) <= LOSS_MARGIN * a for a, b in zip(flat["losses"], quant))
 
 
 def test_ranks_agree_on_quantized_weights(runs) -> None:

@@ -41,7 +41,11 @@ def train_stage3(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         engine.step()
         losses.append(float(loss.detach()))
     sent = wire_bytes(world)
+    gathers: dict[int, int] = {}  # ranks taking part -> all-gathers
+    for entries in COMMS_LOGGER.records.get("all_gather_into_tensor", {}).values():
+        for entry in entries:
+            gathers[entry.world_size] = gathers.get(entry.world_size, 0) + 1
     shardwise.comm.configure(enabled=False)
     masters = [p.detach().clone() for p in engine.optimizer.full_fp32_parameters()]
     engine.destroy()
-    return {"losses": losses, "bytes": sent, "masters": masters}
+    return {"losses": losses, "bytes": sent, "masters": masters, "gathers": gathers}
