@@ -16,6 +16,13 @@ pytestmark = pytest.mark.distributed
 CASES = [
     {"name": "exact"},
     {"name": "qwz_qgz", "zero": {"zero_quantized_weights": True, "zero_quantized_gradients": True}},
+    {"name": "bf16_gas2", "precision": "bf16", "gas": 2},
+    {
+        "name": "bf16_gas2_qwz_qgz",
+        "precision": "bf16",
+        "gas": 2,
+        "zero": {"zero_quantized_weights": True, "zero_quantized_gradients": True},
+    },
 ]
 # int8 + one fp32 scale per 256 elements instead of fp32: 4 / (1 + 4/256) = 3.94x, less the
 # padding of each unit's last block; at least 3.5x on the demo GPT's units
@@ -78,6 +85,19 @@ def test_hpz_trains_exactly_like_the_flat_partition(hpz_runs) -> None:
         assert all(torch.equal(a, b) for a, b in zip(flat["masters"], hpz["masters"]))
         quant = hpz_runs["hpz2_qwz"][rank]["losses"]
         assert all(abs(a - b) <= LOSS_MARGIN * a for a, b in zip(flat["losses"], quant))
+
+
+def test_bf16_with_accumulation_within_margin(runs) -> None:
+    for rank in (0, 1):
+        exact, quant = runs["bf16_gas2"][rank]["losses"], runs["bf16_gas2_qwz_qgz"][rank]["losses"]
+        assert exact != quant
+        assert all(abs(a - b) <= LOSS_MARGIN * a for a, b in zip(exact, quant)), (exact, quant)
+    # bf16 all-gathers carry 2 bytes per element: the int8 cut is ~2x there
+    assert (
+        runs["bf16_gas2"][0]["bytes"]["all_gather_into_tensor"]
+        / runs["bf16_gas2_qwz_qgz"][0]["bytes"]["all_gather_into_tensor"]
+        >= MIN_CUT / 2
+    )
 
 
 def test_ranks_agree_on_quantized_weights(runs) -> None:

@@ -28,17 +28,19 @@ def wire_bytes(world: int) -> dict[str, int]:
 def train_stage3(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     """Train the demo GPT at stage 3 (fp32) with the case's ZeRO++ keys; losses and bytes on the wire."""
     torch.manual_seed(0)
-    cfg = config(3, "fp32", 1, 2, world, stage3_param_persistence_threshold=0, **case.get("zero", {}))
+    precision, gas = case.get("precision", "fp32"), case.get("gas", 1)
+    cfg = config(3, precision, gas, 2, world, stage3_param_persistence_threshold=0, **case.get("zero", {}))
     cfg["comms_logger"] = {"enabled": True}
     engine, *_ = shardwise.initialize(model=make_model(), config=cfg)
     shardwise.comm.reset_log()
     losses = []
     for step in range(STEPS):
-        x, y = batch(step, 0, rank, 2)
-        logits = engine(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
-        engine.backward(loss)
-        engine.step()
+        for micro in range(gas):
+            x, y = batch(step, micro, rank, 2)
+            logits = engine(x)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+            engine.backward(loss)
+            engine.step()
         losses.append(float(loss.detach()))
     sent = wire_bytes(world)
     gathers: dict[int, int] = {}  # ranks taking part -> all-gathers
