@@ -6,7 +6,8 @@
 - allgather_partitions: false and disable_allgather: true (stages 1-2): broadcasts from each owner;
 - ignore_unused_parameters: false (stages 0-3): the step raises naming the unused parameters;
 - load_from_fp32_weights: false: the masters restart from the loaded bf16 weights;
-- dump_state: true logs the resolved config at start-up.
+- dump_state: true logs the resolved config at start-up;
+- zero_quantized_weights (ZeRO++ qwZ) at stage 2: the updated shards travel as int8 blocks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ CASES = [
     {"kind": "count", "name": "s2_small_gather", "stage": 2, "zero": SMALL_GATHER},
     {"kind": "count", "name": "s1_broadcast", "stage": 1, "zero": {"allgather_partitions": False}},
     {"kind": "count", "name": "s2_disable", "stage": 2, "top": {"disable_allgather": True}},
+    {"kind": "count", "name": "s2_qwz", "stage": 2, "zero": {"zero_quantized_weights": True}},
     *(
         {"kind": "unused", "name": f"unused_s{s}", "stage": s, "zero": {"ignore_unused_parameters": False}}
         for s in (0, 1, 2, 3)
@@ -108,3 +110,16 @@ def test_dump_state_logs_the_config_once(runs) -> None:
     (text,) = runs["dump_on"][0]["dumps"]
     assert "zero_optimization.stage" in text and "train_micro_batch_size_per_gpu" in text
     assert runs["dump_off"][0]["dumps"] == []
+
+
+def test_quantized_weights_at_stage_2(runs) -> None:
+    exact, quant = runs["s2"][0], runs["s2_qwz"][0]
+    assert exact["calls"]["all_gather_into_tensor"] == quant["calls"]["all_gather_into_tensor"]
+    assert exact["bytes"]["all_gather_into_tensor"] / quant["bytes"]["all_gather_into_tensor"] >= 3.5
+    flat = [
+        torch.cat([w.flatten() for w in runs[name][r]["weights"]])
+        for name in ("s2", "s2_qwz")
+        for r in (0, 1)
+    ]
+    assert torch.equal(flat[2], flat[3])  # every rank holds the same dequantized weights
+    assert not torch.equal(flat[0], flat[2]) and torch.allclose(flat[0], flat[2], rtol=0, atol=1e-2)

@@ -32,10 +32,11 @@ def train_counting(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any
         engine.backward(_loss(engine, step, rank))
         engine.step()
     calls = {op: sum(len(v) for v in sizes.values()) for op, sizes in COMMS_LOGGER.records.items()}
+    sent = {op: sum(n * len(v) for n, v in sizes.items()) for op, sizes in COMMS_LOGGER.records.items()}
     shardwise.comm.configure(enabled=False)
     weights = [p.detach().clone() for p in engine.module.parameters()]
     engine.destroy()
-    return {"calls": calls, "weights": weights}
+    return {"calls": calls, "bytes": sent, "weights": weights}
 
 
 class _WithUnused(torch.nn.Module):

@@ -239,10 +239,9 @@ INERT_KEYS: tuple[InertKey, ...] = (
     ),
     InertKey(
         "zero_optimization.zero_quantized_weights",
-        "the quantized weight all-gather (ZeRO++ qwZ) is used at stage 3; at stages 0-2 updated shards "
-        "travel in the training dtype",
+        "stage 0 gathers no weights (the quantized all-gather, ZeRO++ qwZ, is used at stages 1-3)",
         None,
-        _BELOW_3,
+        frozenset({0}),
     ),
     InertKey(
         "zero_optimization.zero_quantized_nontrainable_weights",

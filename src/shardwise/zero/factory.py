@@ -265,6 +265,7 @@ def build_zero_optimizer(
         publish=PublishPolicy(
             bucket_numel=int(zero.allgather_bucket_size),
             broadcast=disable_allgather or not zero.allgather_partitions,
+            quantized=bool(zero.zero_quantized_weights),
         ),
         all_reduce_gradients=not zero.reduce_scatter,
         fail_on_unused=not zero.ignore_unused_parameters,

@@ -6,7 +6,11 @@ By default each bucket is one all-gather (the exact path, unchanged). With
 most that many elements each (every rank contributes the same piece of its shard, gathered
 into a scratch buffer and copied to the owners' places). With ``allgather_partitions: false``
 (or the top-level ``disable_allgather: true``) each rank's shard is broadcast from its owner
-instead, one broadcast per rank and bucket, as DeepSpeed does.
+instead, one broadcast per rank and bucket, as DeepSpeed does. With ``zero_quantized_weights``
+(ZeRO++ qwZ) each bucket is one int8 block-quantized all-gather
+(:func:`shardwise.comm.quantized_collectives.quantized_all_gather`): every rank's parameters,
+its own shard included, are then the dequantized values (error <= block absmax / 254), while the
+fp32 masters stay exact.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from shardwise.comm import collectives
 from shardwise.comm.init import get_global_rank
+from shardwise.comm.quantized_collectives import quantized_all_gather
 from shardwise.zero.flat_group import FlatGroup
 
 
@@ -29,10 +34,12 @@ class PublishPolicy:
     Attributes:
         bucket_numel: at most this many elements per all-gather (``allgather_bucket_size``).
         broadcast: broadcast each shard from its owner instead of all-gathering.
+        quantized: ZeRO++ qwZ: all-gather int8 blocks (one collective per bucket).
     """
 
     bucket_numel: int = 500_000_000
     broadcast: bool = False
+    quantized: bool = False
 
 
 def chunk_ranges(shard_numel: int, world: int, bucket_numel: int) -> list[tuple[int, int]]:
@@ -61,6 +68,9 @@ def launch_publish(
     buffer = flat.param_buffer
     for plan, (lo, hi) in zip(flat.layout.buckets, flat.owned):
         ranges = [plan.shard_range(r) for r in range(world)]
+        if policy.quantized:
+            quantized_all_gather(buffer[plan.start : plan.end], buffer[lo:hi], group)
+            continue
         if policy.broadcast:
             for r, (a, b) in enumerate(ranges):
                 work = collectives.broadcast(

@@ -97,7 +97,7 @@ KEY_NOTES: dict[str, tuple[str, str]] = {
     "zero_quantized_weights": (
         _MAPPED,
         "stage 3 (ZeRO++ qwZ): units are all-gathered as int8 blocks with one fp32 scale per 256 "
-        "elements, dequantized on arrival (error <= block absmax / 254)",
+        "elements, dequantized on arrival (error <= block absmax / 254); stages 1-2: the updated shards",
     ),
     "zero_quantized_nontrainable_weights": (_INERT, "quantized frozen weights are not implemented"),
     "zero_quantized_gradients": (

@@ -71,7 +71,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "gradient_clipping": 0,
     },
     "zero_optimization.zero_quantized_weights": {
-        "zero_optimization": {"stage": 2, "zero_quantized_weights": True}
+        "zero_optimization": {"stage": 0, "zero_quantized_weights": True}
     },
     "zero_optimization.zero_quantized_nontrainable_weights": {
         "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}
@@ -304,7 +304,7 @@ ACTING = {
     "zero_optimization.reduce_scatter": ({"reduce_scatter": False}, (1, 2), (0, 3)),
     "zero_optimization.allgather_bucket_size": ({"allgather_bucket_size": 1000}, (1, 2), (0, 3)),
     "zero_optimization.allgather_partitions": ({"allgather_partitions": False}, (1, 2), (0, 3)),
-    "zero_optimization.zero_quantized_weights": ({"zero_quantized_weights": True}, (3,), (0, 1, 2)),
+    "zero_optimization.zero_quantized_weights": ({"zero_quantized_weights": True}, (1, 2, 3), (0,)),
     "zero_optimization.zero_quantized_gradients": ({"zero_quantized_gradients": True}, (3,), (0, 1, 2)),
     "zero_optimization.ignore_unused_parameters": ({"ignore_unused_parameters": False}, (0, 1, 2, 3), ()),
     "zero_optimization.load_from_fp32_weights": ({"load_from_fp32_weights": False}, (0, 1, 2, 3), ()),
