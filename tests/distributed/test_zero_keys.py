@@ -122,4 +122,7 @@ def test_quantized_weights_at_stage_2(runs) -> None:
         for r in (0, 1)
     ]
     assert torch.equal(flat[2], flat[3])  # every rank holds the same dequantized weights
-    assert not torch.equal(flat[0], flat[2]) and torch.allclose(flat[0], flat[2], rtol=0, atol=1e-2)
+    assert not torch.equal(flat[0], flat[2])
+    for rank in (0, 1):  # trains within 1% of the exact run's loss, step by step
+        pairs = zip(runs["s2"][rank]["losses"], runs["s2_qwz"][rank]["losses"])
+        assert all(abs(a - b) <= 0.01 * a for a, b in pairs)

@@ -28,15 +28,18 @@ def train_counting(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any
     cfg["comms_logger"] = {"enabled": True}
     engine, *_ = shardwise.initialize(model=make_model(), config=cfg)
     shardwise.comm.reset_log()
+    losses = []
     for step in range(3):
-        engine.backward(_loss(engine, step, rank))
+        loss = _loss(engine, step, rank)
+        engine.backward(loss)
         engine.step()
+        losses.append(float(loss.detach()))
     calls = {op: sum(len(v) for v in sizes.values()) for op, sizes in COMMS_LOGGER.records.items()}
     sent = {op: sum(n * len(v) for n, v in sizes.items()) for op, sizes in COMMS_LOGGER.records.items()}
     shardwise.comm.configure(enabled=False)
     weights = [p.detach().clone() for p in engine.module.parameters()]
     engine.destroy()
-    return {"calls": calls, "bytes": sent, "weights": weights}
+    return {"calls": calls, "bytes": sent, "weights": weights, "losses": losses}
 
 
 class _WithUnused(torch.nn.Module):
