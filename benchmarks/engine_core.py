@@ -8,6 +8,7 @@ ratios against the best peer of each stage, and the pass/fail of shardwise's tar
     python benchmarks/engine_core.py --stages 3      # only the stage-3 rows
     python benchmarks/engine_core.py --quick         # a smaller GPT and fewer steps, about 2 minutes
     python benchmarks/engine_core.py --out results.json
+    python benchmarks/engine_core.py --zeropp        # stage 3 exact vs ZeRO++ qwZ+qgZ: bytes and step time
 
 Every case is its own 2-process job: two fresh interpreters started with ``subprocess`` (the
 spawn model: nothing inherited from this process), one intra-op thread each, the same seed, the
@@ -430,6 +431,11 @@ class Settings:
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller GPT and fewer steps (~2 min)")
+    parser.add_argument(
+        "--zeropp",
+        action="store_true",
+        help="only the ZeRO++ rows: stage 3 with/without qwZ+qgZ (zeropp_rows.py)",
+    )
     parser.add_argument("--out", type=Path, help="write all numbers to this JSON file")
     parser.add_argument("--steps", type=int, help="measured optimizer steps per case")
     parser.add_argument("--warmup", type=int, help="untimed optimizer steps first (>= 2)")
@@ -647,6 +653,20 @@ def main(argv: list[str] | None = None) -> int:
         "frameworks": DESCRIPTIONS,
     }
 
+    if args.zeropp:
+        from zeropp_rows import report, zeropp_specs
+
+        mb, seq = preset["fp32_batch"]
+        print(
+            f"[engine_core] ZeRO++ rows: model {preset['model']}, micro batch x seq {mb} x {seq} ...",
+            flush=True,
+        )
+        outcome = run_cases(zeropp_specs(mb, seq), cfg.python, WORLD, timeout=cfg.timeout, env_extra=cfg.src_env,
+                            base=cfg.base)  # fmt: skip
+        rows = report(outcome)
+        if args.out:
+            args.out.write_text(json.dumps({"meta": meta, "zeropp": rows}, indent=2))
+        return 0
     unavailable = check_frameworks(wanted, cfg, meta)
     triad_Bps = measure_triad(cfg, meta)
     cases = build_grid(args, preset, wanted)

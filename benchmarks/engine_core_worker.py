@@ -246,7 +246,9 @@ def _ds_style_config(spec: dict[str, Any]) -> dict[str, Any]:
             },
         },
         "bf16": {"enabled": bool(spec["bf16"])},
-        "zero_optimization": {"stage": spec["stage"]},
+        "zero_optimization": {"stage": spec["stage"], **spec.get("zero_extra", {})},
+        # --zeropp rows: the comms logger counts the bytes every collective sends
+        **({"comms_logger": {"enabled": True}} if spec.get("count_bytes") else {}),
     }
 
 
@@ -529,6 +531,8 @@ def run_case(spec: dict[str, Any], models: types.ModuleType, t_launch: float, fi
         # The memory walk happens once, in step index 1 (optimizer state exists from step 0 on),
         # which is a warm-up step: the walk's time never enters the measured steps.
         hook = measure_memory if step == 1 else None
+        if step == warmup and spec.get("count_bytes"):
+            _reset_comms_log()
         t0 = time.perf_counter()
         step_losses = [runner.micro(x, y, m == gas - 1, hook) for m, (x, y) in enumerate(batches)]
         dt = time.perf_counter() - t0
@@ -571,7 +575,29 @@ def run_case(spec: dict[str, Any], models: types.ModuleType, t_launch: float, fi
         import deepspeed
 
         result["deepspeed"] = deepspeed.__version__
+    if spec.get("count_bytes"):
+        result["wire_bytes_per_step"] = _wire_bytes(int(spec["world_size"]), steps)
     return result
+
+
+def _reset_comms_log() -> None:
+    import shardwise
+
+    shardwise.comm.reset_log()
+
+
+def _wire_bytes(world: int, steps: int) -> dict[str, int]:
+    """Bytes this rank sent per measured step, per collective, from shardwise's comms logger: an
+    all-gather / reduce-scatter record is one rank's part (W - 1 parts leave), an all-to-all record
+    the whole buffer ((W - 1) / W of it leaves), an all-reduce ~2 (W - 1) / W of the tensor."""
+    from shardwise.comm.comms_logger import COMMS_LOGGER
+
+    share = {"all_to_all_single": (world - 1) / world, "all_reduce": 2 * (world - 1) / world}
+    out = {}
+    for op, by_size in COMMS_LOGGER.records.items():
+        total = sum(size * len(entries) for size, entries in by_size.items())
+        out[op] = int(total * share.get(op, world - 1) / max(1, steps))
+    return out
 
 
 def run_job(spec: dict[str, Any], t_launch: float, out: Path) -> None:

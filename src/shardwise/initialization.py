@@ -31,6 +31,7 @@ from shardwise.preflight import load_checked_config, zero_optimizer_error
 from shardwise.profiling.telemetry import build_telemetry
 from shardwise.step_hook_factory import build_step_hooks
 from shardwise.utils.logging import logger, set_log_level
+from shardwise.utils.report import report_logger
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -202,6 +203,8 @@ def _place_and_build_zero(
         precision=precision,
         topology=topology,
         record=prepared.record,
+        disable_allgather=bool(root.disable_allgather),
+        param_names={id(p): name for name, p in prepared.module.named_parameters()},
     )
     zero_optimizer.broadcast_parameters()
     return prepared.module, zero_optimizer
@@ -299,7 +302,16 @@ def initialize(
         cfg.batch.gradient_accumulation_steps,
         topology.dp_size,
     )
+    if root.dump_state:  # DeepSpeed prints its whole configuration at start-up with dump_state
+        report_logger().info("configuration (dump_state):\n%s", dump_state_text(cfg))
     return engine, zero_optimizer, loader, scheduler
+
+
+def dump_state_text(resolved: Any) -> str:
+    """Every resolved key and its value, one ``key = value`` per line (``dump_state: true``)."""
+    flat = resolved.flat()
+    width = max((len(k) for k in flat), default=0)
+    return "\n".join(f"  {key:<{width}} = {value!r}" for key, value in sorted(flat.items()))
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

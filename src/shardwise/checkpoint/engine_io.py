@@ -126,7 +126,8 @@ def load_checkpoint(
     """``engine.load_checkpoint``: returns ``(path, client_state)``, or ``(None, None)`` without ``latest``.
 
     Loads a checkpoint saved at any world size and ZeRO stage, or one written by DeepSpeed.
-    ``path`` is the tag directory.
+    ``path`` is the tag directory. With ``zero_optimization.load_from_fp32_weights: false`` the
+    fp32 masters are then re-read from the loaded (training-dtype) model weights.
 
     Example:
         >>> # path, client_state = engine.load_checkpoint("ckpts")
@@ -145,6 +146,11 @@ def load_checkpoint(
     )
     if result is None:
         return None, None
+    zero = engine.config.config.zero_optimization
+    if not zero.load_from_fp32_weights and state.optimizer is not None and load_optimizer_states:
+        # DeepSpeed's load_from_fp32_weights=false: the masters restart from the (16-bit) model
+        # weights just loaded, not from the checkpoint's fp32 copy
+        state.optimizer.refresh_masters_from_params()
     engine.counters.load_state_dict(result.counters)
     if "global_samples" not in result.counters and "global_steps" in result.counters:
         engine.counters.global_samples = engine.global_steps * engine.train_batch_size()

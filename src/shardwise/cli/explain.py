@@ -54,6 +54,8 @@ def explain(resolved: ResolvedConfig, show_defaults: bool = True) -> str:
     width = max((len(k) for k in shown), default=10)
     user_set = {k for k in flat if resolved.sources[k].source is not Source.DEFAULT}
     on_engine = engine_notes(flat, config.zero_stage, only=user_set)
+    for ignored in resolved.ignored:  # every accepted-but-ignored key says so, top-level ones too
+        on_engine.setdefault(ignored.path, f"{ignored.verdict}: {ignored.instead}")
     for source in _ORDER:
         if source is Source.DEFAULT and not show_defaults:
             continue

@@ -150,9 +150,18 @@ _ONEBIT_TEXT = (
 
 INERT_KEYS: tuple[InertKey, ...] = (
     # top level
-    InertKey("dump_state", "the config is not printed at start-up; `shardwise config explain FILE` shows it"),
-    InertKey("disable_allgather", "updated shards are always all-gathered"),
-    InertKey("sparse_gradients", "gradients are always reduced densely"),
+    InertKey(
+        "disable_allgather",
+        "stage 0 gathers nothing and stage 3's FSDP2 gathers units with all-gather; at stages 1-2 the "
+        "updated shards are broadcast from their owners instead",
+        None,
+        frozenset({0, 3}),
+    ),
+    InertKey(
+        "sparse_gradients",
+        "by design: gradients are reduced densely (flat buffers at stages 0-2, FSDP2 shards at stage 3), "
+        "so the sums are the same and only the message size differs",
+    ),
     InertKey("disable_python_gc", "Python's garbage collector is left as it is"),
     InertKey("vocabulary_size", "not read by shardwise"),
     InertKey("zero_force_ds_cpu_optimizer", "an offloaded step always runs torch's optimizer on the CPU"),
@@ -195,27 +204,34 @@ INERT_KEYS: tuple[InertKey, ...] = (
     ),
     InertKey(
         "zero_optimization.reduce_scatter",
-        "gradients are always all-reduced at stage 0 and reduce-scattered at stages 1-3",
+        "stage 0 always all-reduces and stage 3's FSDP2 always reduce-scatters (false acts at stages 1-2: "
+        "all-reduce, then slice)",
+        None,
+        frozenset({0, 3}),
     ),
     InertKey(
         "zero_optimization.allgather_bucket_size",
-        "updated shards are all-gathered a flat buffer at a time (stages 1-2); FSDP2 gathers one unit per "
-        "collective (stage 3)",
+        "stage 0 gathers nothing and FSDP2 gathers one unit per collective at stage 3 (stages 1-2 split "
+        "their all-gathers to this size)",
+        None,
+        frozenset({0, 3}),
     ),
-    InertKey("zero_optimization.allgather_partitions", "updated shards are always gathered with all-gather"),
-    InertKey("zero_optimization.round_robin_gradients", "gradient shards are assigned to ranks in order"),
-    InertKey("zero_optimization.use_multi_rank_bucket_allreduce", "buckets are reduced one collective each"),
     InertKey(
-        "zero_optimization.ignore_unused_parameters",
-        "parameters without a gradient are always accepted (their gradient is zero); no error is raised",
+        "zero_optimization.allgather_partitions",
+        "stage 0 gathers nothing and FSDP2 gathers with all-gather at stage 3 (false broadcasts each shard "
+        "at stages 1-2)",
+        None,
+        frozenset({0, 3}),
     ),
+    InertKey(
+        "zero_optimization.round_robin_gradients",
+        "by design: gradient shards are assigned to ranks in order; DeepSpeed's round robin only spreads its "
+        "CPU-offload gradient copies over ranks, the sums and the update are the same",
+    ),
+    InertKey("zero_optimization.use_multi_rank_bucket_allreduce", "buckets are reduced one collective each"),
     InertKey(
         "zero_optimization.elastic_checkpoint",
         "always on: checkpoints are topology-free, any number of ranks at any stage can load them",
-    ),
-    InertKey(
-        "zero_optimization.load_from_fp32_weights",
-        "master weights are always restored from the checkpoint's fp32 copy",
     ),
     InertKey(
         "zero_optimization.compute_grad_norm",
@@ -223,7 +239,9 @@ INERT_KEYS: tuple[InertKey, ...] = (
     ),
     InertKey(
         "zero_optimization.zero_quantized_weights",
-        "quantized weight all-gather (ZeRO++ qwZ) is not implemented; weights travel in the training dtype",
+        "stage 0 gathers no weights (the quantized all-gather, ZeRO++ qwZ, is used at stages 1-3)",
+        None,
+        frozenset({0}),
     ),
     InertKey(
         "zero_optimization.zero_quantized_nontrainable_weights",
@@ -231,8 +249,10 @@ INERT_KEYS: tuple[InertKey, ...] = (
     ),
     InertKey(
         "zero_optimization.zero_quantized_gradients",
-        "quantized gradient reduction (ZeRO++ qgZ) is not implemented; gradients travel in the "
-        "communication dtype",
+        "the quantized gradient reduce-scatter (ZeRO++ qgZ) is used at stage 3; at stages 0-2 gradients "
+        "travel in the communication dtype",
+        None,
+        _BELOW_3,
     ),
     InertKey(
         "zero_optimization.zero_hpz_partition_size",

@@ -15,7 +15,7 @@ Two steps, both called from ``initialize``; each receives the config sections it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from shardwise.zero.offload import (
     optimizer_offload_spec,
     param_offload_spec,
 )
+from shardwise.zero.param_publish import PublishPolicy
 from shardwise.zero.sharded_model import ShardedModel
 from shardwise.zero.sharded_optimizer import OptimizerFactory, ZeroOptimizer, ZeroPolicy
 from shardwise.zero.strategy import ZeroStrategy
@@ -192,6 +193,8 @@ def build_zero_optimizer(
     precision: PrecisionPolicy,
     topology: Topology,
     record: ShardedModel | None = None,
+    disable_allgather: bool = False,
+    param_names: Mapping[int, str] | None = None,
 ) -> ZeroStrategy:
     """The ZeRO optimizer for the stage: ``ZeroOptimizer`` (0-2) or ``Stage3Optimizer``.
 
@@ -206,6 +209,9 @@ def build_zero_optimizer(
         precision: the precision policy.
         topology: data/model-parallel groups.
         record: stage 3 only: :attr:`PreparedModel.record` from :func:`prepare_module`.
+        disable_allgather: the top-level ``disable_allgather`` (stages 1-2: broadcast the shards).
+        param_names: ``id(parameter) -> name`` (names the parameters in the
+            ``ignore_unused_parameters: false`` error).
     """
     stage = int(zero.stage)
     _check_offload(zero)
@@ -232,6 +238,10 @@ def build_zero_optimizer(
             optimizer_offload=optimizer_offload_spec(
                 zero, aio, masters_on_host=zero.offload_param_device != "none"
             ),
+            quantized_weights=bool(zero.zero_quantized_weights),
+            quantized_gradients=bool(zero.zero_quantized_gradients),
+            fail_on_unused=not zero.ignore_unused_parameters,
+            param_names=param_names,
         )
         return Stage3Optimizer(record, param_groups, optimizer_factory, stage3_policy)
     spec = optimizer_offload_spec(zero, aio)
@@ -252,5 +262,13 @@ def build_zero_optimizer(
         process_group=topology.dp_group,
         mp_group=topology.mp_group if topology.mp_size > 1 else None,
         mp_rank=topology.mp_rank,
+        publish=PublishPolicy(
+            bucket_numel=int(zero.allgather_bucket_size),
+            broadcast=disable_allgather or not zero.allgather_partitions,
+            quantized=bool(zero.zero_quantized_weights),
+        ),
+        all_reduce_gradients=not zero.reduce_scatter,
+        fail_on_unused=not zero.ignore_unused_parameters,
+        param_names=param_names,
     )
     return ZeroOptimizer(param_groups, optimizer_factory, policy)

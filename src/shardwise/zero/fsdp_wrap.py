@@ -45,6 +45,7 @@ from shardwise.comm import collectives
 from shardwise.comm import init as comm_init
 from shardwise.utils.logging import logger
 from shardwise.zero.external_params import is_external
+from shardwise.zero.hpz import hpz_active
 from shardwise.zero.init_context import Init, ZeroParamStatus, gather_stash, stash_of
 from shardwise.zero.param_swap import ParamSwapper
 from shardwise.zero.sharded_model import ShardedModel, ShardPolicy, record_of, register_record
@@ -214,7 +215,7 @@ def _plan_units(
     numels = [nodes[n].numel for n in names]
     keep = reshard_plan(numels, settings.max_live_numel, settings.max_reuse_distance)
     hpz = settings.hpz_partition_size
-    use_hpz = 1 < hpz < policy.world_size and policy.world_size % hpz == 0
+    use_hpz = hpz_active(hpz, policy.world_size)  # ZeRO++ hpZ: FSDP2 reshards onto groups of hpz ranks
     reshard: list[bool | int] = [hpz if (r and use_hpz) else r for r in keep]
     return _UnitPlan(names, numels, reshard)
 

@@ -55,6 +55,8 @@ class ReducePolicy:
         overlap: launch a bucket as soon as it is complete (``overlap_comm``).
         comm_dtype: dtype on the wire (``communication_data_type``), None = gradient dtype.
         pre_multiplier: applied before the reduction (prescale 1/W or predivide 1/f), 1.0 = none.
+        all_reduce_gradients: stages 1-2 with ``reduce_scatter: false``: all-reduce each bucket
+            (or piece), then keep this rank's shard of the sums.
     """
 
     shard: bool
@@ -62,6 +64,7 @@ class ReducePolicy:
     overlap: bool
     comm_dtype: torch.dtype | None
     pre_multiplier: float
+    all_reduce_gradients: bool = False
 
 
 @dataclass
@@ -101,7 +104,9 @@ class GradientReducer(ABC):
         self.sync_enabled = True  # False inside no_sync()
         self.optimizer_exchanges = False  # the optimizer averages by itself (1-bit): no reduction
         self._inflight: list[_Inflight] = []
-        algorithm = _reduce_scatter_algorithm(groups, process_group) if policy.shard else "all_reduce"
+        self.arrived: set[tuple[int, int]] = set()  # (group, parameter) that got a gradient this window
+        forced = policy.all_reduce_gradients or not policy.shard
+        algorithm = "all_reduce" if forced else _reduce_scatter_algorithm(groups, process_group)
         self._piece_exchange = policy.shard and algorithm == "exchange"
         self.in_pieces = self._reduces_in_pieces(algorithm)
         self.order = LaunchOrder(
@@ -149,6 +154,7 @@ class GradientReducer(ABC):
         return hook
 
     def _on_grad(self, gi: int, pi: int, param: torch.Tensor) -> None:
+        self.arrived.add((gi, pi))
         self._accumulate(gi, pi, param)
         for k in self.order.arrive(gi, pi, reducing=self._reducing()):
             self._launch_unit(k)

@@ -55,6 +55,7 @@ class ReplicatedParams:
         for master in self.masters:
             master.requires_grad_(False)
         self.accumulators: list[torch.Tensor | None] = [None] * len(self.params)
+        self.arrived: set[int] = set()  # ids of the parameters that got a gradient this window
         self._buckets = self._plan()
 
     def _plan(self) -> list[list[int]]:
@@ -92,6 +93,7 @@ class ReplicatedParams:
             for i in bucket:
                 p = self.params[i]
                 if p.grad is not None:
+                    self.arrived.add(id(p))
                     flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
                     p.grad = None
                 offset += p.numel()
@@ -128,6 +130,7 @@ class ReplicatedParams:
     def zero_grad(self) -> None:
         """Drop accumulated gradients."""
         self.accumulators = [None] * len(self.params)
+        self.arrived.clear()
         for master in self.masters:
             master.grad = None
         for p in self.params:

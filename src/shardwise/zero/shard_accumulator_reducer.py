@@ -148,10 +148,15 @@ class ShardAccumulatorReducer(GradientReducer):
         accumulate = not self._fresh[gi][bucket]
         direct = wire.dtype == target.dtype and not accumulate
         lo, hi = group.owned[bucket]
-        out = target if direct else torch.empty(hi - lo, dtype=wire.dtype, device=wire.device)
-        work = collectives.reduce_scatter_flat(
-            out, wire, group=self.process_group, async_op=True, input_is_scratch=True
-        )
+        work: Any
+        if self.policy.all_reduce_gradients:  # reduce_scatter: false: all-reduce, then this rank's slice
+            work = collectives.all_reduce(wire, op="sum", group=self.process_group, async_op=True)
+            out = wire[lo - plan.start : hi - plan.start]
+        else:
+            out = target if direct else torch.empty(hi - lo, dtype=wire.dtype, device=wire.device)
+            work = collectives.reduce_scatter_flat(
+                out, wire, group=self.process_group, async_op=True, input_is_scratch=True
+            )
 
         def after() -> None:
             if out is not target:

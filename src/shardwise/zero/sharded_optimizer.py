@@ -16,8 +16,8 @@ Stage 2: stage 1 plus sharded gradients, reduce-scattered every micro step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,11 +30,13 @@ from shardwise.optim.exchanging import GradientExchangingOptimizer
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
 from shardwise.zero.offload import checkpoint_view
+from shardwise.zero.param_publish import PublishPolicy, launch_publish
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
 from shardwise.zero.shard_accumulator_reducer import ShardAccumulatorReducer
 from shardwise.zero.state_layout import FlatPiece, Holding, ParamPlace, StateLayout
 from shardwise.zero.step_math import plan_step
 from shardwise.zero.strategy import StepResult, ZeroStrategy, sharded_gradients_refusal
+from shardwise.zero.unused_parameters import raise_if_unused
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
@@ -57,6 +59,10 @@ class ZeroPolicy:
     process_group: Any = None
     mp_group: Any = None
     mp_rank: int = 0
+    publish: PublishPolicy = field(default_factory=PublishPolicy)
+    all_reduce_gradients: bool = False  # reduce_scatter: false (stages 1-2): all-reduce, then slice
+    fail_on_unused: bool = False  # ignore_unused_parameters: false
+    param_names: Mapping[int, str] | None = None  # id(parameter) -> name, for the unused-parameter error
 
 
 class ZeroOptimizer(ZeroStrategy):
@@ -108,6 +114,7 @@ class ZeroOptimizer(ZeroStrategy):
                 overlap=policy.overlap_comm,
                 comm_dtype=policy.comm_dtype,
                 pre_multiplier=policy.pre_multiplier,
+                all_reduce_gradients=policy.all_reduce_gradients,
             ),
             policy.process_group,
         )
@@ -155,6 +162,7 @@ class ZeroOptimizer(ZeroStrategy):
         for flat in self.groups:
             flat.zero_grads()
         self.reducer.new_accumulation()
+        self.reducer.arrived.clear()
 
     def set_gradient_sync(self, enabled: bool) -> None:
         """Reduce gradients in backward (True) or accumulate them locally (False; stages 0-1)."""
@@ -181,6 +189,8 @@ class ZeroOptimizer(ZeroStrategy):
     def step(self, loss_scale: float = 1.0) -> StepResult:
         """One optimizer step at an accumulation boundary (every rank must call it)."""
         self.reducer.finish()
+        if self.policy.fail_on_unused:
+            self._check_all_used()
         for flat in self.groups:
             flat.settle()  # slots no gradient reached in this window (e.g. no_sync at the boundary)
         local = self._optimizer_exchanges()
@@ -213,23 +223,25 @@ class ZeroOptimizer(ZeroStrategy):
         self.zero_grad()
         return plan.result()
 
+    def _check_all_used(self) -> None:
+        """``ignore_unused_parameters: false``: raise naming the parameters without a gradient this window."""
+        arrived = {id(self.groups[gi].params[pi]) for gi, pi in self.reducer.arrived}
+        params = [p for flat in self.groups for p in flat.params]
+        raise_if_unused(params, arrived, self.policy.param_names)
+
     def _publish_parameters(self) -> None:
-        """Masters -> parameter buffer, then (sharded) all-gather every bucket."""
-        works = []
+        """Masters -> parameter buffer, then (sharded) bring every rank's updated shards to all
+        ranks (:mod:`shardwise.zero.param_publish`: one all-gather per bucket by default)."""
+        pending = []
         for flat in self.groups:
             flat.copy_master_to_params()
             if self.policy.stage == 0 or self.policy.world_size == 1:
                 continue
-            for plan, (lo, hi) in zip(flat.layout.buckets, flat.owned):
-                bucket = flat.param_buffer[plan.start : plan.end]
-                works.append(
-                    collectives.all_gather_flat(
-                        bucket, flat.param_buffer[lo:hi], group=self.policy.process_group, async_op=True
-                    )
-                )
-        for work in works:
+            pending.extend(launch_publish(flat, self.policy.publish, self.policy.process_group))
+        for work, then in pending:
             if work is not None:
                 work.wait()
+            then()
 
     # ------------------------------------------------------------------ checkpoint state
     def state_layout(self) -> StateLayout:

@@ -32,7 +32,7 @@ Two things FSDP2 does not do by itself, measured on the benchmark GPT (2 gloo ra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
+from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
 from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_model import ShardedModel
@@ -49,6 +50,7 @@ from shardwise.zero.sharded_optimizer import OptimizerFactory
 from shardwise.zero.state_layout import Holding, ParamPlace, StateLayout
 from shardwise.zero.step_math import plan_step
 from shardwise.zero.strategy import StepResult, ZeroStrategy, sharded_gradients_refusal
+from shardwise.zero.unused_parameters import raise_if_unused
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ class Stage3Policy:
     comm_dtype: torch.dtype | None = None
     reduce_bucket_numel: int = 500_000_000
     optimizer_offload: OffloadSpec | None = None
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    fail_on_unused: bool = False  # ignore_unused_parameters: false
+    param_names: Mapping[int, str] | None = None
 
 
 class _DeferredReduceScatter:
@@ -78,9 +84,8 @@ class _DeferredReduceScatter:
     it) and the parameter has no gradient yet (no ``+=`` into it): the optimizer moves
     every gradient out of ``param.grad`` into its own accumulator after each backward.
 
-    The reduction itself goes through :func:`shardwise.comm.collectives.reduce_scatter_flat`,
-    so it takes the measured algorithm for the group (on gloo with two ranks, a point-to-point
-    exchange instead of gloo's native reduce-scatter); FSDP2 does not read the input after it.
+    The reduction goes through :func:`shardwise.comm.collectives.reduce_scatter_flat` (the measured
+    algorithm: on gloo with two ranks a point-to-point exchange); FSDP2 does not read the input after it.
     """
 
     def __init__(self) -> None:
@@ -98,10 +103,8 @@ class _DeferredReduceScatter:
         op: Any,
         async_op: bool = False,
     ) -> Any:
-        # ``op`` is a torch ``ReduceOp``: FSDP2's hook signature, the one reason to compare
-        # with ``comm.ReduceOp`` here. shard_model sets force-sum reduction with a divide
-        # factor of 1, so FSDP2 passes SUM; NCCL-only ops (PREMUL_SUM) never reach this
-        # CPU-only hook.
+        # ``op`` is a torch ``ReduceOp`` (FSDP2's hook signature); shard_model forces SUM with a divide
+        # factor of 1; NCCL-only ops (PREMUL_SUM) never reach this CPU-only hook.
         if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
             raise ValueError(
                 f"stage 3 reduce-scatter hook: FSDP2 asked for {op!r}; only SUM and AVG occur on CPU"
@@ -213,10 +216,17 @@ class Stage3Optimizer(ZeroStrategy):
         self._trainable = [p for p in record.sharded if p.requires_grad]
         self._acc: dict[int, torch.Tensor] = {}
         self._deferred: _DeferredReduceScatter | None = None
-        if record.policy.device.type == "cpu" and record.policy.reduce_dtype == torch.float32:
+        if policy.quantized_gradients:
+            for module in record.fsdp_modules():
+                module.set_custom_reduce_scatter(QuantizedReduceScatter())  # type: ignore[operator]
+        elif record.policy.device.type == "cpu" and record.policy.reduce_dtype == torch.float32:
             self._deferred = _DeferredReduceScatter()
             for module in record.fsdp_modules():
                 module.set_custom_reduce_scatter(self._deferred)  # type: ignore[operator]
+        gather = all_gather_hook(policy.quantized_weights)  # qwZ, or a logged plain one, or FSDP2's own
+        if gather is not None:
+            for module in record.fsdp_modules():
+                module.set_custom_all_gather(gather)  # type: ignore[operator]
         self._kept_units = [u for u, r in zip(record.units, record.reshard) if r is False] + [record.module]
         self._resharding_after_backward = True
         record.replicated_listener = self._on_replicated_edit
@@ -338,6 +348,9 @@ class Stage3Optimizer(ZeroStrategy):
         """One optimizer step at an accumulation boundary (every rank must call it)."""
         policy = self.policy
         self.record.ensure_resident()
+        if policy.fail_on_unused:  # ignore_unused_parameters: false
+            params = [*self._trainable, *self.replicated.params]
+            raise_if_unused(params, self._acc.keys() | self.replicated.arrived, policy.param_names)
         self._rebind_masters()
         sharded_grads = self._bind_grads()
         plan = plan_step(

@@ -16,6 +16,7 @@ frozen policy the wrapping code reads (it never sees the config).
 | ``stage3_module_granularity_threshold`` | modules with fewer elements per descendant are one unit (not split) |
 | ``leaf_module`` | matching modules are one unit each |
 | ``reduce_bucket_size`` | bucket size of the unsharded parameters' all-reduce (sharded gradients are reduce-scattered once per unit) |
+| ``zero_quantized_weights`` / ``zero_quantized_gradients`` | ZeRO++ qwZ / qgZ: FSDP2's custom all-gather / reduce-scatter hooks move int8 blocks (:mod:`shardwise.comm.quantized_collectives`) |
 | ``zero_hpz_partition_size`` | > 1: units reshard after forward to groups of this size (FSDP2's ``reshard_after_forward=int``, ZeRO++ hpZ) |
 | mixed precision | bf16/fp16 compute (``MixedPrecisionPolicy.param_dtype``), fp32 sharded masters, fp32 reduction (or ``communication_data_type``) |
 | ``stage3_gather_16bit_weights_on_model_save`` | ``engine.save_16bit_model`` gathers full weights one tensor at a time only when true (else it saves a sharded checkpoint and says how to export it) |
@@ -93,17 +94,29 @@ KEY_NOTES: dict[str, tuple[str, str]] = {
     "pipeline_loading_checkpoint": (_INERT, "checkpoints load shard-wise through DCP"),
     "log_trace_cache_warnings": (_INERT, "there is no trace cache: prefetch order is fixed at wrapping"),
     "enable_sanity_checks": (_INERT, "no DeepSpeed sanity checks to enable"),
-    "zero_quantized_weights": (_INERT, "quantized all-gather (ZeRO++ qwZ) is not implemented"),
+    "zero_quantized_weights": (
+        _MAPPED,
+        "stage 3 (ZeRO++ qwZ): units are all-gathered as int8 blocks with one fp32 scale per 256 "
+        "elements, dequantized on arrival (error <= block absmax / 254); stages 1-2: the updated shards",
+    ),
     "zero_quantized_nontrainable_weights": (_INERT, "quantized frozen weights are not implemented"),
-    "zero_quantized_gradients": (_INERT, "quantized gradient reduction (ZeRO++ qgZ) is not implemented"),
+    "zero_quantized_gradients": (
+        _MAPPED,
+        "stage 3 (ZeRO++ qgZ): gradients are reduce-scattered as int8 blocks by one all-to-all, summed "
+        "in fp32 on arrival (error <= sum over ranks of block absmax / 254)",
+    ),
     "allgather_bucket_size": (_STAGES_12, "no effect at stage 3: FSDP2 gathers one unit per collective"),
     "allgather_partitions": (_STAGES_12, "no effect at stage 3"),
     "reduce_scatter": (_STAGES_12, "no effect at stage 3: gradients are always reduce-scattered"),
     "use_multi_rank_bucket_allreduce": (_STAGES_12, "no effect at stage 3"),
     "round_robin_gradients": (_STAGES_12, "no effect at stage 3"),
     "ignore_unused_parameters": (
-        _STAGES_12,
-        "stage 3 always accepts unused parameters (their gradient is zero)",
+        _MAPPED,
+        "false: the optimizer step raises naming the trainable parameters that got no gradient in the window",
+    ),
+    "load_from_fp32_weights": (
+        _MAPPED,
+        "false: after a checkpoint load the fp32 masters are re-read from the loaded model weights",
     ),
     "offload_param.max_in_cpu": (_INERT, "there is no separate CPU parameter cache"),
     "offload_param.buffer_size": (_MAPPED, "nvme: bytes per read/write request for parameter files"),
@@ -254,8 +267,8 @@ def engine_notes(flat_keys: Mapping[str, Any], stage: int, only: set[str] | None
         only: restrict to these paths (for example, the keys set in the file).
 
     Example:
-        >>> notes = engine_notes({"zero_optimization.zero_quantized_weights": True}, 3)
-        >>> notes["zero_optimization.zero_quantized_weights"].startswith("accepted, no effect")
+        >>> notes = engine_notes({"zero_optimization.overlap_comm": False}, 3)
+        >>> notes["zero_optimization.overlap_comm"].startswith("accepted, no effect")
         True
     """
     out: dict[str, str] = {}

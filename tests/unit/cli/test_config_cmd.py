@@ -298,7 +298,9 @@ def test_explain_says_what_stage3_keys_do_on_this_engine(
         in lines["zero_optimization.overlap_comm"]
     )
     assert "[engine: FSDP2 explicit prefetch" in lines["zero_optimization.stage3_prefetch_bucket_size"]
-    assert "[engine: accepted, no effect" in lines["zero_optimization.zero_quantized_weights"]
+    assert "[engine: stage 3 (ZeRO++ qwZ): units are all-gathered as int8" in lines[
+        "zero_optimization.zero_quantized_weights"
+    ]
     # defaults are not annotated (that would be noise), nor are keys without a note
     assert "[engine:" not in lines["zero_optimization.stage3_max_live_parameters"]
     assert "[engine:" not in lines["train_batch_size"]

@@ -22,7 +22,6 @@ BASE: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2}
 
 # one config fragment per registry entry that sets it to something it ignores
 EXAMPLES: dict[str, dict[str, Any]] = {
-    "dump_state": {"dump_state": True},
     "disable_allgather": {"disable_allgather": True},
     "sparse_gradients": {"sparse_gradients": True},
     "disable_python_gc": {"disable_python_gc": True},
@@ -53,12 +52,12 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "zero_optimization.contiguous_gradients": {
         "zero_optimization": {"stage": 2, "contiguous_gradients": False}
     },
-    "zero_optimization.reduce_scatter": {"zero_optimization": {"stage": 2, "reduce_scatter": False}},
+    "zero_optimization.reduce_scatter": {"zero_optimization": {"stage": 3, "reduce_scatter": False}},
     "zero_optimization.allgather_bucket_size": {
-        "zero_optimization": {"stage": 2, "allgather_bucket_size": 2e8}
+        "zero_optimization": {"stage": 3, "allgather_bucket_size": 2e8}
     },
     "zero_optimization.allgather_partitions": {
-        "zero_optimization": {"stage": 1, "allgather_partitions": False}
+        "zero_optimization": {"stage": 0, "allgather_partitions": False}
     },
     "zero_optimization.round_robin_gradients": {
         "zero_optimization": {"stage": 2, "round_robin_gradients": True}
@@ -66,23 +65,19 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "zero_optimization.use_multi_rank_bucket_allreduce": {
         "zero_optimization": {"use_multi_rank_bucket_allreduce": False}
     },
-    "zero_optimization.ignore_unused_parameters": {
-        "zero_optimization": {"stage": 2, "ignore_unused_parameters": False}
-    },
     "zero_optimization.elastic_checkpoint": {"zero_optimization": {"stage": 1, "elastic_checkpoint": True}},
-    "zero_optimization.load_from_fp32_weights": {"zero_optimization": {"load_from_fp32_weights": False}},
     "zero_optimization.compute_grad_norm": {
         "zero_optimization": {"stage": 2, "compute_grad_norm": False},
         "gradient_clipping": 0,
     },
     "zero_optimization.zero_quantized_weights": {
-        "zero_optimization": {"stage": 3, "zero_quantized_weights": True}
+        "zero_optimization": {"stage": 0, "zero_quantized_weights": True}
     },
     "zero_optimization.zero_quantized_nontrainable_weights": {
         "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}
     },
     "zero_optimization.zero_quantized_gradients": {
-        "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}
+        "zero_optimization": {"stage": 1, "zero_quantized_gradients": True}
     },
     "zero_optimization.zero_hpz_partition_size": {
         "zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}
@@ -289,7 +284,6 @@ def test_seed_sections_file_names_every_section_that_does_nothing(
     text = capsys.readouterr().out
     assert code == 0 and "accepted but ignored" in text
     for name in (
-        "'dump_state' = True",
         "section 'activation_checkpointing'",
         "section 'sparse_attention'",
     ):
@@ -303,3 +297,31 @@ def test_seed_sections_file_names_every_section_that_does_nothing(
     # left at their defaults there: a disabled autotuning block and sparse_gradients: false
     assert "'autotuning'" not in text and "'sparse_gradients'" not in text
     assert main(["config", "check", str(seeds), "--world-size", "2", "--strict"]) == 1
+
+
+# keys that act now (issue 20): each is reported only where it still means nothing
+ACTING = {
+    "zero_optimization.reduce_scatter": ({"reduce_scatter": False}, (1, 2), (0, 3)),
+    "zero_optimization.allgather_bucket_size": ({"allgather_bucket_size": 1000}, (1, 2), (0, 3)),
+    "zero_optimization.allgather_partitions": ({"allgather_partitions": False}, (1, 2), (0, 3)),
+    "zero_optimization.zero_quantized_weights": ({"zero_quantized_weights": True}, (1, 2, 3), (0,)),
+    "zero_optimization.zero_quantized_gradients": ({"zero_quantized_gradients": True}, (3,), (0, 1, 2)),
+    "zero_optimization.ignore_unused_parameters": ({"ignore_unused_parameters": False}, (0, 1, 2, 3), ()),
+    "zero_optimization.load_from_fp32_weights": ({"load_from_fp32_weights": False}, (0, 1, 2, 3), ()),
+}
+
+
+@pytest.mark.parametrize("path", sorted(ACTING))
+def test_keys_that_act_are_reported_only_where_they_do_not(path: str) -> None:
+    zero, acting, ignored = ACTING[path]
+    for stage in (0, 1, 2, 3):
+        paths = [s.path for s in load_config({**BASE, "zero_optimization": {"stage": stage, **zero}}).ignored]
+        assert (path in paths) == (stage in ignored), (path, stage, paths)
+    assert stage in acting or stage in ignored
+
+
+def test_dump_state_and_disable_allgather_act() -> None:
+    assert load_config({**BASE, "dump_state": True}).ignored == []
+    for stage, reported in ((0, True), (1, False), (2, False), (3, True)):
+        cfg = load_config({**BASE, "disable_allgather": True, "zero_optimization": {"stage": stage}})
+        assert [s.path for s in cfg.ignored] == (["disable_allgather"] if reported else [])

@@ -157,7 +157,7 @@ def test_config_plan_prints_bytes_per_rank(tmp_path, capsys):
     assert data["bytes_per_rank"]["params"] == 4 * 7 * 10**9 // 8
     assert data["bytes_per_rank"]["optimizer"] == 8 * 7 * 10**9 // 8
     assert "no effect" in data["engine_notes"]["zero_optimization.overlap_comm"]
-    assert "no effect" in data["engine_notes"]["zero_optimization.zero_quantized_weights"]
+    assert "qwZ" in data["engine_notes"]["zero_optimization.zero_quantized_weights"]
     assert _cli(["config", "plan", str(path), "--params", "125M", "--world-size", "2"]) == 0
     text = capsys.readouterr().out
     assert "bytes per parameter" in text and "8.00" in text and "FSDP2" in text
@@ -177,7 +177,6 @@ def test_every_zero_key_is_mapped_or_explained():
     """A new ZeroConfig field must be given a stage-3 meaning (or a reason it has none)."""
     no_stage3_meaning = {
         "elastic_checkpoint",
-        "load_from_fp32_weights",
         "compute_grad_norm",
         "legacy_stage1",
         "parameter_alignment",

@@ -1,0 +1,109 @@
+"""Stages 1-2: how updated shards reach every rank after the step (``allgather_bucket_size``,
+``allgather_partitions`` / ``disable_allgather``).
+
+By default each bucket is one all-gather (the exact path, unchanged). With
+``allgather_bucket_size`` smaller than a bucket, the bucket goes in several all-gathers of at
+most that many elements each (every rank contributes the same piece of its shard, gathered
+into a scratch buffer and copied to the owners' places). With ``allgather_partitions: false``
+(or the top-level ``disable_allgather: true``) each rank's shard is broadcast from its owner
+instead, one broadcast per rank and bucket, as DeepSpeed does. With ``zero_quantized_weights``
+(ZeRO++ qwZ) each bucket is one int8 block-quantized all-gather
+(:func:`shardwise.comm.quantized_collectives.quantized_all_gather`): every rank's parameters,
+its own shard included, are then the dequantized values (error <= block absmax / 254), while the
+fp32 masters stay exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardwise.comm import collectives
+from shardwise.comm.init import get_global_rank
+from shardwise.comm.quantized_collectives import quantized_all_gather
+from shardwise.zero.flat_group import FlatGroup
+
+
+@dataclass(frozen=True)
+class PublishPolicy:
+    """How the updated shards travel.
+
+    Attributes:
+        bucket_numel: at most this many elements per all-gather (``allgather_bucket_size``).
+        broadcast: broadcast each shard from its owner instead of all-gathering.
+        quantized: ZeRO++ qwZ: all-gather int8 blocks (one collective per bucket).
+    """
+
+    bucket_numel: int = 500_000_000
+    broadcast: bool = False
+    quantized: bool = False
+
+
+def chunk_ranges(shard_numel: int, world: int, bucket_numel: int) -> list[tuple[int, int]]:
+    """The pieces ``[a, b)`` of every rank's shard gathered by one all-gather each, so that one
+    all-gather moves at most ``bucket_numel`` elements (``world`` x piece); at least one element.
+
+    Example:
+        >>> chunk_ranges(10, 2, 8)
+        [(0, 4), (4, 8), (8, 10)]
+        >>> chunk_ranges(10, 2, 100)
+        [(0, 10)]
+    """
+    per = max(1, bucket_numel // world)
+    if per >= shard_numel:
+        return [(0, shard_numel)]
+    return [(a, min(a + per, shard_numel)) for a in range(0, shard_numel, per)]
+
+
+def launch_publish(
+    flat: FlatGroup, policy: PublishPolicy, group: Any
+) -> list[tuple[Any, Callable[[], None]]]:
+    """Start bringing every rank's updated shard of ``flat`` to all ranks; returns ``(work, then)``
+    pairs: wait for ``work``, then call ``then``."""
+    out: list[tuple[Any, Callable[[], None]]] = []
+    world = flat.world_size
+    buffer = flat.param_buffer
+    for plan, (lo, hi) in zip(flat.layout.buckets, flat.owned):
+        ranges = [plan.shard_range(r) for r in range(world)]
+        if policy.quantized:
+            quantized_all_gather(buffer[plan.start : plan.end], buffer[lo:hi], group)
+            continue
+        if policy.broadcast:
+            for r, (a, b) in enumerate(ranges):
+                work = collectives.broadcast(
+                    buffer[a:b], src=get_global_rank(group, r), group=group, async_op=True
+                )
+                out.append((work, _nothing))
+            continue
+        pieces = chunk_ranges(hi - lo, world, policy.bucket_numel)
+        if len(pieces) == 1:
+            bucket = buffer[plan.start : plan.end]
+            out.append(
+                (collectives.all_gather_flat(bucket, buffer[lo:hi], group=group, async_op=True), _nothing)
+            )
+            continue
+        for a, b in pieces:
+            scratch = torch.empty(world * (b - a), dtype=buffer.dtype, device=buffer.device)
+            work = collectives.all_gather_flat(
+                scratch, buffer[lo + a : lo + b].clone(), group=group, async_op=True
+            )
+            out.append((work, _scatter(buffer, scratch, ranges, a, b)))
+    return out
+
+
+def _nothing() -> None:
+    return None
+
+
+def _scatter(
+    buffer: torch.Tensor, scratch: torch.Tensor, ranges: list[tuple[int, int]], a: int, b: int
+) -> Callable[[], None]:
+    def then() -> None:
+        n = b - a
+        for r, (start, _end) in enumerate(ranges):
+            buffer[start + a : start + b].copy_(scratch[r * n : (r + 1) * n])
+
+    return then
