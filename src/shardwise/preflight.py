@@ -135,6 +135,26 @@ def component_problems(cfg: ShardwiseConfig) -> tuple[list[ConfigError], list[st
     return errors, warnings
 
 
+def compression_problem(cfg: ShardwiseConfig) -> ConfigError | None:
+    """The first mistake in ``compression_training`` (keys, values, the ZeRO-stage rule), or None.
+
+    Example:
+        >>> cfg = load_config({"train_batch_size": 2, "compression_training": {"row_pruning": {
+        ...     "shared_parameters": {"enabled": True}, "different_groups": {}}}}).config
+        >>> compression_problem(cfg).key
+        'compression_training.row_pruning.different_groups'
+    """
+    if cfg.compression_training is None:
+        return None
+    from shardwise.config.compression_settings import check_zero_stage, read_settings
+
+    try:
+        check_zero_stage(read_settings(cfg.compression_training), cfg.zero_stage)
+    except ConfigError as error:
+        return error
+    return None
+
+
 def load_checked_config(
     source: Any,
     *,
@@ -143,10 +163,11 @@ def load_checked_config(
     context: ResolutionContext | None = None,
     strict: bool = False,
 ) -> ResolvedConfig:
-    """:func:`shardwise.config.load_config` (same arguments), then the optimizer and scheduler checks.
+    """:func:`shardwise.config.load_config` (same arguments), then the optimizer, scheduler and
+    ``compression_training`` checks.
 
     Raises:
-        ConfigError: the first problem ``load_config`` finds, or every optimizer/scheduler problem.
+        ConfigError: the first problem ``load_config`` finds, or every optimizer/scheduler/compression problem.
 
     Example:
         >>> try:
@@ -157,6 +178,8 @@ def load_checked_config(
     """
     resolved = load_config(source, world_size=world_size, overrides=overrides, context=context, strict=strict)
     errors, warnings = component_problems(resolved.config)
+    compression = compression_problem(resolved.config)
+    errors.extend([compression] if compression is not None else [])
     if errors:
         raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
     # The builders log these themselves when initialize builds the real optimizer and scheduler;

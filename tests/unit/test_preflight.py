@@ -126,3 +126,21 @@ def test_keyed_value_error_becomes_a_config_error_with_rule_and_fix() -> None:
     assert converted.fix == "use 0."
     plain = KeyedValueError("something is wrong", "optimizer.type").as_config_error()
     assert plain.key == "optimizer.type" and not plain.has_value and plain.fix
+
+
+def test_compression_mistakes_are_found_without_a_model() -> None:
+    """config check and initialize share the compression_training checks (keys, and the stage-3 pruning rule)."""
+    pruning = {
+        "shared_parameters": {"enabled": True, "schedule_offset": 5},
+        "different_groups": {"rp1": {"params": {"dense_ratio": 0.5}, "modules": ["fc1"]}},
+    }
+    base: dict[str, Any] = {"train_batch_size": 2, "compression_training": {"row_pruning": pruning}}
+    load_checked_config(base)  # valid at stage 0
+    with pytest.raises(ConfigError) as stage3:
+        load_checked_config({**base, "zero_optimization": {"stage": 3}})
+    assert stage3.value.key == "compression_training.row_pruning.shared_parameters.enabled"
+    assert "stage 0, 1 or 2" in str(stage3.value)
+    typo = {"row_pruning": {**pruning, "shared_parameters": {"enabled": True, "schedule_ofset": 5}}}
+    with pytest.raises(ConfigError) as misspelt:
+        load_checked_config({"train_batch_size": 2, "compression_training": typo})
+    assert "schedule_ofset" in str(misspelt.value) and "schedule_offset" in str(misspelt.value)

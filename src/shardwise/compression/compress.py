@@ -31,9 +31,9 @@ from shardwise.compression.layers import CompressedModule, make_compressed
 from shardwise.compression.matching import match_any_modules, match_modules
 from shardwise.compression.row_pruning import RowPruning
 from shardwise.compression.scheduler import CompressionScheduler
-from shardwise.compression.settings import CompressionSettings, TechniqueSettings, read_settings
 from shardwise.compression.sparse_pruning import SparsePruning
 from shardwise.compression.weight_quant import WeightQuantization
+from shardwise.config.compression_settings import CompressionSettings, TechniqueSettings, read_settings
 from shardwise.config.errors import ConfigError
 from shardwise.utils.logging import logger
 
@@ -97,7 +97,7 @@ def _targets(model: nn.Module, tech: TechniqueSettings, patterns: tuple[str, ...
 def _attach(model: nn.Module, tech: TechniqueSettings, related: dict[tuple[str, str], list[str]]) -> None:
     groups = tech.groups
     if not groups:  # snip_momentum may leave the groups out: every Linear/Conv2d, excluded_modules aside
-        from shardwise.compression.settings import GroupSettings
+        from shardwise.config.compression_settings import GroupSettings
 
         groups = (GroupSettings("all", {"dense_ratio": None}, ("*",), None),)
     for group in groups:

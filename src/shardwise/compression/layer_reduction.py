@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.compression.settings import ROOT, LayerReductionSettings
+from shardwise.config.compression_settings import ROOT, LayerReductionSettings
 from shardwise.config.errors import ConfigError
 
 __all__ = ["reduce_layers"]

@@ -1,8 +1,7 @@
 """What ``initialize`` does with ``compression_training``: check the ZeRO stage, prepare the model.
 
-Quantization and layer reduction work at every stage (the forward quantizes the gathered
-weight). The pruning techniques compute masks from whole weights and cut related modules, which
-ZeRO stage 3 partitions: at stage 3 they are refused with the keys to change.
+The stage rule itself is model-free and lives in :mod:`shardwise.config.compression_settings`
+(``config check`` runs it too).
 """
 
 from __future__ import annotations
@@ -13,31 +12,18 @@ import torch
 from torch import nn
 
 from shardwise.compression.compress import init_compression
+from shardwise.config.compression_settings import check_zero_stage as check_stage
 from shardwise.config.errors import ConfigError
 
 __all__ = ["check_zero_stage", "prepare_for_engine"]
 
-_PRUNING = ("sparse_pruning", "row_pruning", "head_pruning", "channel_pruning")
-
 
 def check_zero_stage(loaded: Any) -> None:
-    """Raise ConfigError when an enabled technique cannot run at the configured ZeRO stage."""
+    """Raise ConfigError when an enabled technique cannot run at the configured ZeRO stage
+    (:func:`shardwise.config.compression_settings.check_zero_stage`)."""
     from shardwise.compression.compress import compression_settings
 
-    root = loaded.config
-    if root.zero_stage != 3:
-        return
-    settings = compression_settings(loaded)
-    for tech in settings.enabled():
-        if tech.name in _PRUNING:
-            raise ConfigError(
-                f"compression_training.{tech.name}.shared_parameters.enabled",
-                f"{tech.name} cannot run with zero_optimization.stage 3: its masks are computed from whole "
-                "weights and related modules, which stage 3 partitions across ranks",
-                "train the pruning phase at zero_optimization.stage 0, 1 or 2 (then clean and continue "
-                f"at stage 3), or set compression_training.{tech.name}.shared_parameters.enabled to false",
-                True,
-            )
+    check_stage(compression_settings(loaded), loaded.config.zero_stage)
 
 
 def _listed(model_parameters: Any) -> set[int] | None:

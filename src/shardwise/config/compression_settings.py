@@ -2,7 +2,10 @@
 
 Each technique (except layer reduction) has ``shared_parameters`` and ``different_groups``
 (``{name: {params, modules, related_modules}}``). :func:`read_settings` validates them with
-DeepSpeed's defaults and raises :class:`~shardwise.config.errors.ConfigError` naming the key.
+DeepSpeed's defaults and raises :class:`~shardwise.config.errors.ConfigError` naming the key;
+:func:`check_zero_stage` refuses the techniques that cannot run at the configured ZeRO stage.
+Both need no model, so ``shardwise config check`` runs them (through :mod:`shardwise.preflight`)
+as well as ``initialize``; the techniques themselves live in :mod:`shardwise.compression`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,14 @@ from typing import Any
 
 from shardwise.config.errors import ConfigError, did_you_mean
 
-__all__ = ["TECHNIQUES", "CompressionSettings", "GroupSettings", "TechniqueSettings", "read_settings"]
+__all__ = [
+    "TECHNIQUES",
+    "CompressionSettings",
+    "GroupSettings",
+    "TechniqueSettings",
+    "check_zero_stage",
+    "read_settings",
+]
 
 ROOT = "compression_training"
 TECHNIQUES = (
@@ -304,3 +314,27 @@ def read_settings(section: Any) -> CompressionSettings:
         )
     techniques = {tech: _technique(tech, _as_dict(raw.get(tech) or {})) for tech in TECHNIQUES}
     return CompressionSettings(layer, techniques)
+
+
+_PRUNING = ("sparse_pruning", "row_pruning", "head_pruning", "channel_pruning")
+
+
+def check_zero_stage(settings: CompressionSettings, zero_stage: int) -> None:
+    """Raise ConfigError when an enabled technique cannot run at ``zero_stage``.
+
+    Quantization and layer reduction work at every stage (the forward quantizes the gathered
+    weight). The pruning techniques compute masks from whole weights and cut related modules,
+    which ZeRO stage 3 partitions: at stage 3 they are refused with the keys to change.
+    """
+    if zero_stage != 3:
+        return
+    for tech in settings.enabled():
+        if tech.name in _PRUNING:
+            raise ConfigError(
+                f"{ROOT}.{tech.name}.shared_parameters.enabled",
+                f"{tech.name} cannot run with zero_optimization.stage 3: its masks are computed from whole "
+                "weights and related modules, which stage 3 partitions across ranks",
+                "train the pruning phase at zero_optimization.stage 0, 1 or 2 (then clean and continue "
+                f"at stage 3), or set {ROOT}.{tech.name}.shared_parameters.enabled to false",
+                True,
+            )
