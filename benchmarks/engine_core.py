@@ -9,6 +9,8 @@ ratios against the best peer of each stage, and the pass/fail of shardwise's tar
     python benchmarks/engine_core.py --quick         # a smaller GPT and fewer steps, about 2 minutes
     python benchmarks/engine_core.py --out results.json
     python benchmarks/engine_core.py --zeropp        # stage 3 exact vs ZeRO++ qwZ+qgZ: bytes and step time
+    python benchmarks/engine_core.py --rounds 3 --precisions fp32   # interleaved rounds, 64 and 512
+                                                     # tokens per rank: median ratio and spread
 
 Every case is its own 2-process job: two fresh interpreters started with ``subprocess`` (the
 spawn model: nothing inherited from this process), one intra-op thread each, the same seed, the
@@ -436,6 +438,21 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="only the ZeRO++ rows: stage 3 with/without qwZ+qgZ (zeropp_rows.py)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="run the grid N times, engines interleaved (ABAB, then BABA), and report the median ratio "
+        "and its spread per group (engine_core_rounds.py)",
+    )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        type=int,
+        default=[64, 512],
+        choices=[64, 512],
+        help="with --rounds: tokens per rank per micro batch (64 = 2 x 32, 512 = 4 x 128)",
+    )
     parser.add_argument("--out", type=Path, help="write all numbers to this JSON file")
     parser.add_argument("--steps", type=int, help="measured optimizer steps per case")
     parser.add_argument("--warmup", type=int, help="untimed optimizer steps first (>= 2)")
@@ -669,6 +686,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     unavailable = check_frameworks(wanted, cfg, meta)
     triad_Bps = measure_triad(cfg, meta)
+    if args.rounds:
+        from engine_core_rounds import run_rounds, write
+
+        result = run_rounds(args, cfg, preset, wanted, unavailable, triad_Bps)
+        print(f"\nwall time {time.monotonic() - t_start:.0f} s")
+        if args.out:
+            write(args.out, meta, result)
+        return 0
     cases = build_grid(args, preset, wanted)
     references = run_references(cases, cfg)
     run_grid(cases, cfg, grouped=grouped, unavailable=unavailable, references=references, triad_Bps=triad_Bps)
