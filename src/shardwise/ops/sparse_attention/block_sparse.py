@@ -30,26 +30,54 @@ def _gather_blocks(x: torch.Tensor, group: RowGroup, plan_heads: int) -> torch.T
     return picked.reshape(b, h, n, width * bs, d)
 
 
-def _structure_mask(group: RowGroup, bs: int, causal: bool) -> torch.Tensor:
-    """True where a score must be dropped: padding blocks, and future keys when causal."""
-    heads, n, _ = group.cols.shape
-    drop = (~group.valid).repeat_interleave(bs, dim=-1)[:, :, None, :]  # (heads, n, 1, width*bs)
-    if causal:
-        q_pos = group.rows[:, None] * bs + torch.arange(bs, device=group.rows.device)  # (n, bs)
-        k_pos = (group.cols[..., None] * bs + torch.arange(bs, device=group.cols.device)).reshape(
-            heads, n, -1
-        )
-        drop = drop | (k_pos[:, :, None, :] > q_pos[None, :, :, None])
-    return drop
-
-
-def _pair_bias(bias: torch.Tensor, group: RowGroup, bs: int) -> torch.Tensor:
-    """A ``(L, L)`` additive bias -> ``(heads, n, bs, width * bs)`` for this group's blocks."""
+def _pair_bias(bias: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, bs: int) -> torch.Tensor:
+    """A ``(L, L)`` additive bias -> ``(heads, n, bs, width * bs)`` for these rows' key blocks."""
     nb = bias.shape[0] // bs
     tiles = bias.reshape(nb, bs, nb, bs).permute(0, 2, 1, 3)  # (q block, k block, bs, bs)
-    picked = tiles[group.rows[None, :, None], group.cols]  # (heads, n, width, bs, bs)
-    heads, n, width = group.cols.shape
+    picked = tiles[rows[None, :, None], cols]  # (heads, n, width, bs, bs)
+    heads, n, width = cols.shape
     return picked.permute(0, 1, 3, 2, 4).reshape(heads, n, bs, width * bs)
+
+
+def _rows_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a`` ``(B, H, n, r, x)`` @ ``b`` ``(B, H, n or 1, x, c)``; one GEMM per head when ``b`` is shared."""
+    if b.shape[2] == 1 and a.shape[2] > 1:
+        bsz, heads, n, r, x = a.shape
+        return (a.reshape(bsz, heads, n * r, x) @ b.squeeze(2)).reshape(bsz, heads, n, r, -1)
+    return a @ b
+
+
+def _part_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    valid: torch.Tensor | None,
+    bs: int,
+    key_bias: torch.Tensor | None,
+    pair_bias: torch.Tensor | None,
+    causal: bool,
+) -> torch.Tensor:
+    """Masked scores of query rows ``q`` ``(B, H, n, bs, D)`` against key blocks ``cols`` ``(heads, n, w)``.
+
+    ``k`` is ``(B, H, n or 1, w * bs, D)``; ``valid`` None means every block is real.
+    """
+    scores = _rows_matmul(q, k.transpose(-1, -2))  # (B, H, n, bs, w*bs)
+    b = q.shape[0]
+    if key_bias is not None:
+        picked = key_bias.reshape(b, -1, bs)[:, cols]  # (B, heads, n, w, bs)
+        scores = scores + picked.reshape(b, picked.shape[1], picked.shape[2], 1, -1)
+    if pair_bias is not None:
+        scores = scores + _pair_bias(pair_bias, rows, cols, bs)
+    drop = None
+    if valid is not None:
+        drop = (~valid).repeat_interleave(bs, dim=-1)[:, :, None, :]  # (heads, n, 1, w*bs)
+    if causal:
+        q_pos = rows[:, None] * bs + torch.arange(bs, device=rows.device)  # (n, bs)
+        k_pos = (cols[..., None] * bs + torch.arange(bs, device=cols.device)).flatten(-2)  # (heads, n, w*bs)
+        future = k_pos[:, :, None, :] > q_pos[None, :, :, None]
+        drop = future if drop is None else drop | future
+    return scores if drop is None else scores.masked_fill(drop, float("-inf"))
 
 
 def block_sparse_attention(
@@ -82,31 +110,41 @@ def block_sparse_attention(
     qb = query.reshape(b, h, nb, block, d)
     kb = key.reshape(b, h, nb, block, d)
     vb = value.reshape(b, h, nb, block, d)
+    num_shared = plan.shared.numel()
+    if num_shared:  # read once, used by every non-dense row
+        k_shared = kb.index_select(2, plan.shared).reshape(b, h, 1, num_shared * block, d)
+        v_shared = vb.index_select(2, plan.shared).reshape(b, h, 1, num_shared * block, d)
     outs = []
     for group in plan.groups:
         n = group.rows.numel()
-        if group.width == 0:
+        q = qb.index_select(2, group.rows) * scale  # (B, H, n, bs, D)
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        if group.dense:  # every key, in place
+            parts.append((key.unsqueeze(2), value.unsqueeze(2), group.cols, None))
+        else:
+            if num_shared:
+                cols = plan.shared.expand(1, n, num_shared)
+                parts.append((k_shared, v_shared, cols, None if group.all_shared else group.shared_valid))
+            if group.width:
+                k, v = _gather_blocks(kb, group, plan.heads), _gather_blocks(vb, group, plan.heads)
+                parts.append((k, v, group.cols, None if group.all_valid else group.valid))
+        if not parts:
             outs.append(query.new_zeros(b, h, n, block, d))
             continue
-        q = qb.index_select(2, group.rows) * scale  # (B, H, n, bs, D)
-        if group.dense:
-            k, v = key.unsqueeze(2), value.unsqueeze(2)  # (B, H, 1, L, D): every key, no copy
-        else:
-            k, v = _gather_blocks(kb, group, plan.heads), _gather_blocks(vb, group, plan.heads)
-        scores = q @ k.transpose(-1, -2)  # (B, H, n, bs, width*bs)
-        if key_bias is not None:
-            kbias = key_bias.reshape(b, nb, block)
-            picked = kbias[:, group.cols] if not group.dense else kbias[:, None, None]  # (B,heads,n,w,bs)
-            scores = scores + picked.reshape(b, -1, picked.shape[2], 1, scores.shape[-1])
-        if pair_bias is not None:
-            if group.dense:
-                scores = scores + pair_bias.reshape(nb, block, length)[group.rows]
-            else:
-                scores = scores + _pair_bias(pair_bias, group, block)
-        if causal or not group.dense:
-            scores = scores.masked_fill(_structure_mask(group, block, causal), float("-inf"))
+        scores = torch.cat(
+            [
+                _part_scores(q, k, group.rows, c, ok, block, key_bias, pair_bias, causal)
+                for k, _, c, ok in parts
+            ],
+            dim=-1,
+        )
         low = scores.dtype in (torch.float16, torch.bfloat16)  # softmax in fp32 for half types
         probs = torch.softmax(scores.float() if low else scores, dim=-1).to(value.dtype)
-        outs.append(probs @ v)
+        sizes = [part[0].shape[-2] for part in parts]
+        pieces = probs.split(sizes, dim=-1)
+        out = _rows_matmul(pieces[0], parts[0][1])
+        for piece, part in zip(pieces[1:], parts[1:], strict=True):
+            out = out + _rows_matmul(piece, part[1])
+        outs.append(out)
     out = torch.cat(outs, dim=2).index_select(2, plan.order)
     return out.reshape(b, h, length, d)
