@@ -57,8 +57,15 @@ class RowGroup:
 
     def to(self, device: torch.device) -> RowGroup:
         """The same group with its tensors on ``device``."""
-        moved = (t.to(device) for t in (self.rows, self.cols, self.valid, self.shared_valid))
-        return RowGroup(*moved, dense=self.dense, all_valid=self.all_valid, all_shared=self.all_shared)
+        return RowGroup(
+            self.rows.to(device),
+            self.cols.to(device),
+            self.valid.to(device),
+            self.shared_valid.to(device),
+            self.dense,
+            self.all_valid,
+            self.all_shared,
+        )
 
 
 @dataclass(frozen=True)
