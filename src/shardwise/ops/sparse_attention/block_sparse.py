@@ -15,19 +15,33 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.ops.sparse_attention.block_plan import BlockPlan, RowGroup
+from shardwise.ops.sparse_attention.block_plan import BlockPlan
 
 
-def _gather_blocks(x: torch.Tensor, group: RowGroup, plan_heads: int) -> torch.Tensor:
-    """``x`` ``(B, H, nb, bs, D)`` -> ``(B, H, n, width * bs, D)``: each row's key blocks."""
+def _gather_all_blocks(x: torch.Tensor, plan: BlockPlan) -> list[torch.Tensor]:
+    """``x`` ``(B, H, nb, bs, D)`` -> per group ``(B, H, n, width * bs, D)``: each row's own key blocks.
+
+    One gather for all groups (so the backward is one scatter-add into one gradient tensor), then
+    views per group; dense groups get an empty placeholder.
+    """
     b, h, _, bs, d = x.shape
-    n, width = group.cols.shape[1:]
-    if plan_heads == 1:
-        picked = x.index_select(2, group.cols[0].reshape(-1))
+    sparse = [g for g in plan.groups if not g.dense]
+    if not sparse:
+        return [x.new_empty(0) for _ in plan.groups]
+    flat = torch.cat([g.cols.reshape(g.cols.shape[0], -1) for g in sparse], dim=-1)  # (heads, sum n*w)
+    if plan.heads == 1:
+        picked = x.index_select(2, flat[0])
     else:
-        head = torch.arange(h, device=x.device)[:, None, None]
-        picked = x[:, head, group.cols]
-    return picked.reshape(b, h, n, width * bs, d)
+        picked = x[:, torch.arange(h, device=x.device)[:, None], flat]
+    pieces = iter(picked.split([g.cols[0].numel() for g in sparse], dim=2))
+    out = []
+    for g in plan.groups:
+        if g.dense:
+            out.append(x.new_empty(0))
+        else:
+            n, width = g.cols.shape[1:]
+            out.append(next(pieces).reshape(b, h, n, width * bs, d))
+    return out
 
 
 def _pair_bias(bias: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, bs: int) -> torch.Tensor:
@@ -114,10 +128,14 @@ def block_sparse_attention(
     if num_shared:  # read once, used by every non-dense row
         k_shared = kb.index_select(2, plan.shared).reshape(b, h, 1, num_shared * block, d)
         v_shared = vb.index_select(2, plan.shared).reshape(b, h, 1, num_shared * block, d)
+    # one gather each for the queries and the per-row keys/values of every group (one backward scatter)
+    queries = (qb.index_select(2, torch.cat([g.rows for g in plan.groups])) * scale).split(
+        [g.rows.numel() for g in plan.groups], dim=2
+    )
+    keys, values = _gather_all_blocks(kb, plan), _gather_all_blocks(vb, plan)
     outs = []
-    for group in plan.groups:
+    for group, q, k_rows, v_rows in zip(plan.groups, queries, keys, values, strict=True):
         n = group.rows.numel()
-        q = qb.index_select(2, group.rows) * scale  # (B, H, n, bs, D)
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         if group.dense:  # every key, in place
             parts.append((key.unsqueeze(2), value.unsqueeze(2), group.cols, None))
@@ -126,8 +144,7 @@ def block_sparse_attention(
                 cols = plan.shared.expand(1, n, num_shared)
                 parts.append((k_shared, v_shared, cols, None if group.all_shared else group.shared_valid))
             if group.width:
-                k, v = _gather_blocks(kb, group, plan.heads), _gather_blocks(vb, group, plan.heads)
-                parts.append((k, v, group.cols, None if group.all_valid else group.valid))
+                parts.append((k_rows, v_rows, group.cols, None if group.all_valid else group.valid))
         if not parts:
             outs.append(query.new_zeros(b, h, n, block, d))
             continue
