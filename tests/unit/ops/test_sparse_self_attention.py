@@ -204,3 +204,22 @@ def test_bert_sparse_self_attention_matches_dense_attention_of_its_projections()
     with pytest.raises(ValueError, match="not a multiple"):
         Config.hidden_size = 15
         BertSparseSelfAttention(Config())
+
+
+@pytest.mark.parametrize("name", ["bigbird_per_head", "fixed_uni_patterns"])
+def test_the_flex_attention_block_mask_keeps_the_same_elements(name: str) -> None:
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from shardwise.ops.sparse_attention.block_mask import layout_block_mask
+
+    attn = SparseSelfAttention(CONFIGS[name], max_seq_length=SEQ)
+    layout = attn.get_layout(SEQ)
+    mask = layout_block_mask(layout, BLOCK, causal=attn.causal)
+    assert torch.equal(mask.to_dense()[0].bool(), layout.bool())
+    q, k, v = (t.detach() for t in _inputs())  # flex_attention has no CPU backward
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # eager flex_attention warns that it is unfused
+        flex = flex_attention(q, k, v, block_mask=mask)
+    torch.testing.assert_close(attn(q, k, v), flex, atol=1e-5, rtol=1e-5)

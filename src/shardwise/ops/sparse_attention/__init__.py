@@ -7,6 +7,7 @@ a ds_config ``sparse_attention`` section.
 """
 
 from shardwise.ops.sparse_attention.bert_sparse_self_attention import BertSparseSelfAttention
+from shardwise.ops.sparse_attention.block_mask import layout_block_mask
 from shardwise.ops.sparse_attention.from_config import (
     SparseAttentionBuilder,
     sparse_attention_from_config,
@@ -34,6 +35,7 @@ __all__ = [
     "SparseSelfAttention",
     "SparsityConfig",
     "VariableSparsityConfig",
+    "layout_block_mask",
     "sparse_attention_from_config",
     "sparsity_config_from_section",
 ]

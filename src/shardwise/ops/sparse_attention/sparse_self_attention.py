@@ -1,7 +1,7 @@
 """``SparseSelfAttention``: attention computed on a sparsity layout's blocks only (DeepSpeed's API).
 
-The layout is made once for ``max_seq_length`` (the ``master_layout`` buffer, not saved: it is
-rebuilt from the config and its seed) and sliced to shorter sequences, as DeepSpeed does; the
+The layout is made once for ``max_seq_length`` (``master_layout``; not a buffer: it is rebuilt
+from the config and its seed on every rank) and sliced to shorter sequences, as DeepSpeed does; the
 gather plan of each sequence length is cached. Masks follow DeepSpeed's modes: ``"add"`` adds
 the mask to the scaled scores, ``"mul"`` drops the scores where the mask is 0. With
 ``attention="unidirectional"`` the module also applies the causal triangle inside the diagonal
@@ -46,8 +46,6 @@ class SparseSelfAttention(nn.Module):
         torch.Size([1, 2, 32, 8])
     """
 
-    master_layout: torch.Tensor
-
     def __init__(
         self,
         sparsity_config: SparsityConfig | None = None,
@@ -66,9 +64,10 @@ class SparseSelfAttention(nn.Module):
         self.key_padding_mask_mode = key_padding_mask_mode
         self.attn_mask_mode = attn_mask_mode
         self.max_seq_length = max_seq_length
-        self.register_buffer(
-            "master_layout", self.sparsity_config.make_layout(max_seq_length), persistent=False
-        )
+        # a plain attribute, not a buffer: it is rebuilt from the config and its seed on every rank
+        # (no broadcast or checkpoint needed), and with heads sharing one layout it is an expanded
+        # read-only view that must never be written into (an in-place buffer broadcast would)
+        self.master_layout = self.sparsity_config.make_layout(max_seq_length)
         self._plans: dict[tuple[int, torch.device], BlockPlan] = {}
 
     @property
