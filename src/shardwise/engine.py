@@ -23,6 +23,7 @@ from shardwise.checkpoint.checkpointer import Checkpointer
 from shardwise.comm.topology import Topology
 from shardwise.config.resolve import ResolvedConfig
 from shardwise.monitor.master import MonitorMaster
+from shardwise.ops.sparse_attention.from_config import SparseAttentionBuilder
 from shardwise.precision.policy import PrecisionPolicy
 from shardwise.profiling.telemetry import Telemetry, build_telemetry
 from shardwise.profiling.timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, STEP
@@ -118,6 +119,16 @@ class ShardwiseEngine(nn.Module):
             self.train_micro_batch_size_per_gpu(),
             self.gradient_accumulation_steps(),
         )
+
+    @property
+    def sparse_attention(self) -> SparseAttentionBuilder | None:
+        """The ``sparse_attention`` section as a builder of sparse attention layers, or None without one.
+
+        ``engine.sparse_attention.self_attention(num_heads, max_seq_length)`` builds a
+        ``SparseSelfAttention`` (see :mod:`shardwise.ops.sparse_attention`).
+        """
+        section = self._config.config.sparse_attention
+        return None if section is None else SparseAttentionBuilder(section)
 
     def zero_optimization_stage(self) -> int:
         """The ZeRO stage, 0-3."""

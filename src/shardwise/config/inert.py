@@ -310,9 +310,6 @@ INERT_KEYS: tuple[InertKey, ...] = (
         "activations in the model with torch.utils.checkpoint",
     ),
     InertKey(
-        "sparse_attention", "no block-sparse attention kernels: the model's own attention runs", _present
-    ),
-    InertKey(
         "data_efficiency.data_sampling.dynamic_batching",
         "no dynamic batching: every batch has the configured micro-batch size",
         _enabled,

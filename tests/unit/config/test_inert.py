@@ -126,7 +126,6 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "zero_optimization": {"stage": 3, "enable_sanity_checks": True}
     },
     "activation_checkpointing": {"activation_checkpointing": {"partition_activations": True}},
-    "sparse_attention": {"sparse_attention": {"mode": "fixed"}},
     "data_efficiency.data_sampling.dynamic_batching": {
         "data_efficiency": {"enabled": True, "data_sampling": {"dynamic_batching": {"enabled": True}}}
     },
@@ -253,17 +252,17 @@ def _check(
 def test_config_check_lists_ignored_settings_under_a_heading_and_strict_fails(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = {**BASE, **EXAMPLES["zero_optimization.round_robin_gradients"], **EXAMPLES["sparse_attention"]}
+    config = {**BASE, **EXAMPLES["zero_optimization.round_robin_gradients"], **EXAMPLES["eigenvalue"]}
     code, text = _check(tmp_path, capsys, config)
     assert code == 0 and "(2 ignored setting(s))" in text
     heading, first, second = text.splitlines()[1:4]
     assert heading.strip() == "accepted but ignored (--strict makes these errors):"
     assert "'zero_optimization.round_robin_gradients' = True has no effect" in first
-    assert "section 'sparse_attention' has no effect" in second
+    assert "section 'eigenvalue' has no effect" in second
     code, text = _check(tmp_path, capsys, config, "--strict")
     assert code == 1 and "2 problems in the config" in text
     assert (
-        "'zero_optimization.round_robin_gradients' = True:" in text and "'sparse_attention': section" in text
+        "'zero_optimization.round_robin_gradients' = True:" in text and "'eigenvalue': section" in text
     )
     code, text = _check(tmp_path, capsys, BASE, "--strict")
     assert code == 0 and "ignored" not in text
@@ -285,7 +284,6 @@ def test_seed_sections_file_names_every_section_that_does_nothing(
     assert code == 0 and "accepted but ignored" in text
     for name in (
         "section 'activation_checkpointing'",
-        "section 'sparse_attention'",
     ):
         assert name in text
     # implemented (issue 15): the legacy curriculum and random-LTD sections act, so they are not listed
@@ -296,6 +294,7 @@ def test_seed_sections_file_names_every_section_that_does_nothing(
     assert "'optimizer.type'" not in text
     # left at their defaults there: a disabled autotuning block and sparse_gradients: false
     assert "'autotuning'" not in text and "'sparse_gradients'" not in text
+    assert "'sparse_attention'" not in text  # a real feature now (shardwise.ops.sparse_attention)
     assert main(["config", "check", str(seeds), "--world-size", "2", "--strict"]) == 1
 
 
