@@ -24,6 +24,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.accelerator": ("shardwise.compat.accelerator",),
     "deepspeed.utils": ("shardwise.compat.ds_utils", "shardwise.utils.logging"),
     "deepspeed.utils.logging": ("shardwise.utils.logging",),
+    "deepspeed.utils.zero_to_fp32": ("shardwise.compat.zero_to_fp32",),
     "deepspeed.checkpoint.utils": ("shardwise.compat.ds_utils",),
     "deepspeed.checkpoint": ("shardwise.compat.ds_utils",),
     "deepspeed.runtime.engine": ("shardwise.engine",),
@@ -40,6 +41,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
 }
 
 RENAMES: dict[str, str] = {
+    "deepspeed.initialize": "shardwise.compat.client_checks:initialize",
     "deepspeed.DeepSpeedEngine": "shardwise.engine:ShardwiseEngine",
     "deepspeed.runtime.engine.DeepSpeedEngine": "shardwise.engine:ShardwiseEngine",
     "deepspeed.DeepSpeedConfig": "shardwise.config.resolve:ResolvedConfig",
