@@ -1,4 +1,4 @@
-"""What the clients need from the config and the helpers (issue 13, fixes 3-4 and the DeepSpeed-shaped names)."""
+"""The DeepSpeed-shaped helpers clients import: ops optimizer classes, clone_tensors_for_torch_save, the accelerator."""
 
 from __future__ import annotations
 
@@ -8,26 +8,6 @@ import torch
 from shardwise.compat.accelerator import get_accelerator
 from shardwise.compat.ds_utils import clone_tensors_for_torch_save
 from shardwise.compat.ops import DeepSpeedCPUAdam, FusedAdam
-from shardwise.config import load_config
-
-
-def test_infinite_steps_per_print_means_never() -> None:
-    # accelerate always writes float("inf")
-    assert (
-        load_config({"train_batch_size": 2, "steps_per_print": float("inf")}).config.steps_per_print is None
-    )
-    with pytest.raises(Exception, match="steps_per_print"):
-        load_config({"train_batch_size": 2, "steps_per_print": float("nan")})
-
-
-def test_resolved_config_reads_like_deepspeeds_dict() -> None:
-    cfg = load_config({"train_batch_size": 4, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}})
-    assert cfg.get("zero_optimization", {}).get("stage") == 3
-    assert cfg["bf16"]["enabled"] is True
-    assert "fp16" in cfg and "no_such_key" not in cfg
-    assert cfg.get("no_such_key", "default") == "default"
-    with pytest.raises(KeyError):
-        cfg["no_such_key"]
 
 
 def test_cpu_adam_is_adamw_by_default() -> None:
