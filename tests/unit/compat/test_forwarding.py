@@ -109,3 +109,6 @@ def test_unlisted_path_falls_back_to_the_shardwise_module_of_that_path() -> None
         is importlib.import_module("shardwise.elasticity").compute_elastic_config
     )
     assert forwarding.sources_of("deepspeed.not_in_shardwise") == ()
+    # issue 16's package, merged: DeepSpeed's own import path reaches it with no table entry
+    compress = importlib.import_module("shardwise.compression.compress")
+    assert forwarding.resolve("deepspeed.compression.compress", "init_compression") is compress.init_compression
