@@ -28,13 +28,14 @@ from shardwise.precision.policy import PrecisionPolicy
 from shardwise.profiling.telemetry import Telemetry, build_telemetry
 from shardwise.profiling.timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, STEP
 from shardwise.runtime.counters import CounterAttribute, EngineCounters
+from shardwise.runtime.ds_accessors import DeepSpeedAccessors
 from shardwise.runtime.nonfinite import NonFiniteSteps, scaler_adapts
 from shardwise.runtime.step_hooks import ForwardContext, StepHooks, StepOutcome
 from shardwise.utils.logging import logger
 from shardwise.zero.strategy import StepResult, ZeroStrategy
 
 
-class ShardwiseEngine(nn.Module):
+class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
     """Runs forward, backward and optimizer steps the way DeepSpeed's engine does.
 
     Example:
@@ -78,6 +79,7 @@ class ShardwiseEngine(nn.Module):
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._backward_pending = False  # a backward ran since the last step()
+        self._window_micro_batches = 0  # micro batches stepped since the last optimizer step
         self._last_step: StepResult | None = None
         self._step_applied = False
         self.training_dataloader: Any = None
@@ -259,6 +261,7 @@ class ShardwiseEngine(nn.Module):
         if boundary:
             self._report_progress()
         self.counters.micro_steps += 1
+        self._window_micro_batches = 0 if boundary else self._window_micro_batches + 1
         if result is not None:
             outcome = StepOutcome(self.global_steps, self.global_samples, result.applied, result.grad_norm)
             self.step_hooks.after_optimizer_step(outcome)
@@ -317,6 +320,11 @@ class ShardwiseEngine(nn.Module):
     def get_wall_clock_timers(self) -> dict[str, float]:
         """Last micro step's and window's phase times in ms (empty without ``wall_clock_breakdown``)."""
         return self.telemetry.wall_clock_timers()
+
+    @property
+    def pending_micro_batches(self) -> int:
+        """Micro batches whose gradients are accumulated but not yet applied by an optimizer step."""
+        return self._window_micro_batches + int(self._backward_pending)
 
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` updated the parameters."""
@@ -447,6 +455,8 @@ class ShardwiseEngine(nn.Module):
     save_16bit_model = engine_io.save_16bit_model
     save_fp16_model = engine_io.save_16bit_model
     wait_for_checkpoint = engine_io.wait_for_checkpoint
+    zero_gather_16bit_weights_on_model_save = engine_io.gather_16bit_weights_on_model_save
+    _zero3_consolidated_16bit_state_dict = engine_io.consolidated_16bit_state_dict
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data_efficiency", "autotuning"),  # curriculum/sampler/random-LTD; autotuning (metric hook, space, tuners)
     ("engine", "step_hook_factory"),  # orchestration only; the builder of the configured step hooks
     ("initialization", "launcher"),  # the two entry points: initialize() and the launcher
+    ("compat",),  # deepspeed.<path> -> shardwise: the forwarding table behind the 'deepspeed' package
     ("cli",),  # the ``shardwise`` command
     ("testing",),  # the multi-process test harness (may use anything)
 )

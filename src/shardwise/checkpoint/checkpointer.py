@@ -111,13 +111,14 @@ class Checkpointer:
             tag if tag is not None else f"global_step{state.counters.get('global_steps', 0)}"
         )
         self._validate_tag(tag, state.process_group)
-        steps, gas = state.counters.get("micro_steps", 0), state.gradient_accumulation_steps
-        if gas > 1 and steps % gas:
+        pending, gas = state.pending_micro_batches, state.gradient_accumulation_steps
+        if pending:  # gradients accumulated since the last optimizer step (not micro_steps % GAS: clients
+            # such as accelerate move the boundary themselves)
             logger.warning(
                 "checkpoint %s is saved in the middle of a gradient-accumulation window (micro step %d of %d): "
                 "the gradients accumulated so far are not saved",
                 tag,
-                steps % gas,
+                pending,
                 gas,
             )
         root = Path(save_dir)

@@ -77,6 +77,7 @@ def training_state(engine: Any) -> TrainingState:
         mp_rank=topology.mp_rank,
         mp_world_size=topology.mp_size,
         gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+        pending_micro_batches=engine.pending_micro_batches,
         ds_config=engine.config.to_ds_dict(),
         process_group=None,
     )
@@ -217,3 +218,26 @@ def save_16bit_model(
         for _ in tensors():  # take part in the gathers
             pass
     return True
+
+
+def gather_16bit_weights_on_model_save(engine: Any) -> bool:
+    """``engine.zero_gather_16bit_weights_on_model_save()``: the config's
+    ``zero_optimization.stage3_gather_16bit_weights_on_model_save``."""
+    return bool(engine.config.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+
+def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+    """``engine._zero3_consolidated_16bit_state_dict()``: the full module state dict in the training
+    dtype on rank 0 (CPU tensors), ``{}`` on the other ranks. Collective: every rank must call it
+    (each sharded tensor is gathered in turn). At stages 0-2 the weights are already whole.
+    """
+    state = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+    compute = engine.precision.param_dtype if engine.zero_optimization_stage() == 3 else None
+    rank0 = comm.get_rank() == 0
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        full = value.full_tensor() if type(value).__name__ == "DTensor" else value  # collective
+        if rank0:
+            dtype = compute if compute is not None and full.is_floating_point() else full.dtype
+            out[key] = full.detach().to(device="cpu", dtype=dtype).clone()
+    return out

@@ -30,6 +30,8 @@ class TrainingState:
         counters: ``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``.
         step_hooks: the engine's step hooks (``Stateful``: one state per hook name), or None.
         zero_stage, dp_world_size, mp_rank, mp_world_size: the layout, recorded in the summary.
+        pending_micro_batches: micro batches whose gradients are accumulated but not yet applied
+            (a save then warns: those gradients are not saved).
         ds_config: the resolved config, saved for reference.
         process_group: group for DCP and the collectives (None: the world).
     """
@@ -46,6 +48,7 @@ class TrainingState:
     mp_rank: int = 0
     mp_world_size: int = 1
     gradient_accumulation_steps: int = 1
+    pending_micro_batches: int = 0
     ds_config: dict[str, Any] = field(default_factory=dict)
     process_group: Any = None
 

@@ -1,6 +1,6 @@
 """Entry point of the ``shardwise`` command.
 
-``shardwise config|report|elastic|checkpoint ...`` run a sub-command (each in its own module, which
+``shardwise config|report|elastic|checkpoint|compat ...`` run a sub-command (each in its own module, which
 registers itself with ``add_parser``); anything else is a launch, parsed exactly like
 DeepSpeed's ``deepspeed`` command: ``shardwise [launcher options] script.py [script args]``.
 This file only dispatches.
@@ -19,9 +19,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from shardwise.cli import checkpoint_cmd, config_cmd, elastic_cmd, plan_cmd, report_cmd
+from shardwise.cli import checkpoint_cmd, compat_cmd, config_cmd, elastic_cmd, plan_cmd, report_cmd
 
-SUBCOMMANDS = ("config", "report", "elastic", "checkpoint")
+SUBCOMMANDS = ("config", "report", "elastic", "checkpoint", "compat")
 """First words that select a sub-command; any other first word starts a launch."""
 
 
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     report_cmd.add_parser(sub)
     elastic_cmd.add_parser(sub)
     checkpoint_cmd.add_parser(sub)
+    compat_cmd.add_parser(sub)
     return parser
 
 

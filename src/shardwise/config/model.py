@@ -61,7 +61,7 @@ class ShardwiseConfig(Section):
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
     managed_gradient_accumulation: bool = True
-    steps_per_print: int | None = Field(None, ge=1)
+    steps_per_print: int | None = Field(None, ge=1)  # None (or inf): never print
     dataloader_drop_last: bool = False
     disable_python_gc: bool = False
     wall_clock_breakdown: bool = False
@@ -151,6 +151,14 @@ class ShardwiseConfig(Section):
     def _no_bool_count(cls, value: object) -> object:
         if isinstance(value, bool):
             raise ValueError("must be a whole number of steps >= 1, not true/false (the default is 20)")
+        return value
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinite_means_never(cls, value: object) -> object:
+        # accelerate always writes float("inf") here: "never print", as DeepSpeed reads it
+        if isinstance(value, float) and value == float("inf"):
+            return None
         return value
 
     @field_validator("log_level", mode="before")

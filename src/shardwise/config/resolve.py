@@ -29,6 +29,7 @@ from shardwise.config.compat import FP16_ONLY_KEYS, normalize_legacy
 from shardwise.config.errors import ConfigError, ConfigErrors, did_you_mean, looks_like_placeholder
 from shardwise.config.inert import IgnoredSetting, ignored_settings
 from shardwise.config.loading import read_config_source
+from shardwise.config.mapping_view import DeepSpeedKeyView
 from shardwise.config.model import ShardwiseConfig
 from shardwise.config.provenance import Provenance, Source
 from shardwise.utils.logging import logger
@@ -46,13 +47,14 @@ _TOP_LEVEL_HOMES = {
 
 
 @dataclass
-class ResolvedConfig:
+class ResolvedConfig(DeepSpeedKeyView):
     """A validated config with every ``"auto"`` resolved, plus where each value came from.
 
     Sections are reached through the typed ``config`` (``resolved.config.zero_optimization.stage``);
     the batch triple lives there too and :attr:`batch` reads it. ``warnings`` are the notes of
     resolution (legacy spellings, unknown keys, builders' warnings); ``ignored`` the settings
-    shardwise accepts without acting on them (``config.inert``).
+    shardwise accepts without acting on them (``config.inert``). Reads like DeepSpeed's config dict
+    too: ``resolved.get("zero_optimization", {})``, ``resolved["fp16"]``, ``"bf16" in resolved``.
     """
 
     config: ShardwiseConfig

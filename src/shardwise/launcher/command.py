@@ -82,13 +82,13 @@ def build_parser(prog: str = "shardwise") -> argparse.ArgumentParser:
     """The launcher's parser: DeepSpeed's options, then the script and its arguments."""
     usage = f"{prog} [launcher options] user_script [user_args ...]"
     if prog == "shardwise":
-        usage += f"\n       {prog} {{config,report,elastic,checkpoint}} ..."
+        usage += f"\n       {prog} {{config,report,elastic,checkpoint,compat}} ..."
     parser = argparse.ArgumentParser(
         prog=prog,
         usage=usage,
         description="Launch a training script on one or many nodes (torchrun's elastic agent on every node). "
         "Sub-commands: 'config' (check/explain a ds_config), 'report' (environment), "
-        "'elastic' (elastic batch sizes), 'checkpoint' (inspect/export checkpoints).",
+        "'elastic' (elastic batch sizes), 'checkpoint' (inspect/export checkpoints), 'compat' (the deepspeed package for HF clients).",
         allow_abbrev=False,
     )
     add = parser.add_argument

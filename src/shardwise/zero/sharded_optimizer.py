@@ -80,6 +80,7 @@ class ZeroOptimizer(ZeroStrategy):
         self.gradient_sync_refusal = (
             "" if self.gradient_sync_toggle else sharded_gradients_refusal(policy.stage)
         )
+        self.overflow = False  # the last boundary step was skipped (DeepSpeed's name)
         shard = policy.stage >= 1
         self.groups: list[FlatGroup] = []
         self.group_index: list[int] = []  # flat group -> user param group
@@ -208,6 +209,7 @@ class ZeroOptimizer(ZeroStrategy):
             max_norm=self.policy.gradient_clipping,
             check_overflow=self.policy.check_overflow,
         )
+        self.overflow = not plan.apply  # DeepSpeed's name: accelerate reads it as 'step skipped'
         if not plan.apply:
             self.zero_grad()
             return plan.result()

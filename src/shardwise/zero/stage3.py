@@ -157,6 +157,7 @@ class Stage3Optimizer(ZeroStrategy):
         self.mean_divisor = policy.post_divisor / policy.pre_multiplier  # FSDP2 reduces by a plain sum
         self.gradient_sync_toggle = False  # gradients are reduce-scattered into shards every micro step
         self.gradient_sync_refusal = sharded_gradients_refusal(3)
+        self.overflow = False  # the last boundary step was skipped (DeepSpeed's name)
         self.sharded: list[nn.Parameter] = []  # trainable sharded params, optimizer order
         self.masters: list[torch.Tensor] = []  # their local fp32 shards (views)
         replicated_params: list[nn.Parameter] = []
@@ -360,6 +361,7 @@ class Stage3Optimizer(ZeroStrategy):
             max_norm=policy.gradient_clipping,
             check_overflow=policy.check_overflow,
         )
+        self.overflow = not plan.apply  # DeepSpeed's name: accelerate reads it as 'step skipped'
         if not plan.apply:
             self.zero_grad()
             return plan.result()

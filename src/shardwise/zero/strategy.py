@@ -55,11 +55,14 @@ class ZeroStrategy(Protocol):
         gradient_sync_toggle: whether :meth:`set_gradient_sync` can switch gradient
             reduction off (``engine.no_sync()``); declared by the strategy.
         gradient_sync_refusal: why it cannot (the engine's error message); empty when it can.
+        overflow: the last boundary step was skipped (non-finite gradients); DeepSpeed's name,
+            read by accelerate as "step was skipped".
     """
 
     optimizer: torch.optim.Optimizer
     gradient_sync_toggle: bool
     gradient_sync_refusal: str
+    overflow: bool
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

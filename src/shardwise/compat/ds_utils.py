@@ -1,0 +1,40 @@
+"""``deepspeed.utils`` / ``deepspeed.checkpoint.utils`` / ``deepspeed.runtime.utils`` helpers clients call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardwise.utils.logging import logger
+
+__all__ = ["clone_tensors_for_torch_save", "logger", "move_to_device"]
+
+
+def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") -> Any:
+    """A copy of ``item`` (nested dicts/lists/tuples of tensors) whose tensors are detached clones on
+    ``device``, so ``torch.save`` writes only their own storage (not a view's whole flat buffer).
+
+    Example:
+        >>> flat = torch.arange(4.0); view = flat[:2]
+        >>> clone_tensors_for_torch_save({"w": view})["w"].untyped_storage().nbytes()
+        8
+    """
+    if torch.is_tensor(item):
+        return item.detach().clone().to(device)
+    if isinstance(item, dict):
+        return type(item)({k: clone_tensors_for_torch_save(v, device) for k, v in item.items()})
+    if isinstance(item, (list, tuple)):
+        return type(item)(clone_tensors_for_torch_save(v, device) for v in item)
+    return item
+
+
+def move_to_device(item: Any, device: torch.device | str, criterion_func: Any = torch.is_tensor) -> Any:
+    """``item`` with every tensor (as ``criterion_func`` says) moved to ``device``, containers rebuilt."""
+    if criterion_func(item):
+        return item.to(device)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    if isinstance(item, (list, tuple)):
+        return type(item)(move_to_device(v, device, criterion_func) for v in item)
+    return item

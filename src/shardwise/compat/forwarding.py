@@ -1,0 +1,139 @@
+"""The import hook behind the generated ``deepspeed`` package: names resolve through the table.
+
+:func:`activate` turns the ``deepspeed`` module into a :class:`ForwardingModule` and installs
+:class:`ForwardingFinder` so that ``import deepspeed.<path>`` creates one for any path the table
+(:mod:`shardwise.compat.table`) knows, has a shardwise twin for, or holds sub-paths of. An
+attribute is looked up in the path's sources in order; a name found nowhere raises an
+``AttributeError`` (an ``ImportError`` for ``from ... import``) that names ``deepspeed.<path>.<name>``
+and says shardwise does not provide it, never a silent stand-in.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Any
+
+from shardwise.compat import table
+
+
+class MissingDeepSpeedName(AttributeError):
+    """A ``deepspeed.<path>.<name>`` that shardwise does not provide."""
+
+
+def _missing_message(qualname: str, searched: tuple[str, ...]) -> str:
+    where = ", ".join(searched) if searched else "no shardwise module"
+    return (
+        f"{qualname} is not provided by shardwise (the installed 'deepspeed' package is shardwise's "
+        f"compatibility layer; searched: {where}). Use the shardwise equivalent if there is one, or "
+        "remove the call; `shardwise compat status` shows what is installed"
+    )
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def sources_of(path: str) -> tuple[str, ...]:
+    """The shardwise modules searched for names of ``deepspeed.<path>``, in order.
+
+    Example:
+        >>> sources_of("deepspeed.runtime.engine")
+        ('shardwise.engine',)
+    """
+    if path in table.SOURCES:
+        return table.SOURCES[path]
+    twin = table.shardwise_twin(path)
+    return (twin,) if _module_exists(twin) else ()
+
+
+def is_known_path(path: str) -> bool:
+    """True when ``deepspeed.<path>`` can be imported: it has sources or holds sub-paths."""
+    if path == table.ROOT or path in table.PACKAGES or sources_of(path):
+        return True
+    prefix = path + "."
+    return any(key.startswith(prefix) for key in (*table.SOURCES, *table.RENAMES))
+
+
+def resolve(path: str, name: str) -> Any:
+    """The object ``deepspeed.<path>.<name>`` stands for.
+
+    Raises:
+        MissingDeepSpeedName: shardwise provides no such name.
+    """
+    qualname = f"{path}.{name}"
+    if qualname in table.RENAMES:
+        module_name, attr = table.RENAMES[qualname].split(":")
+        return getattr(importlib.import_module(module_name), attr)
+    if is_known_path(qualname) and not name.startswith("__"):
+        return importlib.import_module(qualname)
+    searched = sources_of(path)
+    for module_name in searched:
+        module = importlib.import_module(module_name)
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            continue
+    raise MissingDeepSpeedName(_missing_message(qualname, searched))
+
+
+class ForwardingModule(ModuleType):
+    """A ``deepspeed.<path>`` module whose attributes come from :func:`resolve` (and are cached)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        value = resolve(self.__name__, name)
+        setattr(self, name, value)
+        return value
+
+    def __dir__(self) -> list[str]:
+        names: set[str] = set(super().__dir__())
+        for module_name in sources_of(self.__name__):
+            names.update(n for n in dir(importlib.import_module(module_name)) if not n.startswith("_"))
+        return sorted(names)
+
+
+class ForwardingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Creates a :class:`ForwardingModule` for ``import deepspeed.<path>``."""
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith(table.ROOT + "."):
+            return None
+        if not is_known_path(fullname):
+            raise ModuleNotFoundError(_missing_message(fullname, ()), name=fullname)
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = ForwardingModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__doc__ = (
+            f"{module.__name__}, forwarded to shardwise ({', '.join(sources_of(module.__name__))})"
+        )
+
+
+_FINDER = ForwardingFinder()
+
+
+def activate(module_name: str = table.ROOT) -> None:
+    """Make ``sys.modules[module_name]`` (the generated ``deepspeed`` package) forward its names,
+    and answer ``import deepspeed.<path>`` from then on. Idempotent."""
+    module = sys.modules[module_name]
+    module.__class__ = ForwardingModule
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    import shardwise
+
+    vars(module).update(__version__=table.DEEPSPEED_VERSION, __shardwise_version__=shardwise.__version__)

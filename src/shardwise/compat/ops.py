@@ -1,0 +1,136 @@
+"""``deepspeed.ops`` optimizer classes, as shardwise's optimizers with DeepSpeed's constructor arguments.
+
+DeepSpeed's CPU and fused kernels are C++/CUDA extensions; the update rules are Adam/AdamW,
+Adagrad, Lion and Lamb, which shardwise runs with torch's kernels (:mod:`shardwise.optim`).
+Each class takes the DeepSpeed class's arguments, so ``DeepSpeedCPUAdam(model.parameters(),
+lr=...)`` in a script or a client (accelerate builds it for optimizer offload) builds the same update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from shardwise.optim.lamb import Lamb
+from shardwise.optim.lion import Lion
+
+__all__ = [
+    "DeepSpeedCPUAdagrad",
+    "DeepSpeedCPUAdam",
+    "DeepSpeedCPULion",
+    "FusedAdam",
+    "FusedLamb",
+    "FusedLion",
+]
+
+
+class FusedAdam(torch.optim.Adam):
+    """DeepSpeed's ``FusedAdam``: Adam with decoupled weight decay when ``adam_w_mode`` (the default).
+
+    ``bias_correction=False`` needs the uncorrected update: use :class:`AdamNoBiasCorrection`
+    (or the config's ``"optimizer": {"type": "Adam", "params": {"bias_correction": false}}``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
+        if not bias_correction:
+            raise ValueError(
+                f"{type(self).__name__}(bias_correction=False) is not this class in shardwise: use "
+                "shardwise.optim.AdamNoBiasCorrection, or the config's optimizer section with "
+                '"bias_correction": false'
+            )
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            decoupled_weight_decay=adam_w_mode,
+        )
+
+
+class DeepSpeedCPUAdam(FusedAdam):
+    """DeepSpeed's ``DeepSpeedCPUAdam`` (``adamw_mode`` spelling); the update of :class:`FusedAdam`."""
+
+    def __init__(
+        self,
+        model_params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
+        super().__init__(
+            model_params,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            adam_w_mode=adamw_mode,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+        )
+
+
+class DeepSpeedCPUAdagrad(torch.optim.Adagrad):
+    """DeepSpeed's ``DeepSpeedCPUAdagrad`` on torch's Adagrad."""
+
+    def __init__(
+        self,
+        model_params: Iterable[Any],
+        lr: float = 1e-2,
+        eps: float = 1e-10,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
+        super().__init__(model_params, lr=lr, eps=eps, weight_decay=weight_decay)
+
+
+class FusedLion(Lion):
+    """DeepSpeed's ``FusedLion`` on shardwise's Lion."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        set_grad_none: bool = True,
+    ) -> None:
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+class DeepSpeedCPULion(Lion):
+    """DeepSpeed's ``DeepSpeedCPULion`` on shardwise's Lion."""
+
+    def __init__(
+        self,
+        model_params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
+        super().__init__(model_params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+FusedLamb = Lamb
+"""DeepSpeed's ``FusedLamb``: shardwise's Lamb takes the same arguments."""

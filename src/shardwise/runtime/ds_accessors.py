@@ -1,0 +1,94 @@
+"""DeepSpeed engine accessors that only read what the engine holds: a mixin of thin methods.
+
+``local_rank``, ``mp_world_size``, ``fp16_enabled()``, ``bfloat16_enabled()``, ``gradient_clipping()``,
+``steps_per_print()``, ``timers``, ``load_module_state_dict``, ``empty_partition_cache``,
+``compile(backend=, compile_kwargs=)``. Kept out of ``engine.py`` so the engine stays the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwise import comm
+
+
+class DeepSpeedAccessors:
+    """Mixed into :class:`~shardwise.engine.ShardwiseEngine` (which provides ``_config``,
+    ``topology``, ``telemetry`` and ``module``)."""
+
+    _config: Any
+    topology: Any
+    telemetry: Any
+    module: Any
+    _is_compiled: bool = False
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        return int(comm.get_local_rank())
+
+    @property
+    def mp_world_size(self) -> int:
+        """Model-parallel ranks (1 without an ``mpu``)."""
+        return int(self.topology.mp_size)
+
+    def fp16_enabled(self) -> bool:
+        """``fp16.enabled``."""
+        return bool(self._config.config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        """``bf16.enabled``."""
+        return bool(self._config.config.bf16.enabled)
+
+    def gradient_clipping(self) -> float:
+        """``gradient_clipping`` (0: no clipping)."""
+        return float(self._config.config.gradient_clipping)
+
+    def steps_per_print(self) -> int | None:
+        """``steps_per_print`` (None: never print)."""
+        steps: int | None = self._config.config.steps_per_print
+        return steps
+
+    @property
+    def timers(self) -> Any:
+        """The wall-clock timers (``wall_clock_breakdown``)."""
+        return self.telemetry.timers
+
+    def load_module_state_dict(
+        self,
+        checkpoint: dict[str, Any],
+        strict: bool = True,
+        custom_load_fn: Any = None,
+        fetch_z3_params: bool = False,
+    ) -> None:
+        """Load ``checkpoint["module"]`` into the wrapped module (or hand it to ``custom_load_fn(src=, dst=)``)."""
+        state = checkpoint["module"]
+        if custom_load_fn is not None:
+            custom_load_fn(src=state, dst=self.module)
+        else:
+            self.module.load_state_dict(state, strict=strict)
+
+    def empty_partition_cache(self) -> None:
+        """Release gathered stage-3 parameters. FSDP2 reshards every unit after its forward and backward,
+        so nothing stays gathered between steps: there is nothing to release."""
+
+    def compile(
+        self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None, schedule: Any = None
+    ) -> None:
+        """``torch.compile`` the wrapped module in place (DeepSpeed's ``engine.compile``).
+
+        Raises:
+            NotImplementedError: a DeepSpeed compile ``schedule`` (its own graph passes) was given.
+        """
+        if schedule is not None:
+            raise NotImplementedError(
+                "engine.compile(schedule=...) runs DeepSpeed's own compiler passes, which shardwise does not "
+                "have: call engine.compile(backend=..., compile_kwargs=...) without schedule"
+            )
+        self.module.compile(backend=backend, **(compile_kwargs or {}))
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` ran."""
+        return self._is_compiled

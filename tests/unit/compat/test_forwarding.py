@@ -1,0 +1,114 @@
+"""The forwarding table: every deepspeed name the clients import resolves; a missing one says so."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shardwise.compat import forwarding, installer
+
+# (module path, name) pairs read from transformers 5.x, accelerate 1.x and the issue's list
+CLIENT_NAMES = [
+    ("deepspeed", "initialize"),
+    ("deepspeed", "init_distributed"),
+    ("deepspeed", "DeepSpeedEngine"),
+    ("deepspeed.comm", "get_rank"),
+    ("deepspeed.comm", "is_initialized"),
+    ("deepspeed.comm", "init_distributed"),
+    ("deepspeed.comm", "all_gather"),
+    ("deepspeed.comm", "all_gather_into_tensor"),
+    ("deepspeed.comm", "reduce"),
+    ("deepspeed.comm", "reduce_scatter"),
+    ("deepspeed.comm", "reduce_scatter_tensor"),
+    ("deepspeed.comm", "broadcast"),
+    ("deepspeed.comm", "send"),
+    ("deepspeed.comm", "recv"),
+    ("deepspeed.comm", "isend"),
+    ("deepspeed.comm", "irecv"),
+    ("deepspeed.comm", "all_to_all_single"),
+    ("deepspeed.comm", "barrier"),
+    ("deepspeed.comm", "get_world_size"),
+    ("deepspeed.comm", "get_local_rank"),
+    ("deepspeed.comm", "new_group"),
+    ("deepspeed.zero", "Init"),
+    ("deepspeed.zero", "GatheredParameters"),
+    ("deepspeed.zero", "register_external_parameter"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine"),
+    ("deepspeed.runtime.lr_schedules", "VALID_LR_SCHEDULES"),
+    ("deepspeed.runtime.zero.partition_parameters", "zero_wrapper_for_fp_tensor_constructor"),
+    ("deepspeed.runtime.zero.partition_parameters", "_orig_torch_arange"),
+    ("deepspeed.runtime.zero.partition_parameters", "get_accelerator"),
+    ("deepspeed.runtime.zero", "GatheredParameters"),
+    ("deepspeed.runtime.utils", "move_to_device"),
+    ("deepspeed.utils", "logger"),
+    ("deepspeed.accelerator", "get_accelerator"),
+    ("deepspeed.ops.adam", "DeepSpeedCPUAdam"),
+    ("deepspeed.ops.adam", "FusedAdam"),
+    ("deepspeed.ops.adagrad", "DeepSpeedCPUAdagrad"),
+    ("deepspeed.ops.lion", "DeepSpeedCPULion"),
+    ("deepspeed.checkpoint.utils", "clone_tensors_for_torch_save"),
+    ("deepspeed.launcher.runner", "DEEPSPEED_ENVIRONMENT_NAME"),
+]
+
+
+@pytest.fixture
+def deepspeed_package(tmp_path: Path) -> Iterator[object]:
+    installer.install(tmp_path)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield importlib.import_module("deepspeed")
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
+            del sys.modules[name]
+        if forwarding._FINDER in sys.meta_path:
+            sys.meta_path.remove(forwarding._FINDER)
+
+
+@pytest.mark.parametrize(("path", "name"), CLIENT_NAMES)
+def test_client_names_resolve(deepspeed_package: object, path: str, name: str) -> None:
+    module = importlib.import_module(path)
+    assert getattr(module, name) is not None
+
+
+def test_names_are_shardwise_objects(deepspeed_package: object) -> None:
+    import deepspeed  # type: ignore[import-not-found]
+    from deepspeed.runtime.engine import DeepSpeedEngine  # type: ignore[import-not-found]
+
+    import shardwise
+    from shardwise.engine import ShardwiseEngine
+    from shardwise.zero import Init
+
+    assert DeepSpeedEngine is ShardwiseEngine
+    assert deepspeed.zero.Init is Init
+    assert deepspeed.__version__ == "0.19.8"
+    assert deepspeed.__shardwise_version__ == shardwise.__version__
+
+
+def test_missing_name_names_itself(deepspeed_package: object) -> None:
+    import deepspeed
+
+    with pytest.raises(AttributeError, match=r"deepspeed\.tp_model_init is not provided by shardwise"):
+        deepspeed.tp_model_init  # noqa: B018
+    with pytest.raises(ModuleNotFoundError, match=r"deepspeed\.no_such_module is not provided by shardwise"):
+        importlib.import_module("deepspeed.no_such_module")
+    with pytest.raises(ImportError, match="set_z3_leaf_modules"):
+        from deepspeed.utils import set_z3_leaf_modules  # type: ignore[import-not-found]  # noqa: F401
+
+
+def test_unlisted_path_falls_back_to_the_shardwise_module_of_that_path() -> None:
+    # what lets shardwise.checkpointing / shardwise.compression / shardwise.ops.sparse_attention reach
+    # the clients as soon as they exist: the same dotted path under shardwise
+    assert forwarding.sources_of("deepspeed.elasticity") == ("shardwise.elasticity",)
+    assert (
+        forwarding.resolve("deepspeed.elasticity", "compute_elastic_config")
+        is importlib.import_module("shardwise.elasticity").compute_elastic_config
+    )
+    assert forwarding.sources_of("deepspeed.not_in_shardwise") == ()
+    # issue 16's package, merged: DeepSpeed's own import path reaches it with no table entry
+    compress = importlib.import_module("shardwise.compression.compress")
+    assert forwarding.resolve("deepspeed.compression.compress", "init_compression") is compress.init_compression
