@@ -263,8 +263,18 @@ def initialize(
         root, precision, topology, device, model, model_parameters, optimizer
     )
     source = comm.group_source_rank(topology.dp_group)
-    for buffer in model.buffers():
-        comm.broadcast(buffer, src=source, group=topology.dp_group)
+    buffers = list(model.named_buffers())
+    unequal = [name for name, b in buffers if not comm.broadcast_into(b, src=source, group=topology.dp_group)]
+    # Only expanded buffers can fail, and the model's structure is the same on every rank: the
+    # agreement (every rank stops, not just the one that differs) costs a collective only then.
+    shared = any(not b.is_contiguous() and 0 in b.stride() for _, b in buffers)
+    if shared and comm.all_reduce_max_flag(bool(unequal), group=topology.dp_group):
+        raise ValueError(
+            f"buffer(s) {unequal or '(on another rank)'} are expanded views (their elements share memory) "
+            f"and differ from rank {source}'s, so they cannot be made equal on every rank; register "
+            "contiguous buffers (`.contiguous()` or `.clone()` before register_buffer), or plain attributes "
+            "for derived data"
+        )
 
     scheduler = _build_scheduler(root.scheduler, lr_scheduler, zero_optimizer)
     telemetry = build_telemetry(

@@ -101,3 +101,29 @@ def _config_trust_scenarios(tmp: str) -> dict[str, Any]:
         logger.removeHandler(keep)
     out["offload_param_warnings"] = [r.getMessage() for r in records if "offload_param" in r.getMessage()]
     return out
+
+
+class _OddBuffers(torch.nn.Module):
+    """A linear layer with a transposed (non-contiguous) buffer and an expanded (memory-sharing) one."""
+
+    def __init__(self, rank: int, same_expanded: bool) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("transposed", torch.arange(12.0).view(3, 4).t() + 100 * rank)
+        row = torch.ones(4) * (0 if same_expanded else rank)
+        self.register_buffer("expanded", row.expand(3, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum()
+
+
+def odd_buffers(rank: int, world: int) -> dict[str, Any]:
+    """Buffers that are views are made equal to rank 0's without touching memory they do not own."""
+    torch.set_num_threads(1)
+    model = _OddBuffers(rank, same_expanded=True)
+    shardwise.initialize(model=model, config=BASE)
+    out: dict[str, Any] = {"transposed": model.transposed.tolist(), "expanded": model.expanded.tolist()}
+    out["differs"] = _error(
+        lambda: shardwise.initialize(model=_OddBuffers(rank, same_expanded=False), config=BASE)
+    )
+    return out

@@ -37,3 +37,14 @@ def test_initialize_api(tmp_path):
     # a setting shardwise ignores is named once, with what happens instead
     (warning,) = out["offload_param_warnings"]
     assert "'zero_optimization.offload_param'" in warning and "stage 3 only" in warning
+
+
+def test_view_buffers_are_broadcast_safely():
+    """A transposed buffer gets rank 0's values; an expanded one cannot be written element-wise: equal
+    ones pass, differing ones are an error naming the buffer (broadcasting into it corrupted memory)."""
+    outs = run_distributed(initialize_cases.odd_buffers, 2, timeout=300)
+    for rank, out in enumerate(outs):
+        assert out["transposed"] == [[float(4 * r + c) for r in range(3)] for c in range(4)]
+        assert out["expanded"] == [[0.0] * 4] * 3
+        assert "expanded views" in out["differs"]  # on every rank: none goes on alone to hang
+        assert ("'expanded'" if rank == 1 else "(on another rank)") in out["differs"]

@@ -51,6 +51,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "reduce_scatter_tensor": ("shardwise.comm.collectives", "reduce_scatter_tensor"),
     "all_gather_into_tensor": ("shardwise.comm.collectives", "all_gather_into_tensor"),
     "broadcast": ("shardwise.comm.collectives", "broadcast"),
+    "broadcast_into": ("shardwise.comm.collectives", "broadcast_into"),
     "all_reduce_max_flag": ("shardwise.comm.collectives", "all_reduce_max_flag"),
     "choose_algorithm": ("shardwise.comm.collectives", "choose_algorithm"),
     "ReduceOp": ("torch.distributed", "ReduceOp"),

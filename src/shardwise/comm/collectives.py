@@ -111,6 +111,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_max_flag",
     "broadcast",
+    "broadcast_into",
     "choose_algorithm",
     "reduce_scatter_flat",
     "reduce_scatter_ranges",
@@ -475,6 +476,32 @@ def broadcast(
     record = _record("broadcast", tensor, world) if _COMMS.enabled else None
     work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
     return _run(work, async_op, None, record)
+
+
+def _shares_memory(tensor: torch.Tensor) -> bool:
+    """True when some elements of ``tensor`` are the same memory (an ``expand``ed view)."""
+    return any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.size()))
+
+
+def broadcast_into(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> bool:
+    """Give ``tensor`` the values of rank ``src``'s, whatever its layout; False if that is impossible.
+
+    A contiguous tensor is broadcast in place. Any other view (transposed, sliced) travels as a
+    contiguous copy and is written back element by element: broadcasting into it directly would
+    write past its elements (a crash or corrupted memory with gloo). A view whose elements share
+    memory (an ``expand``ed buffer) cannot hold different values per element, so it is left as
+    it is and the result says whether it already equals ``src``'s (every rank receives the values).
+    """
+    if tensor.is_contiguous():
+        broadcast(tensor, src=src, group=group)
+        return True
+    staged = tensor.detach().contiguous()
+    broadcast(staged, src=src, group=group)
+    if _shares_memory(tensor):
+        return bool(torch.equal(staged, tensor))
+    with torch.no_grad():
+        tensor.copy_(staged)
+    return True
 
 
 def _flag_device(group: dist.ProcessGroup | None) -> torch.device:
