@@ -54,6 +54,15 @@ def record_stored(owner: Any, nbytes: int) -> None:
         weakref.finalize(owner, meter._add_external, -nbytes)
 
 
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    """The storage address, or 0 for tensors without a plain storage (sharded DTensors, freed)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    try:
+        return int(local.untyped_storage().data_ptr())
+    except RuntimeError:
+        return 0
+
+
 class SavedActivationMeter:
     """Current and peak bytes of saved activations (a context manager; hooks active inside).
 
@@ -62,7 +71,7 @@ class SavedActivationMeter:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._excluded = {ptr for ptr in map(_storage_ptr, exclude) if ptr}
         self._refs: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
         self.current_bytes = 0
         self.peak_bytes = 0

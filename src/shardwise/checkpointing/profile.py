@@ -103,13 +103,15 @@ class Boundaries:
         if self.synchronize:
             synchronize_device()
         start = time.perf_counter() if self.profile else 0.0
-        if recompute and self.tracked:
-            with tracker_restored(self.tracked):
-                out = self.function(*args)
-        else:
-            out = self.function(*args)
-        if self.synchronize or (self.profile and torch.cuda.is_available()):
-            synchronize_device()
-        if self.profile:
-            TIMES.add(recompute, (time.perf_counter() - start) * 1000.0)
-        return out
+        # try/finally: torch's non-reentrant recompute stops early by raising once it has every
+        # tensor backward needs; that recompute is still timed and synchronized.
+        try:
+            if recompute and self.tracked:
+                with tracker_restored(self.tracked):
+                    return self.function(*args)
+            return self.function(*args)
+        finally:
+            if self.synchronize or (self.profile and torch.cuda.is_available()):
+                synchronize_device()
+            if self.profile:
+                TIMES.add(recompute, (time.perf_counter() - start) * 1000.0)
