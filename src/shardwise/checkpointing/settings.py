@@ -147,6 +147,19 @@ def _check(settings: CheckpointingSettings) -> None:
         )
 
 
+def check_section(section: ActivationCheckpointingConfig) -> None:
+    """DeepSpeed's ``configure`` assertions on a config section, as ConfigErrors (``config check`` runs it).
+
+    Raises:
+        ConfigError: contiguous memory without partitioning or without ``number_checkpoints``.
+    """
+    _check(
+        CheckpointingSettings(
+            **{key: getattr(section, key) for key in ActivationCheckpointingConfig.model_fields}
+        )
+    )
+
+
 def configure(
     mpu_: Any,
     deepspeed_config: Any = None,

@@ -142,3 +142,26 @@ def test_describe_names_what_is_active() -> None:
         assert part in text
     alone = checkpointing.describe(checkpointing.CheckpointingSettings(partition_activations=True))
     assert "1 rank: nothing is split" in alone
+
+
+def test_config_check_refuses_what_initialize_would_refuse() -> None:
+    from shardwise.preflight import load_checked_config
+
+    with pytest.raises(ConfigError) as info:
+        load_checked_config(
+            {
+                "train_batch_size": 2,
+                "activation_checkpointing": {
+                    "partition_activations": True,
+                    "contiguous_memory_optimization": True,
+                },
+            }
+        )
+    assert info.value.key == "activation_checkpointing.number_checkpoints"
+    ok = {"partition_activations": True, "contiguous_memory_optimization": True, "number_checkpoints": 8}
+    assert (
+        load_checked_config(
+            {"train_batch_size": 2, "activation_checkpointing": ok}
+        ).config.activation_checkpointing.number_checkpoints
+        == 8
+    )
