@@ -24,6 +24,12 @@ the ``overhead`` column and the target use it), and the wall time's min and medi
   When that interpreter is missing or cannot import deepspeed, those rows say why.
 
 Every peer's losses are compared with ``none``'s (the recompute must not change the numbers).
+
+Separate processes differ by a few percent in CPU time per step whatever they run (memory layout,
+which core, neighbours), which is the size of the differences between the checkpointing peers. So
+the run ends with an interleaved comparison: one process (DeepSpeed's venv, shardwise imported
+from ``src``) in which none, torch, shardwise and DeepSpeed take turns on the same model and batch,
+order reversed every round, min CPU time of forward + backward per peer.
 Target (issue 14): shardwise saves as much memory as DeepSpeed at no more time overhead.
 """
 
@@ -64,17 +70,17 @@ def _free_port() -> int:
 
 
 def launch(
-    spec: dict[str, Any], python: str, env_extra: dict[str, str], timeout: float
+    spec: dict[str, Any], python: str, env_extra: dict[str, str], timeout: float, world: int = WORLD
 ) -> list[dict[str, Any]]:
-    """Run both ranks of one peer; their results, or RuntimeError with the first rank's error."""
+    """Run the ``world`` ranks of one peer; their results, or RuntimeError with the first rank's error."""
     with tempfile.TemporaryDirectory(prefix="act_ckpt_") as tmp:
         port, procs = _free_port(), []
-        for rank in range(WORLD):
+        for rank in range(world):
             env = dict(os.environ, **env_extra)
             env.update(
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(WORLD),
+                WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port),
                 OMP_NUM_THREADS="1",
@@ -101,7 +107,7 @@ def launch(
                 p.kill()
                 p.wait()
         results = []
-        for rank in range(WORLD):
+        for rank in range(world):
             out = Path(tmp) / f"rank{rank}.json"
             if not out.exists():
                 err = Path(str(out) + ".error")
@@ -149,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", nargs="+", default=PEERS, choices=PEERS)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per peer")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument(
+        "--no-interleaved", action="store_true", help="skip the one-process interleaved comparison"
+    )
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
     spec = dict(preset, models_path=str(MODELS), meter_path=str(METER))
@@ -199,9 +208,42 @@ def main(argv: list[str] | None = None) -> int:
     for peer in args.peers:
         print(_fmt_row(peer, results[peer], base, why.get(peer, "")))
     _print_targets(results)
+    inter = None
+    if not ds_missing and not args.no_interleaved:
+        inter = _interleaved(spec, args, src_env)
     if args.out:
-        Path(args.out).write_text(json.dumps({"preset": preset, "results": results, "why": why}, indent=1))
+        out = {"preset": preset, "results": results, "why": why, "interleaved": inter}
+        Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
+
+
+def _interleaved(
+    spec: dict[str, Any], args: argparse.Namespace, src_env: dict[str, str]
+) -> dict[str, Any] | None:
+    """The four single-rank peers taking turns in one process (DeepSpeed's venv, shardwise from src)."""
+    print(
+        "\nrunning interleaved (one process: none / torch / shardwise / deepspeed take turns) ...", flush=True
+    )
+    env = dict(src_env, DS_ACCELERATOR="cpu")
+    job = dict(spec, peer="interleaved", steps=max(spec["steps"], 6))
+    try:
+        (first,) = launch(job, args.ds_python, env, args.timeout, world=1)
+    except RuntimeError as exc:
+        print(f"interleaved comparison failed: {exc}")
+        return None
+    mins = first["cpu_s_min"]
+    base = mins["none"]
+    print(
+        f"{'peer':<12} {'cpu ms':>9} {'overhead':>9}   (min over {job['steps']} rounds, forward + backward)"
+    )
+    for name, value in mins.items():
+        print(f"{name:<12} {value * 1000:>9.1f} {value / base - 1:>+9.1%}")
+    ok = mins["shardwise"] <= mins["deepspeed"] * 1.01
+    print(
+        f"shardwise vs deepspeed, same process: {mins['shardwise'] / mins['deepspeed']:.3f}x "
+        f"({'PASS' if ok else 'FAIL'}: overhead no larger than DeepSpeed's, 1% noise allowed)"
+    )
+    return first
 
 
 def _print_targets(results: dict[str, dict[str, Any] | None]) -> None:

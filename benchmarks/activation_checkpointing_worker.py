@@ -179,10 +179,49 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def interleaved(spec: dict[str, Any]) -> dict[str, Any]:
+    """One process, one rank: none, torch, shardwise and DeepSpeed take turns on the same model and
+    batch (order reversed every round), so machine load hits every peer alike. Runs under the
+    DeepSpeed venv with shardwise on PYTHONPATH; forward + backward CPU time per peer and round."""
+    import torch
+
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    from shardwise import checkpointing
+
+    deepspeed.checkpointing.configure(None, partition_activations=False)
+    checkpointing.configure(None)
+    models = _load("_bench_models", spec["models_path"])
+    torch.manual_seed(0)
+    model = models.TinyGPT(models.GPTConfig(**spec["model"]))
+    batch, seq = spec["batch"]
+    x = torch.randint(0, model.config.vocab_size, (batch, seq))
+    y = torch.randint(0, model.config.vocab_size, (batch, seq))
+    peers = {
+        "none": None,
+        "torch": functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True),
+        "shardwise": checkpointing.checkpoint,
+        "deepspeed": deepspeed.checkpointing.checkpoint,
+    }
+    cpu: dict[str, list[float]] = {name: [] for name in peers}
+    for round_ in range(spec["warmup"] + spec["steps"]):
+        order = list(peers) if round_ % 2 == 0 else list(peers)[::-1]
+        for name in order:
+            model.checkpoint_fn = peers[name]
+            model.zero_grad(set_to_none=True)
+            start = time.process_time()
+            model(x, y).backward()
+            if round_ >= spec["warmup"]:
+                cpu[name].append(time.process_time() - start)
+    return {"cpu_s_min": {k: min(v) for k, v in cpu.items()}, "cpu_s": cpu}
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     try:
-        result = run(spec)
+        result = interleaved(spec) if spec.get("peer") == "interleaved" else run(spec)
     except Exception:
         with open(spec["out"] + ".error", "w") as f:
             f.write(traceback.format_exc())
