@@ -26,6 +26,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "ConfigError": ("shardwise.config.errors", "ConfigError"),
     "load_config": ("shardwise.config", "load_config"),
     "comm": ("shardwise.comm", None),
+    "checkpointing": ("shardwise.checkpointing", None),
     "zero": ("shardwise.zero", None),
     "compression": ("shardwise.compression", None),
     "config": ("shardwise.config", None),

@@ -4,7 +4,7 @@
 would shadow the ``shardwise.initialize`` function on the package.)
 
 topology -> config (with the objects handed in resolving "auto") -> comms logger ->
-precision -> module placement and dtype -> ZeRO strategy -> scheduler -> telemetry
+activation checkpointing (``shardwise.checkpointing`` configured from its section) -> precision -> module placement and dtype -> ZeRO strategy -> scheduler -> telemetry
 (monitors, timers) -> step hooks (the flops profiler...) -> checkpointer -> engine -> data loader.
 """
 
@@ -19,6 +19,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.checkpoint.engine_io import build_checkpointer
+from shardwise.checkpointing.settings import configure_for_engine, describe
 from shardwise.comm.comms_logger import configure_comms_logger
 from shardwise.comm.topology import Topology, build_topology
 from shardwise.config import ConfigError, ResolutionContext
@@ -251,6 +252,7 @@ def initialize(
         set_log_level(root.log_level)
     if root.comms_logger is not None:  # before the first broadcast, so start-up traffic is recorded too
         configure_comms_logger(root.comms_logger)
+    activation_checkpointing = configure_for_engine(root.activation_checkpointing, mpu)
     precision = build_precision(
         root.fp16, root.bf16, amp=root.amp, torch_autocast=root.torch_autocast, data_types=root.data_types
     )
@@ -314,6 +316,8 @@ def initialize(
     )
     if root.dump_state:  # DeepSpeed prints its whole configuration at start-up with dump_state
         report_logger().info("configuration (dump_state):\n%s", dump_state_text(cfg))
+    if activation_checkpointing is not None:
+        report_logger().info("%s", describe(activation_checkpointing))  # the config asked for it
     return engine, zero_optimizer, loader, scheduler
 
 

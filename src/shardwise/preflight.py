@@ -155,6 +155,26 @@ def compression_problem(cfg: ShardwiseConfig) -> ConfigError | None:
     return None
 
 
+def activation_checkpointing_problems(cfg: ShardwiseConfig) -> list[ConfigError]:
+    """The ``activation_checkpointing`` combinations ``initialize`` would refuse (contiguous buffers
+    need ``partition_activations`` and ``number_checkpoints``).
+
+    Example:
+        >>> cfg = load_config({"train_batch_size": 2, "activation_checkpointing": {"contiguous_memory_optimization": True}})
+        >>> [e.key for e in activation_checkpointing_problems(cfg.config)]
+        ['activation_checkpointing.contiguous_memory_optimization']
+    """
+    if not cfg.activation_checkpointing.contiguous_memory_optimization:
+        return []  # the only key with a rule across keys; nothing else to import
+    from shardwise.checkpointing.settings import check_section
+
+    try:
+        check_section(cfg.activation_checkpointing)
+    except ConfigError as exc:
+        return [exc]
+    return []
+
+
 def load_checked_config(
     source: Any,
     *,
@@ -180,6 +200,7 @@ def load_checked_config(
     errors, warnings = component_problems(resolved.config)
     compression = compression_problem(resolved.config)
     errors.extend([compression] if compression is not None else [])
+    errors += activation_checkpointing_problems(resolved.config)
     if errors:
         raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
     # The builders log these themselves when initialize builds the real optimizer and scheduler;

@@ -305,11 +305,6 @@ INERT_KEYS: tuple[InertKey, ...] = (
     InertKey("zero_optimization.enable_sanity_checks", "there are no DeepSpeed sanity checks", None, _AT_3),
     # feature sections
     InertKey(
-        "activation_checkpointing",
-        "shardwise has no deepspeed.checkpointing module for these settings to configure; checkpoint "
-        "activations in the model with torch.utils.checkpoint",
-    ),
-    InertKey(
         "data_efficiency.data_sampling.dynamic_batching",
         "no dynamic batching: every batch has the configured micro-batch size",
         _enabled,

@@ -159,6 +159,7 @@ class Telemetry:
             The reported numbers (also kept as ``last_stats``).
         """
         window = self.timers.end_window()
+        checkpoint_times = _checkpoint_window()
         for name in PHASES:
             self._interval[name] += window[name]
         self._interval_steps += 1
@@ -193,6 +194,13 @@ class Telemetry:
                 log.info(
                     "%s",
                     progress.timers_line(interval_mean, interval_max, self.world_size, self._interval_steps),
+                )
+            if checkpoint_times is not None:
+                log.info(
+                    "activation checkpointing (rank %d, last step): forward %.2f ms, recompute %.2f ms",
+                    self.rank,
+                    checkpoint_times["act_ckpt_forward"],
+                    checkpoint_times["act_ckpt_recompute"],
                 )
             self._interval = dict.fromkeys(PHASES, 0.0)
             self._interval_steps = 0
@@ -231,8 +239,26 @@ class Telemetry:
         return out.view(self.world_size, len(row)).tolist()
 
     def wall_clock_timers(self) -> dict[str, float]:
-        """``engine.get_wall_clock_timers()``: the last micro step and window, in ms."""
-        return self.timers.as_dict()
+        """``engine.get_wall_clock_timers()``: the last micro step and window, in ms.
+
+        With ``activation_checkpointing.profile`` on, also the last window's checkpointed
+        forward and recompute times (``act_ckpt_forward``, ``act_ckpt_recompute``).
+        """
+        timers = self.timers.as_dict()
+        from shardwise.checkpointing import current_settings, profile_times
+
+        if current_settings().profile:
+            timers.update(profile_times().last_window)
+        return timers
+
+
+def _checkpoint_window() -> dict[str, float] | None:
+    """Close the activation-checkpointing profile window (None when ``profile`` is off)."""
+    from shardwise.checkpointing import current_settings, profile_times
+
+    if not current_settings().profile:
+        return None
+    return profile_times().end_window()
 
 
 def build_telemetry(

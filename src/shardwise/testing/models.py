@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,8 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
+        # ``checkpoint_fn(block, x)`` runs each block (activation checkpointing); None: plain calls
+        self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
@@ -104,7 +107,7 @@ class TinyGPT(nn.Module):
         pos = torch.arange(t, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if self.checkpoint_fn is None else self.checkpoint_fn(block, x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

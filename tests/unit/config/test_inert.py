@@ -125,7 +125,6 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "zero_optimization.enable_sanity_checks": {
         "zero_optimization": {"stage": 3, "enable_sanity_checks": True}
     },
-    "activation_checkpointing": {"activation_checkpointing": {"partition_activations": True}},
     "data_efficiency.data_sampling.dynamic_batching": {
         "data_efficiency": {"enabled": True, "data_sampling": {"dynamic_batching": {"enabled": True}}}
     },
@@ -276,16 +275,13 @@ def _shared_dir() -> Path:
 def test_seed_sections_file_names_every_section_that_does_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """../shared/hooks/seed-sections.json enables one example of each wave-2 section."""
+    """../shared/hooks/seed-sections.json enables one example of each wave-2 section; with
+    activation_checkpointing (issue 14) the last of them acts, so none is listed any more."""
     seeds = _shared_dir() / "hooks" / "seed-sections.json"
     assert seeds.is_file(), f"{seeds} not found; set SHARDWISE_SHARED to the shared folder"
     code = main(["config", "check", str(seeds), "--world-size", "2"])
     text = capsys.readouterr().out
-    assert code == 0 and "accepted but ignored" in text
-    for name in (
-        "section 'activation_checkpointing'",
-    ):
-        assert name in text
+    assert code == 0 and "accepted but ignored" not in text
     # implemented (issue 15): the legacy curriculum and random-LTD sections act, so they are not listed
     assert "curriculum_learning" not in text and "data_efficiency" not in text
     # implemented (issue 16): compression_training acts, so it is not listed either
@@ -295,7 +291,10 @@ def test_seed_sections_file_names_every_section_that_does_nothing(
     # left at their defaults there: a disabled autotuning block and sparse_gradients: false
     assert "'autotuning'" not in text and "'sparse_gradients'" not in text
     assert "'sparse_attention'" not in text  # a real feature now (shardwise.ops.sparse_attention)
-    assert main(["config", "check", str(seeds), "--world-size", "2", "--strict"]) == 1
+    # activation_checkpointing acts (shardwise.checkpointing, issue 14): no longer listed
+    assert "activation_checkpointing" not in text
+    # nothing in the file is ignored any more, so --strict has nothing to refuse
+    assert main(["config", "check", str(seeds), "--world-size", "2", "--strict"]) == 0
 
 
 # keys that act now (issue 20): each is reported only where it still means nothing

@@ -1,0 +1,279 @@
+"""What ``configure`` decided: the six keys of ``activation_checkpointing`` plus the model-parallel
+group of the ``mpu``, held once per process like DeepSpeed's module globals (spec 3.12, 6.6).
+
+``configure`` reads the config section (a file, a dict, or an already validated config), lets
+explicit arguments override it, and checks the combinations DeepSpeed asserts on, as
+:class:`~shardwise.config.errors.ConfigError` naming the key, the value, the rule and a fix.
+
+Example:
+    >>> settings = configure(None, partition_activations=True)
+    >>> settings.partition_activations, settings.mp_size, is_configured()
+    (True, 1, True)
+    >>> _ = configure(None)  # back to the defaults
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from shardwise.config.errors import ConfigError
+from shardwise.config.sections.features import ActivationCheckpointingConfig
+
+__all__ = ["CheckpointingSettings", "configure", "current_settings", "describe", "is_configured"]
+
+_SECTION = "activation_checkpointing"
+
+
+@dataclass(frozen=True)
+class CheckpointingSettings:
+    """The active activation-checkpointing settings.
+
+    Attributes:
+        partition_activations: split each saved activation across the model-parallel group.
+        cpu_checkpointing: keep saved activations in host memory.
+        contiguous_memory_optimization: store them in one preallocated buffer.
+        number_checkpoints: checkpoints per forward (the buffer's slot count).
+        synchronize_checkpoint_boundary: synchronize the device at each checkpoint boundary.
+        profile: time the forwards and recomputes (``shardwise.checkpointing.profile_times()``).
+        mpu: the model-parallel unit given to ``configure`` (or None).
+        mp_group: its model-parallel process group (None: no model parallelism).
+        mp_rank: this rank in that group.
+        mp_size: the group's size.
+    """
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+    mpu: Any = None
+    mp_group: Any = None
+    mp_rank: int = 0
+    mp_size: int = 1
+
+    @property
+    def transforms_storage(self) -> bool:
+        """True when saved activations are stored other than as they are."""
+        return self.partition_activations or self.cpu_checkpointing or self.contiguous_memory_optimization
+
+
+_current = CheckpointingSettings()
+_configured = False
+
+
+def current_settings() -> CheckpointingSettings:
+    """The settings ``checkpoint`` uses now (the defaults until ``configure`` runs)."""
+    return _current
+
+
+def is_configured() -> bool:
+    """True once :func:`configure` ran (DeepSpeed's ``is_configured``)."""
+    return _configured
+
+
+def _section(deepspeed_config: Any) -> ActivationCheckpointingConfig:
+    """The ``activation_checkpointing`` section of a path, dict, JSON text or validated config."""
+    if deepspeed_config is None:
+        return ActivationCheckpointingConfig()
+    if isinstance(deepspeed_config, ActivationCheckpointingConfig):
+        return deepspeed_config
+    for holder in (deepspeed_config, getattr(deepspeed_config, "config", None)):  # ShardwiseConfig, Resolved
+        section = getattr(holder, _SECTION, None)
+        if isinstance(section, ActivationCheckpointingConfig):
+            return section
+    if isinstance(deepspeed_config, BaseModel):
+        raise TypeError(f"configure(deepspeed_config=...) got a {type(deepspeed_config).__name__}")
+    if not isinstance(deepspeed_config, str | os.PathLike | Mapping):
+        raise TypeError(
+            "configure(deepspeed_config=...) takes a ds_config path, a dict or a loaded config, "
+            f"not {type(deepspeed_config).__name__}"
+        )
+    from shardwise.config.compat import normalize_legacy
+    from shardwise.config.loading import read_config_source
+
+    raw, _origin = read_config_source(deepspeed_config)
+    normalize_legacy(raw)  # partitioned_activations -> partition_activations
+    body = raw.get(_SECTION) or {}
+    try:
+        return ActivationCheckpointingConfig.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join([_SECTION, *(str(p) for p in first["loc"])])
+        raise ConfigError(
+            key, first["msg"], "see the activation_checkpointing keys in the README", value=first.get("input")
+        ) from exc
+
+
+def _model_parallel(mpu: Any) -> tuple[Any, int, int]:
+    """(group, rank, size) of the mpu's tensor/model-parallel group; (None, 0, 1) without an mpu."""
+    if mpu is None:
+        return None, 0, 1
+    if hasattr(mpu, "get_tensor_model_parallel_rank"):
+        return (
+            mpu.get_tensor_model_parallel_group(),
+            int(mpu.get_tensor_model_parallel_rank()),
+            int(mpu.get_tensor_model_parallel_world_size()),
+        )
+    return (
+        mpu.get_model_parallel_group(),
+        int(mpu.get_model_parallel_rank()),
+        int(mpu.get_model_parallel_world_size()),
+    )
+
+
+def _check(settings: CheckpointingSettings) -> None:
+    if settings.contiguous_memory_optimization and not settings.partition_activations:
+        raise ConfigError(
+            f"{_SECTION}.contiguous_memory_optimization",
+            "the contiguous buffer holds partitioned activations, so it needs partition_activations (as in DeepSpeed)",
+            f"set {_SECTION}.partition_activations to true, or contiguous_memory_optimization to false",
+            value=True,
+        )
+    n = settings.number_checkpoints
+    if settings.contiguous_memory_optimization and (n is None or n < 1):
+        raise ConfigError(
+            f"{_SECTION}.number_checkpoints",
+            "contiguous_memory_optimization preallocates one slot per checkpoint, so it needs the number "
+            "of checkpoints per forward (a positive integer)",
+            f"set {_SECTION}.number_checkpoints to the number of checkpoint() calls in one forward "
+            "(usually the number of layers)",
+            value=n,
+        )
+
+
+def check_section(section: ActivationCheckpointingConfig) -> None:
+    """DeepSpeed's ``configure`` assertions on a config section, as ConfigErrors (``config check`` runs it).
+
+    Raises:
+        ConfigError: contiguous memory without partitioning or without ``number_checkpoints``.
+    """
+    _check(
+        CheckpointingSettings(
+            **{key: getattr(section, key) for key in ActivationCheckpointingConfig.model_fields}
+        )
+    )
+
+
+def configure(
+    mpu_: Any,
+    deepspeed_config: Any = None,
+    partition_activations: bool | None = None,
+    contiguous_checkpointing: bool | None = None,
+    num_checkpoints: int | None = None,
+    checkpoint_in_cpu: bool | None = None,
+    synchronize: bool | None = None,
+    profile: bool | None = None,
+) -> CheckpointingSettings:
+    """DeepSpeed's ``deepspeed.checkpointing.configure``: settings from the config, then the arguments.
+
+    Args:
+        mpu_: the model-parallel unit (``get_model_parallel_group/rank/world_size``, or the
+            ``tensor_`` variants); None keeps the one given before (or none).
+        deepspeed_config: a ds_config path, dict or loaded config; its ``activation_checkpointing``
+            section is read (absent: every key at its default).
+        partition_activations, contiguous_checkpointing, num_checkpoints, checkpoint_in_cpu,
+            synchronize, profile: override the section's keys when not None.
+
+    Returns:
+        The settings now active.
+
+    Raises:
+        ConfigError: contiguous memory without partitioning or without ``number_checkpoints``.
+    """
+    global _current, _configured
+    section = _section(deepspeed_config)
+    mpu = mpu_ if mpu_ is not None else _current.mpu
+    group, rank, size = _model_parallel(mpu)
+    overrides: dict[str, Any] = {
+        "partition_activations": partition_activations,
+        "contiguous_memory_optimization": contiguous_checkpointing,
+        "number_checkpoints": num_checkpoints,
+        "cpu_checkpointing": checkpoint_in_cpu,
+        "synchronize_checkpoint_boundary": synchronize,
+        "profile": profile,
+    }
+    settings = CheckpointingSettings(
+        **{key: getattr(section, key) for key in overrides},
+        mpu=mpu,
+        mp_group=group,
+        mp_rank=rank,
+        mp_size=size,
+    )
+    settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+    _check(settings)
+    _current, _configured = settings, True
+    return settings
+
+
+def set_num_layers(nlayers: int) -> None:
+    """DeepSpeed's ``set_num_layers``: the contiguous buffer's slot count."""
+    global _current
+    _current = replace(_current, number_checkpoints=nlayers)
+    _check(_current)
+
+
+def partition_activations_in_checkpoint(partition_activation: bool) -> None:
+    """DeepSpeed's switch for ``partition_activations`` alone."""
+    global _current
+    _current = replace(_current, partition_activations=bool(partition_activation))
+    _check(_current)
+
+
+def describe(settings: CheckpointingSettings | None = None) -> str:
+    """One line saying what is active, for the start-up report.
+
+    Example:
+        >>> describe(CheckpointingSettings(cpu_checkpointing=True, profile=True))
+        'activation checkpointing: saved activations in host memory, forward/recompute times profiled'
+    """
+    s = settings or _current
+    parts = []
+    if s.partition_activations:
+        if s.mp_size > 1:
+            parts.append(f"saved activations split over {s.mp_size} model-parallel ranks")
+        else:
+            parts.append(
+                "partition_activations on, but the model-parallel group has 1 rank: nothing is split"
+            )
+    if s.cpu_checkpointing:
+        parts.append("saved activations in host memory")
+    if s.contiguous_memory_optimization:
+        parts.append(f"stored in one contiguous buffer of {s.number_checkpoints} slots")
+    if s.synchronize_checkpoint_boundary:
+        parts.append("device synchronized at each checkpoint boundary")
+    if s.profile:
+        parts.append("forward/recompute times profiled")
+    return "activation checkpointing: " + (", ".join(parts) if parts else "default (inputs kept as they are)")
+
+
+def configure_for_engine(section: ActivationCheckpointingConfig, mpu: Any) -> CheckpointingSettings | None:
+    """What ``initialize`` does: apply the config's section, so config-only users get it.
+
+    A section that sets anything replaces earlier settings (as a ``configure`` call with that
+    config would); a section left at its defaults keeps an earlier ``configure`` call's settings
+    and only fills in the mpu, or configures the defaults when nothing was configured yet.
+
+    Returns:
+        The settings when the section sets something (for the start-up report), else None.
+    """
+    if section != ActivationCheckpointingConfig():
+        return configure(mpu, deepspeed_config=section)
+    if not _configured:
+        configure(mpu)
+    elif mpu is not None and _current.mpu is None:
+        configure(
+            mpu,
+            partition_activations=_current.partition_activations,
+            contiguous_checkpointing=_current.contiguous_memory_optimization,
+            num_checkpoints=_current.number_checkpoints,
+            checkpoint_in_cpu=_current.cpu_checkpointing,
+            synchronize=_current.synchronize_checkpoint_boundary,
+            profile=_current.profile,
+        )
+    return None
