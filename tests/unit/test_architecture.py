@@ -411,3 +411,12 @@ def test_test_file_names_are_unique() -> None:
         seen.setdefault(path.name, []).append(str(path.relative_to(TESTS)))
     clashes = {name: where for name, where in seen.items() if len(where) > 1}
     assert not clashes, f"rename one of each: {clashes}"
+
+
+def test_every_package_and_top_level_module_is_on_the_map() -> None:
+    """docs/architecture.md names every package (`name/`) and top-level module (`name.py`) of the tree."""
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    names = [f"`{p.name}/`" for p in SRC.iterdir() if (p / "__init__.py").exists()]
+    names += [f"`{p.name}`" for p in SRC.glob("*.py") if p.name != "__init__.py"]
+    missing = sorted(name for name in names if name not in text)
+    assert not missing, f"add these to docs/architecture.md: {missing}"
