@@ -395,24 +395,20 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         ``data_sampling`` unless given here).
         """
         from shardwise.data import build_data_loader
-        from shardwise.data_efficiency.sampler_factory import (
-            build_curriculum_sampler,
-            curriculum_sampling_enabled,
-        )
+        from shardwise.data_efficiency.sampler_factory import train_loader_options
 
-        sampling = self._config.config.data_efficiency.data_sampling
-        if route == "train" and data_sampler is None and curriculum_sampling_enabled(self._config.config):
-            data_sampler = build_curriculum_sampler(
+        if route == "train":
+            data_sampler, num_local_io_workers, pin_memory = train_loader_options(
                 self._config.config,
                 num_samples=len(dataset),
                 micro_batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
                 dp_rank=self.topology.dp_rank,
                 dp_size=self.dp_world_size,
                 gradient_accumulation_steps=self.gradient_accumulation_steps(),
+                data_sampler=data_sampler,
+                num_workers=num_local_io_workers,
+                pin_memory=pin_memory,
             )
-            if data_sampler is not None:
-                num_local_io_workers = num_local_io_workers or sampling.num_workers
-                pin_memory = pin_memory or sampling.pin_memory
         return build_data_loader(
             dataset,
             batch_size=batch_size or self.train_micro_batch_size_per_gpu(),

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from shardwise.config.errors import ConfigError
 from shardwise.data_efficiency.metric_index import build_metric_index
 from shardwise.data_efficiency.sampler import CurriculumSampler
 
-__all__ = ["build_curriculum_sampler", "curriculum_sampling_enabled"]
+__all__ = [
+    "TrainLoaderOptions",
+    "build_curriculum_sampler",
+    "curriculum_sampling_enabled",
+    "train_loader_options",
+]
 
 _PATH = "data_efficiency.data_sampling.curriculum_learning"
 
@@ -58,3 +63,47 @@ def build_curriculum_sampler(
         seed=config.data_efficiency.seed,
         cluster_path=section.data_cluster_path,
     )
+
+
+class TrainLoaderOptions(NamedTuple):
+    """What ``engine.deepspeed_io`` hands its loader for the training route."""
+
+    data_sampler: Any
+    num_workers: int | None
+    pin_memory: bool
+
+
+def train_loader_options(
+    config: Any,
+    *,
+    num_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    gradient_accumulation_steps: int,
+    data_sampler: Any,
+    num_workers: int | None,
+    pin_memory: bool,
+) -> TrainLoaderOptions:
+    """The training loader's sampler and worker options: the caller's, or the curriculum sampler's.
+
+    A caller's own ``data_sampler`` wins. Otherwise, with the data-sampling curriculum enabled,
+    the curriculum sampler draws the batches, and ``num_workers``/``pin_memory`` come from
+    ``data_sampling`` unless the caller gave them.
+    """
+    chosen = data_sampler
+    if chosen is None and curriculum_sampling_enabled(config):
+        chosen = build_curriculum_sampler(
+            config,
+            num_samples=num_samples,
+            micro_batch_size=micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+        if chosen is not None:
+            sampling = config.data_efficiency.data_sampling
+            return TrainLoaderOptions(
+                chosen, num_workers or sampling.num_workers, pin_memory or sampling.pin_memory
+            )
+    return TrainLoaderOptions(chosen, num_workers, pin_memory)
