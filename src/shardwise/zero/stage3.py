@@ -25,7 +25,7 @@ Two things FSDP2 does not do by itself, measured on the benchmark GPT (2 gloo ra
   also stay gathered until the next micro step (``set_reshard_after_backward``): the
   weights cannot change before the step, so the next forward needs no all-gather;
 - on CPU, reduce-scatters are issued asynchronously during backward and waited when it
-  ends (:class:`_DeferredReduceScatter`), so they overlap the rest of backward (~12% per
+  ends (:class:`DeferredReduceScatter`), so they overlap the rest of backward (~12% per
   step at GAS 4); gradients are then moved out of ``param.grad`` into accumulators, in
   the order FSDP2 would have added them.
 """
@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise import comm
 from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
 from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
+from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
 from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_model import ShardedModel
@@ -71,59 +71,6 @@ class Stage3Policy:
     quantized_gradients: bool = False
     fail_on_unused: bool = False  # ignore_unused_parameters: false
     param_names: Mapping[int, str] | None = None
-
-
-class _DeferredReduceScatter:
-    """FSDP2's reduce-scatter, issued asynchronously while armed (CPU/gloo only).
-
-    Without streams, FSDP2 runs each unit's reduce-scatter synchronously inside backward,
-    so communication never overlaps the remaining backward compute. Armed for one
-    backward, this issues it asynchronously and keeps the buffers alive until
-    :meth:`wait_all` (called when backward ends). That is only valid while FSDP2 does not
-    read the output right away, which holds when the reduction is in fp32 (no cast after
-    it) and the parameter has no gradient yet (no ``+=`` into it): the optimizer moves
-    every gradient out of ``param.grad`` into its own accumulator after each backward.
-
-    The reduction goes through :func:`shardwise.comm.collectives.reduce_scatter_flat` (the measured
-    algorithm: on gloo with two ranks a point-to-point exchange); FSDP2 does not read the input after it.
-    """
-
-    def __init__(self) -> None:
-        self.armed = False
-        self._pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: Any,
-        op: Any,
-        async_op: bool = False,
-    ) -> Any:
-        # ``op`` is a torch ``ReduceOp`` (FSDP2's hook signature); shard_model forces SUM with a divide
-        # factor of 1; NCCL-only ops (PREMUL_SUM) never reach this CPU-only hook.
-        if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
-            raise ValueError(
-                f"stage 3 reduce-scatter hook: FSDP2 asked for {op!r}; only SUM and AVG occur on CPU"
-            )
-        work: Any = collectives.reduce_scatter_flat(
-            output_tensor, input_tensor, group, True, op="sum" if op == comm.ReduceOp.SUM else "avg",
-            input_is_scratch=True,
-        )  # fmt: skip
-        if self.armed:
-            self._pending.append((work, input_tensor, output_tensor))
-        else:
-            work.wait()
-        return work
-
-    def wait_all(self) -> None:
-        """Wait for every reduce-scatter issued while armed."""
-        for work, _input, _output in self._pending:
-            work.wait()
-        self._pending = []
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -216,12 +163,12 @@ class Stage3Optimizer(ZeroStrategy):
         # optimizer's masters take theirs from here
         self._trainable = [p for p in record.sharded if p.requires_grad]
         self._acc: dict[int, torch.Tensor] = {}
-        self._deferred: _DeferredReduceScatter | None = None
+        self._deferred: DeferredReduceScatter | None = None
         if policy.quantized_gradients:
             for module in record.fsdp_modules():
                 module.set_custom_reduce_scatter(QuantizedReduceScatter())  # type: ignore[operator]
         elif record.policy.device.type == "cpu" and record.policy.reduce_dtype == torch.float32:
-            self._deferred = _DeferredReduceScatter()
+            self._deferred = DeferredReduceScatter()
             for module in record.fsdp_modules():
                 module.set_custom_reduce_scatter(self._deferred)  # type: ignore[operator]
         gather = all_gather_hook(policy.quantized_weights)  # qwZ, or a logged plain one, or FSDP2's own
