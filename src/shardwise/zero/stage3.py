@@ -44,10 +44,17 @@ from shardwise.comm.init import group_source_rank
 from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
 from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
+from shardwise.zero.param_owner import register_owner
 from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_model import ShardedModel
 from shardwise.zero.sharded_optimizer import OptimizerFactory
-from shardwise.zero.state_layout import Holding, ParamPlace, StateLayout
+from shardwise.zero.state_layout import (
+    GRADIENTS_UNAVAILABLE,
+    GradientLayout,
+    Holding,
+    ParamPlace,
+    StateLayout,
+)
 from shardwise.zero.step_math import plan_step
 from shardwise.zero.strategy import StepResult, ZeroStrategy, sharded_gradients_refusal
 from shardwise.zero.unused_parameters import raise_if_unused
@@ -163,6 +170,7 @@ class Stage3Optimizer(ZeroStrategy):
         # optimizer's masters take theirs from here
         self._trainable = [p for p in record.sharded if p.requires_grad]
         self._acc: dict[int, torch.Tensor] = {}
+        self._arrived: set[int] = set()  # id of each sharded parameter a gradient reached this window
         self._deferred: DeferredReduceScatter | None = None
         if policy.quantized_gradients:
             for module in record.fsdp_modules():
@@ -178,6 +186,8 @@ class Stage3Optimizer(ZeroStrategy):
         self._kept_units = [u for u, r in zip(record.units, record.reshard) if r is False] + [record.module]
         self._resharding_after_backward = True
         record.replicated_listener = self._on_replicated_edit
+        self._grads_ready = False  # a backward reduced gradients that no step or zero_grad dropped yet
+        register_owner(self, [*self.sharded, *self.replicated.params])
 
     # ------------------------------------------------------------------ wiring
     @property
@@ -236,6 +246,7 @@ class Stage3Optimizer(ZeroStrategy):
         if self._deferred is not None:
             self._deferred.armed = False
         self.replicated.reduce_micro_step()
+        self._grads_ready = True
 
     def _collect_grads(self) -> None:
         """Wait for deferred reductions, then move each shard gradient out of ``param.grad``
@@ -248,6 +259,7 @@ class Stage3Optimizer(ZeroStrategy):
             if grad is None:
                 continue
             local = _local(grad)
+            self._arrived.add(id(param))
             previous = self._acc.get(id(param))
             self._acc[id(param)] = local if previous is None else previous.add_(local)
             param.grad = None
@@ -261,6 +273,8 @@ class Stage3Optimizer(ZeroStrategy):
         """Drop accumulated gradients (sharded and unsharded)."""
         self._collect_grads()
         self._acc = {}
+        self._arrived = set()
+        self._grads_ready = False
         for master in self.masters:
             master.grad = None
         self.replicated.zero_grad()
@@ -298,7 +312,7 @@ class Stage3Optimizer(ZeroStrategy):
         self.record.ensure_resident()
         if policy.fail_on_unused:  # ignore_unused_parameters: false
             params = [*self._trainable, *self.replicated.params]
-            raise_if_unused(params, self._acc.keys() | self.replicated.arrived, policy.param_names)
+            raise_if_unused(params, self._arrived | self.replicated.arrived, policy.param_names)
         self._rebind_masters()
         sharded_grads = self._bind_grads()
         plan = plan_step(
@@ -352,6 +366,26 @@ class Stage3Optimizer(ZeroStrategy):
             masters_from_params=self.replicated.refresh_masters,
             device=self.masters[0].device if self.masters else self.record.policy.device,
             process_group=self.policy.process_group,
+        )
+
+    def gradient_layout(self) -> GradientLayout:
+        """Where each parameter's reduced gradient sits: the local fp32 shard accumulators of the
+        sharded parameters, the whole accumulators of the unsharded ones (zeros are installed for a
+        parameter that got no gradient, so a write there reaches the step)."""
+        self._collect_grads()
+        places = []
+        if self._grads_ready:
+            for param, master in zip(self.sharded, self.masters):
+                acc = self._acc.setdefault(id(param), torch.zeros_like(master))
+                places.append(ParamPlace(param, tuple(param.shape), Holding.LOCAL_SHARD, False, tensor=acc))
+            self.replicated.bind_grads()
+            for param, held in zip(self.replicated.params, self.replicated.accumulators):
+                places.append(ParamPlace(param, tuple(param.shape), Holding.WHOLE, False, tensor=held))
+        return GradientLayout(
+            places=tuple(places),
+            mean_divisor=self.mean_divisor,
+            process_group=self.policy.process_group,
+            unavailable="" if self._grads_ready else GRADIENTS_UNAVAILABLE,
         )
 
     # ------------------------------------------------------------------ saving
