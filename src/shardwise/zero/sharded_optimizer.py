@@ -280,6 +280,9 @@ class ZeroOptimizer(ZeroStrategy):
             rank_state=self.exchanging,
         )
 
+    def release_gathered_parameters(self) -> None:
+        """Nothing to free: at stages 0-2 every rank holds the parameters whole, never gathered."""
+
     def gradient_layout(self) -> GradientLayout:
         """Where each parameter's reduced gradient sits: the same ranges of the flat gradients as
         its fp32 values of the masters; available after a reducing backward, until the step."""

@@ -368,6 +368,12 @@ class Stage3Optimizer(ZeroStrategy):
             process_group=self.policy.process_group,
         )
 
+    def release_gathered_parameters(self) -> None:
+        """Reshard every unit FSDP2 holds gathered (those kept between micro steps of a window, or
+        not resharded after forward); the next forward gathers them again."""
+        for module in self.record.fsdp_modules():
+            module.reshard()  # type: ignore[operator]
+
     def gradient_layout(self) -> GradientLayout:
         """Where each parameter's reduced gradient sits: the local fp32 shard accumulators of the
         sharded parameters, the whole accumulators of the unsharded ones (zeros are installed for a

@@ -111,6 +111,11 @@ class ZeroStrategy(Protocol):
         (a snapshot: ask again after a step or a load). ``checkpoint/`` adapts it to DCP."""
         ...
 
+    def release_gathered_parameters(self) -> None:
+        """Free every gathered copy of partitioned parameters (``engine.empty_partition_cache()``);
+        the next forward gathers again. Nothing to do where parameters are never partitioned."""
+        ...
+
     def gradient_layout(self) -> GradientLayout:
         """Where each parameter's reduced gradient sits now, in the same holdings as
         :meth:`state_layout`; ``unavailable`` says why there is none (``deepspeed.utils.safe_get_full_grad``)."""
