@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from zero_reference import batch, make_model
+from zero_reference import batch, config, make_model
 
 import shardwise
 
@@ -51,3 +51,92 @@ def client_reads(rank: int, world: int, stage: int) -> dict[str, Any]:
         "full": {k: v.float() for k, v in full.items()},
         "dtypes": sorted({str(v.dtype) for v in full.values()}),
     }
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+
+
+def _losses(engine: Any, rank: int, steps: int) -> list[float]:
+    out = []
+    for step in range(steps):
+        x, y = batch(step, 0, rank, 2)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        out.append(float(loss.detach()))
+    return out
+
+
+def load_module_state(rank: int, world: int, case: tuple[int, str]) -> dict[str, Any]:
+    """``load_module_state_dict`` with whole tensors: an engine built on model 0 that loads model 1's
+    state trains exactly like an engine built on model 1 (the fp32 masters followed the load)."""
+    stage, precision = case
+    torch.set_num_threads(1)
+    cfg = config(stage, precision, 1, 2, world)
+    loaded, _, _, _ = shardwise.initialize(model=make_model(0), config=cfg)
+    state = make_model(1).state_dict()
+    loaded.load_module_state_dict({"module": state})
+    matches = all(
+        torch.equal(_whole(p).float(), state[n].to(p.dtype).float())
+        for n, p in loaded.module.named_parameters()
+    )
+    errors = []
+    for bad in (
+        {k: v for k, v in state.items() if k != "lm_head.weight"},
+        {**state, "extra": torch.zeros(1)},
+    ):
+        try:
+            loaded.load_module_state_dict({"module": bad})
+        except RuntimeError as error:
+            errors.append(str(error))
+    wrong = {k: (v[:1] if k == "lm_head.weight" else v) for k, v in state.items()}
+    try:
+        loaded.load_module_state_dict({"module": wrong}, strict=False)
+    except RuntimeError as error:
+        errors.append(str(error))
+    fresh, _, _, _ = shardwise.initialize(model=make_model(1), config=cfg)
+    same_training = _losses(loaded, rank, 2) == _losses(fresh, rank, 2)
+    same_params = all(
+        torch.equal(_whole(a), _whole(b))
+        for a, b in zip(loaded.module.parameters(), fresh.module.parameters())
+    )
+    loaded.destroy()
+    fresh.destroy()
+    return {"matches": matches, "errors": errors, "same_training": same_training, "same_params": same_params}
+
+
+def partition_cache_and_compile(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """``empty_partition_cache`` inside an accumulation window frees the units FSDP2 kept gathered;
+    ``engine.compile(backend="eager")`` trains exactly like the uncompiled engine."""
+    torch.set_num_threads(1)
+    zero = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    cfg = config(stage, "fp32", 2, 2, world, **zero)
+
+    def sharded_names(engine: Any) -> set[str]:
+        return {n for n, p in engine.module.named_parameters() if hasattr(p, "device_mesh")}
+
+    plain, _, _, _ = shardwise.initialize(model=make_model(), config=cfg)
+    compiled, _, _, _ = shardwise.initialize(model=make_model(), config=cfg)
+    compiled.compile(backend="eager", compile_kwargs={"dynamic": False})
+    losses = [_losses(engine, rank, 4) for engine in (plain, compiled)]  # two accumulation windows
+    between_windows = sharded_names(plain)
+    x, y = batch(0, 0, rank, 2)
+    plain.backward(plain(x, y))  # a window's first micro step: kept units stay gathered
+    gathered_mid_window = between_windows - sharded_names(plain)
+    plain.empty_partition_cache()
+    after_release = sharded_names(plain)
+    x, y = batch(0, 1, rank, 2)
+    plain.backward(plain(x, y))  # the next forward gathers again, and the window completes
+    plain.step()
+    result = {
+        "between_windows": sorted(between_windows),
+        "gathered_mid_window": sorted(gathered_mid_window),
+        "after_release": sorted(after_release),
+        "is_compiled": (plain.is_compiled, compiled.is_compiled),
+        "compiled_call": compiled.module._compiled_call_impl is not None,
+        "losses": losses,
+    }
+    plain.destroy()
+    compiled.destroy()
+    return result

@@ -28,3 +28,39 @@ def test_client_reads_at_stages_1_and_3() -> None:
         torch.equal(full_1[k], full_3[k]) for k in full_1
     )  # stage 3's gathered dict is stage 1's weights
     assert by_stage[3][0]["dtypes"] == ["torch.float16"]  # the training dtype, as DeepSpeed exports it
+
+
+def test_load_module_state_dict_takes_whole_tensors_at_every_stage() -> None:
+    cases_ = [(1, "bf16"), (3, "fp32"), (3, "bf16")]
+    for case, ranks in zip(
+        cases_, run_distributed_cases(cases.load_module_state, cases_, world_size=2, timeout=600)
+    ):
+        for result in ranks:
+            assert result["matches"], (
+                case
+            )  # every rank's module holds the loaded values (its shard at stage 3)
+            missing, unexpected, shape = result["errors"]
+            assert "missing keys ['lm_head.weight']" in missing and "strict=False" in missing, case
+            assert "unexpected keys ['extra']" in unexpected, case
+            assert "'lm_head.weight' has shape (1, 32)" in shape, case
+            # the masters followed the load: training equals an engine built on the loaded model
+            assert result["same_training"] and result["same_params"], case
+
+
+def test_empty_partition_cache_and_compile() -> None:
+    stage0, stage3 = run_distributed_cases(
+        cases.partition_cache_and_compile, [0, 3], world_size=2, timeout=600
+    )
+    for result in stage0:
+        assert (
+            result["between_windows"] == [] and result["after_release"] == []
+        )  # nothing is ever partitioned
+    for result in stage3:
+        assert result["gathered_mid_window"], "the root unit stays gathered inside an accumulation window"
+        assert (
+            result["after_release"] == result["between_windows"]
+        )  # released: every sharded parameter is a shard again
+    for result in [*stage0, *stage3]:
+        assert result["is_compiled"] == (False, True) and result["compiled_call"]
+        plain, compiled = result["losses"]
+        assert plain == compiled  # the eager backend runs the same kernels

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint import keys
-from shardwise.checkpoint.optimizer_state import copy_full_into
+from shardwise.checkpoint.module_state import copy_whole_state
 from shardwise.checkpoint.training_state import LoadResult, TrainingState, param_names
 from shardwise.utils.logging import logger
 
@@ -367,19 +367,13 @@ def load_deepspeed_checkpoint(
         ckpt.stage,
         ckpt.world_size,
     )
-    saved = ckpt.module_state_dict()
-    module_sd = state.module.state_dict()
-    missing = [k for k in module_sd if k not in saved]
-    unexpected = [k for k in saved if k not in module_sd]
-    if load_module_strict and (missing or unexpected):
-        raise RuntimeError(
-            f"Error(s) in loading the DeepSpeed checkpoint {path}: missing keys {missing}, unexpected keys "
-            f"{unexpected}. Load with load_module_strict=False to load the matching entries only."
-        )
-    with torch.no_grad():
-        for key, target in module_sd.items():
-            if key in saved:
-                copy_full_into(target, saved[key])
+    copy_whole_state(
+        state.module,
+        ckpt.module_state_dict(),
+        strict=load_module_strict,
+        source=f"the DeepSpeed checkpoint {path}",
+        fix="Load with load_module_strict=False to load the matching entries only.",
+    )
     names = param_names(state.module)
     optimizer = state.optimizer
     if optimizer is not None and not load_module_only:

@@ -18,6 +18,7 @@ import torch
 
 from shardwise import comm
 from shardwise.checkpoint.checkpointer import Checkpointer, CheckpointOptions, TrainingState
+from shardwise.checkpoint.module_state import copy_whole_state
 from shardwise.checkpoint.optimizer_state import OptimizerState
 from shardwise.checkpoint.param_state import ParamOptimizerState
 from shardwise.comm.diagnostics import check_all_ranks_arrive
@@ -241,3 +242,44 @@ def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool =
             dtype = compute if compute is not None and full.is_floating_point() else full.dtype
             out[key] = full.detach().to(device="cpu", dtype=dtype).clone()
     return out
+
+
+def load_module_state_dict(
+    engine: Any,
+    checkpoint: dict[str, Any],
+    strict: bool = True,
+    custom_load_fn: Callable[..., Any] | None = None,
+    fetch_z3_params: bool = False,
+) -> None:
+    """``engine.load_module_state_dict``: load ``checkpoint["module"]`` (whole tensors, e.g. from
+    ``torch.load``) into the engine's module at any stage, then re-read the fp32 masters from it.
+
+    At stage 3 each rank keeps its shard of every whole tensor (no communication: every rank must
+    pass the same dict). ``custom_load_fn(src=state, dst=module)`` replaces the copy; at stage 3 it
+    sees the sharded module, so ``fetch_z3_params=True`` (DeepSpeed gathers the parameters for it
+    first) is refused.
+
+    Raises:
+        RuntimeError: ``strict`` and the keys differ, or a shape differs.
+        NotImplementedError: ``custom_load_fn`` with ``fetch_z3_params=True`` at stage 3.
+    """
+    state = checkpoint["module"]
+    if custom_load_fn is not None:
+        if fetch_z3_params and engine.zero_optimization_stage() == 3:
+            raise NotImplementedError(
+                "load_module_state_dict(custom_load_fn=..., fetch_z3_params=True): at stage 3 shardwise does "
+                "not gather the parameters for a custom load function (FSDP2 keeps them sharded); load whole "
+                "tensors without custom_load_fn, or pass fetch_z3_params=False and handle DTensor shards"
+            )
+        custom_load_fn(src=state, dst=engine.module)
+    else:
+        copy_whole_state(
+            engine.module,
+            state,
+            strict=strict,
+            source='checkpoint["module"]',
+            fix="Pass strict=False to load the matching entries only.",
+        )
+    optimizer = optimizer_state(engine.optimizer)
+    if optimizer is not None:
+        optimizer.refresh_masters_from_params()

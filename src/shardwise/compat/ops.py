@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from shardwise.optim.adam import AdamNoBiasCorrection
 from shardwise.optim.lamb import Lamb
 from shardwise.optim.lion import Lion
 
@@ -26,12 +27,54 @@ __all__ = [
 ]
 
 
+def _uncorrected_adam(
+    params: Iterable[Any],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    amsgrad: bool,
+    name: str,
+) -> AdamNoBiasCorrection:
+    """DeepSpeed's Adam kernels with ``bias_correction=False``: shardwise's uncorrected update."""
+    if amsgrad:
+        raise ValueError(
+            f"{name}(bias_correction=False, amsgrad=True): DeepSpeed's kernels have no AMSGrad, and shardwise's "
+            "uncorrected Adam neither; pass amsgrad=False"
+        )
+    return AdamNoBiasCorrection(
+        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode
+    )
+
+
 class FusedAdam(torch.optim.Adam):
     """DeepSpeed's ``FusedAdam``: Adam with decoupled weight decay when ``adam_w_mode`` (the default).
 
-    ``bias_correction=False`` needs the uncorrected update: use :class:`AdamNoBiasCorrection`
-    (or the config's ``"optimizer": {"type": "Adam", "params": {"bias_correction": false}}``).
+    With ``bias_correction=False`` (DeepSpeed's uncorrected update) the object built is a
+    :class:`~shardwise.optim.adam.AdamNoBiasCorrection` with the same arguments, not a ``FusedAdam``.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> type(FusedAdam([w], bias_correction=False)).__name__, type(FusedAdam([w])).__name__
+        ('AdamNoBiasCorrection', 'FusedAdam')
     """
+
+    def __new__(
+        cls,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+    ) -> Any:
+        if not bias_correction:
+            return _uncorrected_adam(params, lr, betas, eps, weight_decay, adam_w_mode, amsgrad, cls.__name__)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -45,12 +88,6 @@ class FusedAdam(torch.optim.Adam):
         amsgrad: bool = False,
         set_grad_none: bool = True,
     ) -> None:
-        if not bias_correction:
-            raise ValueError(
-                f"{type(self).__name__}(bias_correction=False) is not this class in shardwise: use "
-                "shardwise.optim.AdamNoBiasCorrection, or the config's optimizer section with "
-                '"bias_correction": false'
-            )
         super().__init__(
             params,
             lr=lr,
@@ -63,7 +100,26 @@ class FusedAdam(torch.optim.Adam):
 
 
 class DeepSpeedCPUAdam(FusedAdam):
-    """DeepSpeed's ``DeepSpeedCPUAdam`` (``adamw_mode`` spelling); the update of :class:`FusedAdam`."""
+    """DeepSpeed's ``DeepSpeedCPUAdam`` (``adamw_mode`` spelling); the update of :class:`FusedAdam`
+    (``bias_correction=False`` builds an :class:`~shardwise.optim.adam.AdamNoBiasCorrection`)."""
+
+    def __new__(
+        cls,
+        model_params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ) -> Any:
+        if not bias_correction:
+            return _uncorrected_adam(
+                model_params, lr, betas, eps, weight_decay, adamw_mode, amsgrad, cls.__name__
+            )
+        return torch.optim.Optimizer.__new__(cls)
 
     def __init__(
         self,
@@ -80,7 +136,6 @@ class DeepSpeedCPUAdam(FusedAdam):
         super().__init__(
             model_params,
             lr=lr,
-            bias_correction=bias_correction,
             betas=betas,
             eps=eps,
             adam_w_mode=adamw_mode,

@@ -1,8 +1,9 @@
 """DeepSpeed engine accessors that only read what the engine holds: a mixin of thin methods.
 
 ``local_rank``, ``mp_world_size``, ``fp16_enabled()``, ``bfloat16_enabled()``, ``gradient_clipping()``,
-``steps_per_print()``, ``timers``, ``load_module_state_dict``, ``empty_partition_cache``,
-``compile(backend=, compile_kwargs=)``. Kept out of ``engine.py`` so the engine stays the loop.
+``steps_per_print()``, ``timers``, ``empty_partition_cache``,
+``compile(backend=, compile_kwargs=)``. Kept out of ``engine.py`` so the engine stays the loop
+(``load_module_state_dict`` needs the checkpoint package: ``checkpoint/engine_io.py``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from shardwise import comm
 
 class DeepSpeedAccessors:
     """Mixed into :class:`~shardwise.engine.ShardwiseEngine` (which provides ``_config``,
-    ``topology``, ``telemetry`` and ``module``)."""
+    ``topology``, ``telemetry``, ``module`` and ``optimizer``, its ZeRO strategy)."""
 
     _config: Any
     topology: Any
     telemetry: Any
     module: Any
+    optimizer: Any
     _is_compiled: bool = False
 
     @property
@@ -54,23 +56,11 @@ class DeepSpeedAccessors:
         """The wall-clock timers (``wall_clock_breakdown``)."""
         return self.telemetry.timers
 
-    def load_module_state_dict(
-        self,
-        checkpoint: dict[str, Any],
-        strict: bool = True,
-        custom_load_fn: Any = None,
-        fetch_z3_params: bool = False,
-    ) -> None:
-        """Load ``checkpoint["module"]`` into the wrapped module (or hand it to ``custom_load_fn(src=, dst=)``)."""
-        state = checkpoint["module"]
-        if custom_load_fn is not None:
-            custom_load_fn(src=state, dst=self.module)
-        else:
-            self.module.load_state_dict(state, strict=strict)
-
     def empty_partition_cache(self) -> None:
-        """Release gathered stage-3 parameters. FSDP2 reshards every unit after its forward and backward,
-        so nothing stays gathered between steps: there is nothing to release."""
+        """Free the gathered copies of partitioned (stage-3) parameters; the next forward gathers them
+        again (the strategy's ``release_gathered_parameters``). A no-op at stages 0-2."""
+        if self.optimizer is not None:
+            self.optimizer.release_gathered_parameters()
 
     def compile(
         self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None, schedule: Any = None

@@ -29,6 +29,18 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Stage3Optimizer": ("shardwise.zero.stage3", "Stage3Optimizer"),
     "ZeroStrategy": ("shardwise.zero.strategy", "ZeroStrategy"),
     "StepResult": ("shardwise.zero.strategy", "StepResult"),
+    "safe_get_full_fp32_param": ("shardwise.zero.param_access", "safe_get_full_fp32_param"),
+    "safe_get_full_grad": ("shardwise.zero.param_access", "safe_get_full_grad"),
+    "safe_get_full_optimizer_state": ("shardwise.zero.param_access", "safe_get_full_optimizer_state"),
+    "safe_get_local_fp32_param": ("shardwise.zero.param_access", "safe_get_local_fp32_param"),
+    "safe_get_local_grad": ("shardwise.zero.param_access", "safe_get_local_grad"),
+    "safe_get_local_optimizer_state": ("shardwise.zero.param_access", "safe_get_local_optimizer_state"),
+    "safe_set_full_fp32_param": ("shardwise.zero.param_access", "safe_set_full_fp32_param"),
+    "safe_set_full_grad": ("shardwise.zero.param_access", "safe_set_full_grad"),
+    "safe_set_full_optimizer_state": ("shardwise.zero.param_access", "safe_set_full_optimizer_state"),
+    "safe_set_local_fp32_param": ("shardwise.zero.param_access", "safe_set_local_fp32_param"),
+    "safe_set_local_grad": ("shardwise.zero.param_access", "safe_set_local_grad"),
+    "safe_set_local_optimizer_state": ("shardwise.zero.param_access", "safe_set_local_optimizer_state"),
 }
 
 __all__ = ["BucketPlan", "FlatLayout", "Slot", "plan_layout", *_LAZY]

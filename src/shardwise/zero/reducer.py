@@ -105,6 +105,7 @@ class GradientReducer(ABC):
         self.optimizer_exchanges = False  # the optimizer averages by itself (1-bit): no reduction
         self._inflight: list[_Inflight] = []
         self.arrived: set[tuple[int, int]] = set()  # (group, parameter) that got a gradient this window
+        self.gradients_ready = False  # the groups' ``grad`` hold reduced sums (until the window ends)
         forced = policy.all_reduce_gradients or not policy.shard
         algorithm = "all_reduce" if forced else _reduce_scatter_algorithm(groups, process_group)
         self._piece_exchange = policy.shard and algorithm == "exchange"
@@ -206,3 +207,4 @@ class GradientReducer(ABC):
             item.after()
         self._inflight = []
         self.order.end_backward(reducing=reducing)
+        self.gradients_ready = self.gradients_ready or reducing

@@ -30,10 +30,18 @@ from shardwise.optim.exchanging import GradientExchangingOptimizer
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
 from shardwise.zero.offload import checkpoint_view
+from shardwise.zero.param_owner import register_owner
 from shardwise.zero.param_publish import PublishPolicy, launch_publish
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
 from shardwise.zero.shard_accumulator_reducer import ShardAccumulatorReducer
-from shardwise.zero.state_layout import FlatPiece, Holding, ParamPlace, StateLayout
+from shardwise.zero.state_layout import (
+    GRADIENTS_UNAVAILABLE,
+    FlatPiece,
+    GradientLayout,
+    Holding,
+    ParamPlace,
+    StateLayout,
+)
 from shardwise.zero.step_math import plan_step
 from shardwise.zero.strategy import StepResult, ZeroStrategy, sharded_gradients_refusal
 from shardwise.zero.unused_parameters import raise_if_unused
@@ -125,6 +133,7 @@ class ZeroOptimizer(ZeroStrategy):
         if self.exchanging is not None:
             self.exchanging.attach_process_group(policy.process_group)
         self._bind_master_grads()
+        register_owner(self, [p for flat in self.groups for p in flat.params])
 
     # ------------------------------------------------------------------ wiring
     def _bind_master_grads(self) -> None:
@@ -164,6 +173,7 @@ class ZeroOptimizer(ZeroStrategy):
             flat.zero_grads()
         self.reducer.new_accumulation()
         self.reducer.arrived.clear()
+        self.reducer.gradients_ready = False
 
     def set_gradient_sync(self, enabled: bool) -> None:
         """Reduce gradients in backward (True) or accumulate them locally (False; stages 0-1)."""
@@ -268,6 +278,25 @@ class ZeroOptimizer(ZeroStrategy):
             process_group=self.policy.process_group,
             partitioned=self.policy.stage >= 1 and self.policy.world_size > 1,
             rank_state=self.exchanging,
+        )
+
+    def release_gathered_parameters(self) -> None:
+        """Nothing to free: at stages 0-2 every rank holds the parameters whole, never gathered."""
+
+    def gradient_layout(self) -> GradientLayout:
+        """Where each parameter's reduced gradient sits: the same ranges of the flat gradients as
+        its fp32 values of the masters; available after a reducing backward, until the step."""
+        places = []
+        for flat in self.groups:
+            for index, param in enumerate(flat.params):
+                pieces = tuple(FlatPiece(s, e, flat.grad[m], o) for s, e, m, o in flat.master_pieces(index))
+                places.append(ParamPlace(param, tuple(param.shape), Holding.FLAT, False, pieces=pieces))
+        return GradientLayout(
+            places=tuple(places),
+            mean_divisor=self.mean_divisor,
+            process_group=self.policy.process_group,
+            partitioned=self.policy.stage >= 1 and self.policy.world_size > 1,
+            unavailable="" if self.reducer.gradients_ready else GRADIENTS_UNAVAILABLE,
         )
 
     def _refresh_masters(self) -> None:

@@ -25,7 +25,7 @@ Two things FSDP2 does not do by itself, measured on the benchmark GPT (2 gloo ra
   also stay gathered until the next micro step (``set_reshard_after_backward``): the
   weights cannot change before the step, so the next forward needs no all-gather;
 - on CPU, reduce-scatters are issued asynchronously during backward and waited when it
-  ends (:class:`_DeferredReduceScatter`), so they overlap the rest of backward (~12% per
+  ends (:class:`DeferredReduceScatter`), so they overlap the rest of backward (~12% per
   step at GAS 4); gradients are then moved out of ``param.grad`` into accumulators, in
   the order FSDP2 would have added them.
 """
@@ -39,15 +39,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise import comm
 from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
 from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
+from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
+from shardwise.zero.param_owner import register_owner
 from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_model import ShardedModel
 from shardwise.zero.sharded_optimizer import OptimizerFactory
-from shardwise.zero.state_layout import Holding, ParamPlace, StateLayout
+from shardwise.zero.state_layout import (
+    GRADIENTS_UNAVAILABLE,
+    GradientLayout,
+    Holding,
+    ParamPlace,
+    StateLayout,
+)
 from shardwise.zero.step_math import plan_step
 from shardwise.zero.strategy import StepResult, ZeroStrategy, sharded_gradients_refusal
 from shardwise.zero.unused_parameters import raise_if_unused
@@ -71,59 +78,6 @@ class Stage3Policy:
     quantized_gradients: bool = False
     fail_on_unused: bool = False  # ignore_unused_parameters: false
     param_names: Mapping[int, str] | None = None
-
-
-class _DeferredReduceScatter:
-    """FSDP2's reduce-scatter, issued asynchronously while armed (CPU/gloo only).
-
-    Without streams, FSDP2 runs each unit's reduce-scatter synchronously inside backward,
-    so communication never overlaps the remaining backward compute. Armed for one
-    backward, this issues it asynchronously and keeps the buffers alive until
-    :meth:`wait_all` (called when backward ends). That is only valid while FSDP2 does not
-    read the output right away, which holds when the reduction is in fp32 (no cast after
-    it) and the parameter has no gradient yet (no ``+=`` into it): the optimizer moves
-    every gradient out of ``param.grad`` into its own accumulator after each backward.
-
-    The reduction goes through :func:`shardwise.comm.collectives.reduce_scatter_flat` (the measured
-    algorithm: on gloo with two ranks a point-to-point exchange); FSDP2 does not read the input after it.
-    """
-
-    def __init__(self) -> None:
-        self.armed = False
-        self._pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: Any,
-        op: Any,
-        async_op: bool = False,
-    ) -> Any:
-        # ``op`` is a torch ``ReduceOp`` (FSDP2's hook signature); shard_model forces SUM with a divide
-        # factor of 1; NCCL-only ops (PREMUL_SUM) never reach this CPU-only hook.
-        if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
-            raise ValueError(
-                f"stage 3 reduce-scatter hook: FSDP2 asked for {op!r}; only SUM and AVG occur on CPU"
-            )
-        work: Any = collectives.reduce_scatter_flat(
-            output_tensor, input_tensor, group, True, op="sum" if op == comm.ReduceOp.SUM else "avg",
-            input_is_scratch=True,
-        )  # fmt: skip
-        if self.armed:
-            self._pending.append((work, input_tensor, output_tensor))
-        else:
-            work.wait()
-        return work
-
-    def wait_all(self) -> None:
-        """Wait for every reduce-scatter issued while armed."""
-        for work, _input, _output in self._pending:
-            work.wait()
-        self._pending = []
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -216,12 +170,13 @@ class Stage3Optimizer(ZeroStrategy):
         # optimizer's masters take theirs from here
         self._trainable = [p for p in record.sharded if p.requires_grad]
         self._acc: dict[int, torch.Tensor] = {}
-        self._deferred: _DeferredReduceScatter | None = None
+        self._arrived: set[int] = set()  # id of each sharded parameter a gradient reached this window
+        self._deferred: DeferredReduceScatter | None = None
         if policy.quantized_gradients:
             for module in record.fsdp_modules():
                 module.set_custom_reduce_scatter(QuantizedReduceScatter())  # type: ignore[operator]
         elif record.policy.device.type == "cpu" and record.policy.reduce_dtype == torch.float32:
-            self._deferred = _DeferredReduceScatter()
+            self._deferred = DeferredReduceScatter()
             for module in record.fsdp_modules():
                 module.set_custom_reduce_scatter(self._deferred)  # type: ignore[operator]
         gather = all_gather_hook(policy.quantized_weights)  # qwZ, or a logged plain one, or FSDP2's own
@@ -231,6 +186,8 @@ class Stage3Optimizer(ZeroStrategy):
         self._kept_units = [u for u, r in zip(record.units, record.reshard) if r is False] + [record.module]
         self._resharding_after_backward = True
         record.replicated_listener = self._on_replicated_edit
+        self._grads_ready = False  # a backward reduced gradients that no step or zero_grad dropped yet
+        register_owner(self, [*self.sharded, *self.replicated.params])
 
     # ------------------------------------------------------------------ wiring
     @property
@@ -289,6 +246,7 @@ class Stage3Optimizer(ZeroStrategy):
         if self._deferred is not None:
             self._deferred.armed = False
         self.replicated.reduce_micro_step()
+        self._grads_ready = True
 
     def _collect_grads(self) -> None:
         """Wait for deferred reductions, then move each shard gradient out of ``param.grad``
@@ -301,6 +259,7 @@ class Stage3Optimizer(ZeroStrategy):
             if grad is None:
                 continue
             local = _local(grad)
+            self._arrived.add(id(param))
             previous = self._acc.get(id(param))
             self._acc[id(param)] = local if previous is None else previous.add_(local)
             param.grad = None
@@ -314,6 +273,8 @@ class Stage3Optimizer(ZeroStrategy):
         """Drop accumulated gradients (sharded and unsharded)."""
         self._collect_grads()
         self._acc = {}
+        self._arrived = set()
+        self._grads_ready = False
         for master in self.masters:
             master.grad = None
         self.replicated.zero_grad()
@@ -351,7 +312,7 @@ class Stage3Optimizer(ZeroStrategy):
         self.record.ensure_resident()
         if policy.fail_on_unused:  # ignore_unused_parameters: false
             params = [*self._trainable, *self.replicated.params]
-            raise_if_unused(params, self._acc.keys() | self.replicated.arrived, policy.param_names)
+            raise_if_unused(params, self._arrived | self.replicated.arrived, policy.param_names)
         self._rebind_masters()
         sharded_grads = self._bind_grads()
         plan = plan_step(
@@ -405,6 +366,32 @@ class Stage3Optimizer(ZeroStrategy):
             masters_from_params=self.replicated.refresh_masters,
             device=self.masters[0].device if self.masters else self.record.policy.device,
             process_group=self.policy.process_group,
+        )
+
+    def release_gathered_parameters(self) -> None:
+        """Reshard every unit FSDP2 holds gathered (those kept between micro steps of a window, or
+        not resharded after forward); the next forward gathers them again."""
+        for module in self.record.fsdp_modules():
+            module.reshard()  # type: ignore[operator]
+
+    def gradient_layout(self) -> GradientLayout:
+        """Where each parameter's reduced gradient sits: the local fp32 shard accumulators of the
+        sharded parameters, the whole accumulators of the unsharded ones (zeros are installed for a
+        parameter that got no gradient, so a write there reaches the step)."""
+        self._collect_grads()
+        places = []
+        if self._grads_ready:
+            for param, master in zip(self.sharded, self.masters):
+                acc = self._acc.setdefault(id(param), torch.zeros_like(master))
+                places.append(ParamPlace(param, tuple(param.shape), Holding.LOCAL_SHARD, False, tensor=acc))
+            self.replicated.bind_grads()
+            for param, held in zip(self.replicated.params, self.replicated.accumulators):
+                places.append(ParamPlace(param, tuple(param.shape), Holding.WHOLE, False, tensor=held))
+        return GradientLayout(
+            places=tuple(places),
+            mean_divisor=self.mean_divisor,
+            process_group=self.policy.process_group,
+            unavailable="" if self._grads_ready else GRADIENTS_UNAVAILABLE,
         )
 
     # ------------------------------------------------------------------ saving

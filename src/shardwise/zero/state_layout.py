@@ -129,3 +129,34 @@ class StateLayout:
     process_group: Any = None
     partitioned: bool = False
     rank_state: Any = None
+
+
+@dataclass(frozen=True)
+class GradientLayout:
+    """Where each trained parameter's reduced gradient sits now, in the holdings of :class:`ParamPlace`.
+
+    The places point into the strategy's gradient accumulators (``FLAT`` pieces of the flat
+    gradients at stages 0-2; the local gradient shard, or the whole gradient of an unsharded
+    parameter, at stage 3); writing there changes what the next step uses.
+
+    Attributes:
+        places: one per trainable parameter (``separate_master`` is always False).
+        mean_divisor: the held values divided by it are the average over the data-parallel ranks
+            (still multiplied by the fp16 loss scale, as DeepSpeed's are).
+        process_group: the ranks among which ``FLAT`` pieces are partitioned.
+        partitioned: ``FLAT`` pieces are disjoint across ``process_group``.
+        unavailable: why no reduced gradient is held now; empty when one is.
+    """
+
+    places: tuple[ParamPlace, ...]
+    mean_divisor: float
+    process_group: Any = None
+    partitioned: bool = False
+    unavailable: str = ""
+
+
+GRADIENTS_UNAVAILABLE = (
+    "reduced gradients are only available after a backward that reduced them (every backward at "
+    "stages 2-3, the accumulation boundary's at stages 0-1) and before the optimizer step"
+)
+"""The :attr:`GradientLayout.unavailable` message (DeepSpeed's rule, with shardwise's stages)."""

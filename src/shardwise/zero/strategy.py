@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from shardwise.zero.state_layout import StateLayout
+from shardwise.zero.state_layout import GradientLayout, StateLayout
 
 if TYPE_CHECKING:
     import torch
@@ -109,6 +109,16 @@ class ZeroStrategy(Protocol):
     def state_layout(self) -> StateLayout:
         """Where each named parameter's fp32 values and optimizer state sit, in plain tensors
         (a snapshot: ask again after a step or a load). ``checkpoint/`` adapts it to DCP."""
+        ...
+
+    def release_gathered_parameters(self) -> None:
+        """Free every gathered copy of partitioned parameters (``engine.empty_partition_cache()``);
+        the next forward gathers again. Nothing to do where parameters are never partitioned."""
+        ...
+
+    def gradient_layout(self) -> GradientLayout:
+        """Where each parameter's reduced gradient sits now, in the same holdings as
+        :meth:`state_layout`; ``unavailable`` says why there is none (``deepspeed.utils.safe_get_full_grad``)."""
         ...
 
 

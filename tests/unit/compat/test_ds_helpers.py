@@ -8,6 +8,7 @@ import torch
 from shardwise.compat.accelerator import get_accelerator
 from shardwise.compat.ds_utils import clone_tensors_for_torch_save
 from shardwise.compat.ops import DeepSpeedCPUAdam, FusedAdam
+from shardwise.optim.adam import AdamNoBiasCorrection
 
 
 def test_cpu_adam_is_adamw_by_default() -> None:
@@ -19,8 +20,31 @@ def test_cpu_adam_is_adamw_by_default() -> None:
         w.grad = torch.tensor([1.0, -2.0, 0.5])
         opt.step()
     assert torch.equal(w1, w2)
-    with pytest.raises(ValueError, match="bias_correction=False"):
-        FusedAdam([w1], bias_correction=False)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, DeepSpeedCPUAdam])
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_bias_correction_false_builds_the_uncorrected_update(cls: type, adam_w_mode: bool) -> None:
+    """As DeepSpeed's kernels: bias_correction=False is Adam without the 1 - beta^t corrections."""
+    w1 = torch.nn.Parameter(torch.ones(3))
+    w2 = torch.nn.Parameter(torch.ones(3))
+    mode = {"adam_w_mode" if cls is FusedAdam else "adamw_mode": adam_w_mode}
+    ours = cls([w1], lr=0.1, bias_correction=False, weight_decay=0.1, **mode)
+    reference = AdamNoBiasCorrection([w2], lr=0.1, weight_decay=0.1, adam_w_mode=adam_w_mode)
+    assert isinstance(ours, AdamNoBiasCorrection)
+    for _ in range(2):
+        for w, opt in ((w1, ours), (w2, reference)):
+            w.grad = torch.tensor([1.0, -2.0, 0.5])
+            opt.step()
+    assert torch.equal(w1, w2)
+    # step 1 of the uncorrected update: m = 0.1 g, v = 0.001 g^2, so |step| = lr * 0.1 / sqrt(0.001) ~ 0.316 lr
+    w3 = torch.nn.Parameter(torch.zeros(1))
+    opt = cls([w3], lr=1.0, bias_correction=False, betas=(0.9, 0.999), eps=0.0)
+    w3.grad = torch.ones(1)
+    opt.step()
+    assert torch.allclose(w3, torch.tensor([-0.1 / 0.001**0.5]))
+    with pytest.raises(ValueError, match="amsgrad=False"):
+        cls([w1], bias_correction=False, amsgrad=True)
 
 
 def test_clone_for_save_drops_the_flat_buffer() -> None:

@@ -1,0 +1,68 @@
+"""Stage 3 on CPU: FSDP2's reduce-scatter issued asynchronously during backward, waited when it ends.
+
+:class:`~shardwise.zero.stage3.Stage3Optimizer` installs it on every FSDP2 module when gradients
+are reduced in fp32 on CPU (see that module's docstring for the measurement).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shardwise import comm
+from shardwise.comm import collectives
+
+
+class DeferredReduceScatter:
+    """FSDP2's reduce-scatter, issued asynchronously while armed (CPU/gloo only).
+
+    Without streams, FSDP2 runs each unit's reduce-scatter synchronously inside backward,
+    so communication never overlaps the remaining backward compute. Armed for one
+    backward, this issues it asynchronously and keeps the buffers alive until
+    :meth:`wait_all` (called when backward ends). That is only valid while FSDP2 does not
+    read the output right away, which holds when the reduction is in fp32 (no cast after
+    it) and the parameter has no gradient yet (no ``+=`` into it): the optimizer moves
+    every gradient out of ``param.grad`` into its own accumulator after each backward.
+
+    The reduction goes through :func:`shardwise.comm.collectives.reduce_scatter_flat` (the measured
+    algorithm: on gloo with two ranks a point-to-point exchange); FSDP2 does not read the input after it.
+    """
+
+    def __init__(self) -> None:
+        self.armed = False
+        self._pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        # ``op`` is a torch ``ReduceOp`` (FSDP2's hook signature); shard_model forces SUM with a divide
+        # factor of 1; NCCL-only ops (PREMUL_SUM) never reach this CPU-only hook.
+        if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
+            raise ValueError(
+                f"stage 3 reduce-scatter hook: FSDP2 asked for {op!r}; only SUM and AVG occur on CPU"
+            )
+        work: Any = collectives.reduce_scatter_flat(
+            output_tensor, input_tensor, group, True, op="sum" if op == comm.ReduceOp.SUM else "avg",
+            input_is_scratch=True,
+        )  # fmt: skip
+        if self.armed:
+            self._pending.append((work, input_tensor, output_tensor))
+        else:
+            work.wait()
+        return work
+
+    def wait_all(self) -> None:
+        """Wait for every reduce-scatter issued while armed."""
+        for work, _input, _output in self._pending:
+            work.wait()
+        self._pending = []
