@@ -148,7 +148,8 @@ class Lamb(torch.optim.Optimizer):
         exp_avgs: list[Tensor],
         exp_avg_sqs: list[Tensor],
         grad_factor: Tensor | None,
-    ) -> None:
+    ) -> list[tuple[list[Tensor], Tensor]]:
+        """Update ``params`` in place; returns ``(params, trust ratios)`` per device (one ratio each)."""
         beta1, beta2 = group["betas"]
         eps = group["eps"]
         weight_decay = group["weight_decay"]
@@ -177,6 +178,7 @@ class Lamb(torch.optim.Optimizer):
             step_size = group["lr"]
 
         # Trust ratios for all tensors at once: one stacked vector per device, no host sync.
+        ratios = []
         for device_params, device_updates in _by_device(params, update):
             w_norm = torch.stack(torch._foreach_norm(device_params, 2.0, dtype=torch.float32))
             u_norm = torch.stack(torch._foreach_norm(device_updates, 2.0, dtype=torch.float32))
@@ -188,6 +190,8 @@ class Lamb(torch.optim.Optimizer):
             scale = (ratio * -step_size).to(device_params[0].dtype)
             torch._foreach_mul_(device_updates, list(scale.unbind()))
             torch._foreach_add_(device_params, device_updates)
+            ratios.append((device_params, ratio))
+        return ratios
 
 
 def _by_device(params: list[Tensor], updates: list[Tensor]) -> list[tuple[list[Tensor], list[Tensor]]]:
