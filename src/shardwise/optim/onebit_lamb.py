@@ -99,7 +99,9 @@ class OneBitLamb(torch.optim.Optimizer):
         if amsgrad:
             raise ValueError("OneBitLamb: amsgrad=True is not supported (DeepSpeed raises for it too).")
         if eps_inside_sqrt:
-            raise ValueError("OneBitLamb: eps_inside_sqrt=True is not supported; eps is added after the sqrt.")
+            raise ValueError(
+                "OneBitLamb: eps_inside_sqrt=True is not supported; eps is added after the sqrt."
+            )
         if max_grad_norm != 0.0:
             raise ValueError(
                 f"OneBitLamb: max_grad_norm={max_grad_norm} has no effect in 1-bit Lamb (DeepSpeed ignores it); "
@@ -113,7 +115,9 @@ class OneBitLamb(torch.optim.Optimizer):
         if not 0.0 <= min_coeff <= max_coeff:
             raise ValueError(f"OneBitLamb: need 0 <= min_coeff <= max_coeff, got {min_coeff}, {max_coeff}.")
         if not 0.0 < factor_min <= factor_max:
-            raise ValueError(f"OneBitLamb: need 0 < factor_min <= factor_max, got {factor_min}, {factor_max}.")
+            raise ValueError(
+                f"OneBitLamb: need 0 < factor_min <= factor_max, got {factor_min}, {factor_max}."
+            )
         if not 0.0 <= coeff_beta < 1.0 or not 0.0 <= factor_threshold < 1.0:
             raise ValueError(
                 f"OneBitLamb: coeff_beta and factor_threshold must lie in [0, 1), got {coeff_beta}, {factor_threshold}."

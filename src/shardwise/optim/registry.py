@@ -264,7 +264,7 @@ def _refuse_max_grad_norm(type_name: str, params: dict[str, Any]) -> None:
     if params.get("max_grad_norm", 0.0):
         raise KeyedValueError(
             f'optimizer "{type_name}": "max_grad_norm" has no effect in DeepSpeed\'s {type_name} (it is '
-            "accepted and ignored there). Fix: remove it and set the top-level \"gradient_clipping\" instead.",
+            'accepted and ignored there). Fix: remove it and set the top-level "gradient_clipping" instead.',
             "optimizer.params.max_grad_norm",
             params["max_grad_norm"],
         )

@@ -92,7 +92,9 @@ class ZeroOneAdam(torch.optim.Optimizer):
         if amsgrad:
             raise ValueError("ZeroOneAdam: amsgrad=True is not supported (DeepSpeed raises for it too).")
         if eps_inside_sqrt:
-            raise ValueError("ZeroOneAdam: eps_inside_sqrt=True is not supported; eps is added after the sqrt.")
+            raise ValueError(
+                "ZeroOneAdam: eps_inside_sqrt=True is not supported; eps is added after the sqrt."
+            )
         if max_grad_norm != 0.0:
             raise ValueError(
                 f"ZeroOneAdam: max_grad_norm={max_grad_norm} has no effect in 0/1 Adam (DeepSpeed ignores it); "
@@ -133,7 +135,10 @@ class ZeroOneAdam(torch.optim.Optimizer):
 
     def _sync_step(self, t: int) -> bool:
         return is_sync_step(
-            t, var_freeze_step=self.var_freeze_step, scaler=self.local_step_scaler, clipper=self.local_step_clipper
+            t,
+            var_freeze_step=self.var_freeze_step,
+            scaler=self.local_step_scaler,
+            clipper=self.local_step_clipper,
         )
 
     # ------------------------------------------------------------------ GradientExchangingOptimizer
@@ -186,7 +191,9 @@ class ZeroOneAdam(torch.optim.Optimizer):
         return True
 
     def _params_with_state(self) -> list[Tensor]:
-        return [p for group in self.param_groups for p in group["params"] if "exp_avg" in self.state.get(p, {})]
+        return [
+            p for group in self.param_groups for p in group["params"] if "exp_avg" in self.state.get(p, {})
+        ]
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -199,7 +206,9 @@ class ZeroOneAdam(torch.optim.Optimizer):
             self._exchange.reset_errors()  # DeepSpeed restarts error feedback at the freeze
         buckets = []
         for group in self.param_groups:
-            for tensors in collect_group(self.state, group, ("exp_avg", "exp_avg_sq"), "ZeroOneAdam").values():
+            for tensors in collect_group(
+                self.state, group, ("exp_avg", "exp_avg_sq"), "ZeroOneAdam"
+            ).values():
                 buckets.append((group, tensors))
         if not buckets:
             return loss
