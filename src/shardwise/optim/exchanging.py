@@ -11,8 +11,8 @@ They declare it through :class:`GradientExchangingOptimizer`; the stage-0 strate
 - saves :meth:`rank_state_dict` per rank in checkpoints (error buffers differ per rank); when
   :meth:`load_rank_state_dict` returns True it rewrote parameter values, which are re-published;
 - optionally reads ``communicates_next_step`` (a bool property): False for a step that sends
-  nothing at all (0/1 Adam's local steps); then, with neither gradient clipping nor an
-  overflow check to agree on, the gradient norm is this rank's own and no collective is made.
+  nothing at all (0/1 Adam's local steps); then, unless an overflow check (fp16) needs the
+  ranks to agree, the gradient norm (and clipping) is this rank's own and no collective is made.
 
 Example:
     >>> import torch

@@ -227,9 +227,9 @@ class OneBitLamb(torch.optim.Optimizer):
         united = sum(scales) / len(scales)
         for p, scale in zip(params, scales):
             state = self.state[p]
-            state["scaling_coeff"] = torch.tensor(united / scale if scale > 0.0 else 1.0, dtype=torch.float64)
+            state["scaling_coeff"] = torch.tensor(united / scale if scale > 0.0 else 1.0, dtype=torch.float32)
             state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
-            state.setdefault("last_factor", torch.ones((), dtype=torch.float64))
+            state.setdefault("last_factor", torch.ones((), dtype=torch.float32))
             state.setdefault("lamb_coeff_freeze", torch.zeros((), device=p.device))
 
     def _apply(self, group: dict[str, Any], p: Tensor, m: Tensor, previous: Tensor) -> None:
