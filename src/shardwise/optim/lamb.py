@@ -13,8 +13,10 @@ The update for one parameter tensor ``w`` with gradient ``g`` at step ``t`` (spe
 
 Bias correction is folded into the step size rather than applied to ``m`` and ``v``, so ``eps``
 acts on the uncorrected second moment; this is how FusedLamb behaves and why its numbers differ
-slightly from a textbook LAMB. The trust ratio is per *tensor*: under ZeRO stages 1-2 a flat
-shard is not a tensor, which is why Lamb is not on the ZeRO-supported list (see ``registry``).
+slightly from a textbook LAMB. The trust ratio is per *tensor*: at ZeRO stage 0 the flat group
+hands the optimizer one fp32 master per parameter (``zero.flat_group.FlatGroup``, unsharded), so it
+is per parameter there as in FusedLamb; under stages 1-2 a flat shard is not a tensor, which is why
+Lamb is not on the ZeRO-supported list (see ``registry``).
 """
 
 from __future__ import annotations
