@@ -160,8 +160,9 @@ class OneBitLamb(torch.optim.Optimizer):
         return self._exchange.world_size > 1 and self.steps_taken() >= self.freeze_step
 
     def rank_state_dict(self) -> dict[str, Any]:
-        """This rank's compression error buffers (None before the first compressed step)."""
-        return {"exchange": self._exchange.state_dict()}
+        """This rank's compression error buffers (empty before the first compressed step)."""
+        errors = self._exchange.state_dict()
+        return {} if errors is None else {"exchange": errors}
 
     def load_rank_state_dict(self, state: dict[str, Any] | None) -> bool:
         """Restore :meth:`rank_state_dict`; parameters are untouched (False)."""
