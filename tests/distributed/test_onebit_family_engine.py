@@ -5,7 +5,7 @@
   correction), and the step after differs;
 - bytes per step after the warm-up (comms logger) at most 1/16 of the fp32 all-reduce's plus the
   scales and the norm scalar; 0/1 Adam's local steps make no collective at all;
-- a checkpoint resumes bit-exactly: 0/1 Adam inside a local interval (ranks' parameters differ),
+- a checkpoint resumes bit-exactly: 0/1 Adam inside a local interval (ranks' parameters differ; bf16, fp16),
   1-bit Lamb in the compression phase, error buffers included;
 - convergence within a stated margin: see test_converges_within_margin.
 (Stages 1-3 are refused for every GradientExchangingOptimizer: test_onebit_adam_engine.py.)
@@ -62,6 +62,14 @@ def test_resume_is_bit_exact(tmp_path: Path) -> None:
     grid = [
         # 9 steps: inside a local interval (sync at 10), so the ranks' parameters differ at the save
         {"kind": "zero_one", "before": 9, "after": 5, "precision": "bf16", "dir": str(tmp_path / "zero_one")},
+        # fp16: loss scaling, and local steps that still agree on the norm (overflow skips)
+        {
+            "kind": "zero_one",
+            "before": 9,
+            "after": 5,
+            "precision": "fp16",
+            "dir": str(tmp_path / "zero_one16"),
+        },
         {"kind": "lamb", "before": 4, "after": 3, "precision": "fp32", "dir": str(tmp_path / "lamb")},
     ]
     for case, per_rank in zip(grid, run_distributed_cases(cases.resume_is_bit_exact, grid, timeout=400)):
