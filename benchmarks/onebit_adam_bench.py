@@ -1,15 +1,19 @@
-"""1-bit Adam benchmark: OneBitAdam against AdamW at ZeRO stage 0, the 17M GPT, 2 gloo ranks.
+"""1-bit optimizers benchmark: OneBitAdam and ZeroOneAdam against AdamW, OneBitLamb against Lamb,
+at ZeRO stage 0, the 17M GPT, 2 gloo ranks.
 
-One command runs both optimizers side by side in one spawn (same model, seed, data, micro batch)
-and prints, for the steps after OneBitAdam's warm-up, the bytes one rank puts on the wire per step
-(from the comms logger) and the step time (median of the slower rank), with their ratios::
+One command runs the five optimizers side by side in one spawn (same model, seed, data, micro
+batch) and prints, for the steps after the warm-up, the bytes one rank puts on the wire per step
+(from the comms logger) and the step time (of the slower rank), both averaged over the timed steps
+(0/1 Adam alternates silent local steps and 1-bit syncs), with their ratios::
 
     python benchmarks/onebit_adam_bench.py                 # 17M GPT, ~3-5 minutes on 2 cores
     python benchmarks/onebit_adam_bench.py --quick         # a small GPT, well under a minute
     python benchmarks/onebit_adam_bench.py --out results.json
 
-OneBitAdam runs with ``freeze_step`` = ``--warmup``; both optimizers train ``--warmup`` steps first
-(not timed), then ``--steps`` timed steps. Step time is forward + backward + step of one optimizer
+OneBitAdam and OneBitLamb run with ``freeze_step`` = ``--warmup``, ZeroOneAdam with
+``var_freeze_step`` = ``--warmup`` and local steps that grow quickly (``local_step_scaler`` 1,
+``local_step_clipper`` 4: after the freeze it syncs at intervals 1, 2, 4, 4, ...); every optimizer
+trains ``--warmup`` steps first (not timed), then ``--steps`` timed steps. Step time is forward + backward + step of one optimizer
 step (gradient accumulation 1), fp32. This is a benchmark, not a test: nothing here asserts.
 """
 
@@ -67,7 +71,7 @@ def _run(rank: int, world: int, name: str, optimizer: dict[str, Any], args: dict
 
     for i in range(args["warmup"]):
         one_step(i)
-    times, step_bytes = [], []
+    times, step_bytes, ops = [], [], set()
     for i in range(args["steps"]):
         COMMS_LOGGER.reset()
         dist.barrier()
@@ -77,18 +81,18 @@ def _run(rank: int, world: int, name: str, optimizer: dict[str, Any], args: dict
         total = sum(
             size * row["count"] for sizes in COMMS_LOGGER.summary().values() for size, row in sizes.items()
         )
+        ops.update(COMMS_LOGGER.summary())
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
         step_bytes.append(total)
-    ops = sorted(COMMS_LOGGER.summary())
     params = sum(p.numel() for p in model.parameters())
     engine.destroy()
     return {
         "name": name,
         "params": params,
-        "ms": 1e3 * statistics.median(times),
-        "bytes": statistics.median(step_bytes),
-        "ops": ops,
+        "ms": 1e3 * statistics.mean(times),
+        "bytes": statistics.mean(step_bytes),
+        "ops": sorted(ops),
     }
 
 
@@ -97,16 +101,16 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> list[dict[str, An
 
     torch.set_num_threads(1)
     hyper = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
-    return [
-        _run(rank, world, "AdamW", {"type": "AdamW", "params": hyper}, args),
-        _run(
-            rank,
-            world,
-            "OneBitAdam",
-            {"type": "OneBitAdam", "params": {**hyper, "freeze_step": args["warmup"]}},
-            args,
-        ),
+    warm = args["warmup"]
+    zero_one = {"var_freeze_step": warm, "local_step_scaler": 1, "local_step_clipper": 4}
+    optimizers = [
+        ("AdamW", {"type": "AdamW", "params": hyper}),
+        ("OneBitAdam", {"type": "OneBitAdam", "params": {**hyper, "freeze_step": warm}}),
+        ("ZeroOneAdam", {"type": "ZeroOneAdam", "params": {**hyper, **zero_one}}),
+        ("Lamb", {"type": "Lamb", "params": hyper}),
+        ("OneBitLamb", {"type": "OneBitLamb", "params": {**hyper, "freeze_step": warm}}),
     ]
+    return [_run(rank, world, name, optimizer, args) for name, optimizer in optimizers]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,18 +128,22 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = {"warmup": args.warmup, "steps": args.steps, "micro": args.micro, "quick": args.quick}
     rows = run_distributed(_rank_main, 2, args=(spec,), timeout=1800)[0]
-    adamw, onebit = rows
+    by_name = {row["name"]: row for row in rows}
     print(
-        f"1-bit Adam vs AdamW, ZeRO stage 0, fp32, 2 gloo ranks x 1 thread, {adamw['params'] / 1e6:.1f}M params"
+        f"1-bit optimizers, ZeRO stage 0, fp32, 2 gloo ranks x 1 thread, {rows[0]['params'] / 1e6:.1f}M params"
     )
-    print(f"after {args.warmup} warm-up steps; {args.steps} timed steps; per optimizer step, one rank:")
+    print(
+        f"after {args.warmup} warm-up steps; {args.steps} timed steps; per optimizer step (mean), one rank:"
+    )
     print(f"{'optimizer':12} {'bytes sent':>14} {'step ms':>10}  collectives")
     for row in rows:
         print(f"{row['name']:12} {row['bytes']:>14,.0f} {row['ms']:>10.1f}  {', '.join(row['ops'])}")
-    print(
-        f"ratio AdamW / OneBitAdam: bytes {adamw['bytes'] / onebit['bytes']:.1f}x fewer, "
-        f"step time {adamw['ms'] / onebit['ms']:.2f}x"
-    )
+    for base, onebit in (("AdamW", "OneBitAdam"), ("AdamW", "ZeroOneAdam"), ("Lamb", "OneBitLamb")):
+        a, b = by_name[base], by_name[onebit]
+        print(
+            f"ratio {base} / {onebit}: bytes {a['bytes'] / max(b['bytes'], 1):.1f}x fewer, "
+            f"step time {a['ms'] / b['ms']:.2f}x"
+        )
     if args.out:
         args.out.write_text(json.dumps({"rows": rows, "args": spec}, indent=2))
     return 0

@@ -280,10 +280,13 @@ class OptimizerState:
         return None if holder is None else holder.rank_state_dict()
 
     def load_rank_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restore :meth:`rank_state_dict` (None: this rank has no saved state: start afresh)."""
+        """Restore :meth:`rank_state_dict` (None: this rank has no saved state: start afresh).
+
+        When the holder rewrote its parameters' fp32 values (0/1 Adam inside a local interval:
+        each rank's own parameters), they are published to the model's parameters again."""
         holder = self.layout.rank_state
-        if holder is not None:
-            holder.load_rank_state_dict(state)
+        if holder is not None and holder.load_rank_state_dict(state):
+            self.layout.params_from_masters()
 
 
 def _presented(

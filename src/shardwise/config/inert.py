@@ -124,10 +124,6 @@ class IgnoredSetting:
         return ConfigError(self.path, rule, fix, value=self.value)
 
 
-def _onebit(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
-    return isinstance(value, str) and value.lower() in ("zerooneadam", "onebitlamb")
-
-
 def _hpz_unused(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
     if value <= 1:
         return False
@@ -140,13 +136,6 @@ def _param_offload_below_stage3(cfg: ShardwiseConfig, value: Any, world: int) ->
 
 _BELOW_3 = frozenset({0, 1, 2})
 _AT_3 = frozenset({3})
-
-_ONEBIT_TEXT = (
-    "communication compression is not implemented for it: the optimizer math is the uncompressed AdamW "
-    "(ZeroOneAdam) or uncompressed Lamb (OneBitLamb) update with full-precision gradient "
-    "reduction, and the compression keys (var_freeze_step, freeze_step, cuda_aware, comm_backend_name, "
-    "coeff_beta, factor_max, factor_min, factor_threshold, ...) are dropped"
-)
 
 INERT_KEYS: tuple[InertKey, ...] = (
     # top level
@@ -179,7 +168,6 @@ INERT_KEYS: tuple[InertKey, ...] = (
     InertKey("expert_parallel", "there is no expert parallelism", _present),
     InertKey("weight_quantization", "weights are not quantized", _present),
     InertKey("datastates", "checkpoints are written by shardwise's own writer", _present),
-    InertKey("optimizer.type", _ONEBIT_TEXT, _onebit, verdict="trains without its compression"),
     InertKey(
         "optimizer.legacy_fusion", "the optimizer's kernel is chosen by shardwise (fused where torch has it)"
     ),

@@ -8,7 +8,11 @@ They declare it through :class:`GradientExchangingOptimizer`; the stage-0 strate
 - hands the optimizer its data-parallel group once (:meth:`attach_process_group`);
 - before every backward, asks :attr:`exchanges_gradients`: when True, gradients stay local
   (the reducer launches no all-reduce), and the step unscales/clips the local gradients;
-- saves :meth:`rank_state_dict` per rank in checkpoints (error buffers differ per rank).
+- saves :meth:`rank_state_dict` per rank in checkpoints (error buffers differ per rank); when
+  :meth:`load_rank_state_dict` returns True it rewrote parameter values, which are re-published;
+- optionally reads ``communicates_next_step`` (a bool property): False for a step that sends
+  nothing at all (0/1 Adam's local steps); then, unless an overflow check (fp16) needs the
+  ranks to agree, the gradient norm (and clipping) is this rank's own and no collective is made.
 
 Example:
     >>> import torch
@@ -40,6 +44,8 @@ class GradientExchangingOptimizer(Protocol):
         """This rank's own state (error buffers), saved per rank."""
         ...
 
-    def load_rank_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restore :meth:`rank_state_dict` (None: no saved state for this rank; start afresh)."""
+    def load_rank_state_dict(self, state: dict[str, Any] | None) -> bool | None:
+        """Restore :meth:`rank_state_dict` (None: no saved state for this rank; start afresh).
+
+        Returns True when it rewrote the parameters' values (they are then re-published)."""
         ...

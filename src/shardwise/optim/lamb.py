@@ -13,8 +13,10 @@ The update for one parameter tensor ``w`` with gradient ``g`` at step ``t`` (spe
 
 Bias correction is folded into the step size rather than applied to ``m`` and ``v``, so ``eps``
 acts on the uncorrected second moment; this is how FusedLamb behaves and why its numbers differ
-slightly from a textbook LAMB. The trust ratio is per *tensor*: under ZeRO stages 1-2 a flat
-shard is not a tensor, which is why Lamb is not on the ZeRO-supported list (see ``registry``).
+slightly from a textbook LAMB. The trust ratio is per *tensor*: at ZeRO stage 0 the flat group
+hands the optimizer one fp32 master per parameter (``zero.flat_group.FlatGroup``, unsharded), so it
+is per parameter there as in FusedLamb; under stages 1-2 a flat shard is not a tensor, which is why
+Lamb is not on the ZeRO-supported list (see ``registry``).
 """
 
 from __future__ import annotations
@@ -148,7 +150,8 @@ class Lamb(torch.optim.Optimizer):
         exp_avgs: list[Tensor],
         exp_avg_sqs: list[Tensor],
         grad_factor: Tensor | None,
-    ) -> None:
+    ) -> list[tuple[list[Tensor], Tensor]]:
+        """Update ``params`` in place; returns ``(params, trust ratios)`` per device (one ratio each)."""
         beta1, beta2 = group["betas"]
         eps = group["eps"]
         weight_decay = group["weight_decay"]
@@ -177,6 +180,7 @@ class Lamb(torch.optim.Optimizer):
             step_size = group["lr"]
 
         # Trust ratios for all tensors at once: one stacked vector per device, no host sync.
+        ratios = []
         for device_params, device_updates in _by_device(params, update):
             w_norm = torch.stack(torch._foreach_norm(device_params, 2.0, dtype=torch.float32))
             u_norm = torch.stack(torch._foreach_norm(device_updates, 2.0, dtype=torch.float32))
@@ -188,6 +192,8 @@ class Lamb(torch.optim.Optimizer):
             scale = (ratio * -step_size).to(device_params[0].dtype)
             torch._foreach_mul_(device_updates, list(scale.unbind()))
             torch._foreach_add_(device_params, device_updates)
+            ratios.append((device_params, ratio))
+        return ratios
 
 
 def _by_device(params: list[Tensor], updates: list[Tensor]) -> list[tuple[list[Tensor], list[Tensor]]]:

@@ -30,6 +30,8 @@ from shardwise.optim.lamb import Lamb
 from shardwise.optim.lion import Lion
 from shardwise.optim.names import unknown_type_error
 from shardwise.optim.onebit_adam import OneBitAdam
+from shardwise.optim.onebit_lamb import OneBitLamb
+from shardwise.optim.zero_one_adam import ZeroOneAdam
 from shardwise.utils.logging import logger
 
 __all__ = [
@@ -220,37 +222,6 @@ def _lion(type_name: str, params: dict[str, Any], model_parameters: list[Any], *
     return _construct(type_name, Lion, model_parameters, params)
 
 
-# name -> (uncompressed equivalent, keys of its own that only steer communication); OneBitAdam
-# is real (shardwise.optim.onebit_adam), the other two still train uncompressed.
-_ONEBIT: dict[str, tuple[str, frozenset[str]]] = {
-    "zerooneadam": (
-        "adam",
-        frozenset(
-            {
-                "var_freeze_step",
-                "var_update_scaler",
-                "local_step_scaler",
-                "local_step_clipper",
-                "cuda_aware",
-                "comm_backend_name",
-            }
-        ),
-    ),
-    "onebitlamb": (
-        "lamb",
-        frozenset(
-            {
-                "freeze_step",
-                "cuda_aware",
-                "comm_backend_name",
-                "coeff_beta",
-                "factor_max",
-                "factor_min",
-                "factor_threshold",
-            }
-        ),
-    ),
-}
 # The 1-bit Adams' own numeric keys (their constructors have no adam_w_mode/torch_adam).
 _ONEBIT_ADAM_KEYS = frozenset(
     {"lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "amsgrad"}
@@ -275,27 +246,55 @@ def _onebit_adam(type_name: str, params: dict[str, Any], model_parameters: list[
         _ONEBIT_ADAM_KEYS | {"freeze_step", "cuda_aware", "comm_backend_name"},
     )
     _refuse_eps_inside_sqrt(type_name, params)
-    if params.get("amsgrad", False):
-        raise KeyedValueError(
-            f'optimizer "{type_name}": "amsgrad": true is not supported by 1-bit Adam (DeepSpeed raises '
-            "for it too). Fix: remove it.",
-            "optimizer.params.amsgrad",
-            params["amsgrad"],
-        )
+    _refuse_amsgrad(type_name, params)
     return _construct(type_name, OneBitAdam, model_parameters, params)
 
 
-def _onebit(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
-    base, comm_keys = _ONEBIT[type_name.lower()]
-    if base == "adam":
-        _check_keys(type_name, "uncompressed AdamW", params, _ONEBIT_ADAM_KEYS | comm_keys)
-        _refuse_eps_inside_sqrt(type_name, params)
-    for key in comm_keys:  # no compression here; shardwise.config.inert warns about it, once
-        params.pop(key, None)
-    if base == "adam":
-        # 0/1 Adam adds weight decay to the update: the AdamW form.
-        return _build_adam(type_name, params, model_parameters, offload=offload, force_adamw=True)
-    return _construct(type_name, Lamb, model_parameters, params, comm_keys)
+def _refuse_amsgrad(type_name: str, params: dict[str, Any]) -> None:
+    if params.get("amsgrad", False):
+        raise KeyedValueError(
+            f'optimizer "{type_name}": "amsgrad": true is not supported by the 1-bit optimizers (DeepSpeed '
+            "raises for it too). Fix: remove it.",
+            "optimizer.params.amsgrad",
+            params["amsgrad"],
+        )
+
+
+def _refuse_max_grad_norm(type_name: str, params: dict[str, Any]) -> None:
+    if params.get("max_grad_norm", 0.0):
+        raise KeyedValueError(
+            f'optimizer "{type_name}": "max_grad_norm" has no effect in DeepSpeed\'s {type_name} (it is '
+            'accepted and ignored there). Fix: remove it and set the top-level "gradient_clipping" instead.',
+            "optimizer.params.max_grad_norm",
+            params["max_grad_norm"],
+        )
+
+
+_ZERO_ONE_ADAM_KEYS = _ONEBIT_ADAM_KEYS | {
+    "max_grad_norm",
+    "var_freeze_step",
+    "var_update_scaler",
+    "local_step_scaler",
+    "local_step_clipper",
+    "cuda_aware",
+    "comm_backend_name",
+}
+
+
+def _zero_one_adam(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
+    _check_keys(type_name, "ZeroOneAdam", params, _ZERO_ONE_ADAM_KEYS)
+    _refuse_eps_inside_sqrt(type_name, params)
+    _refuse_amsgrad(type_name, params)
+    _refuse_max_grad_norm(type_name, params)
+    return _construct(type_name, ZeroOneAdam, model_parameters, params)
+
+
+def _onebit_lamb(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
+    _check_keys(type_name, "OneBitLamb", params, _accepted_keys(OneBitLamb) or ())
+    _refuse_eps_inside_sqrt(type_name, params)
+    _refuse_amsgrad(type_name, params)
+    _refuse_max_grad_norm(type_name, params)
+    return _construct(type_name, OneBitLamb, model_parameters, params)
 
 
 def _mup(class_name: str) -> OptimizerFactory:
@@ -332,8 +331,8 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
     "lamb": _lamb,
     "lion": _lion,
     "onebitadam": _onebit_adam,
-    "zerooneadam": _onebit,
-    "onebitlamb": _onebit,
+    "zerooneadam": _zero_one_adam,
+    "onebitlamb": _onebit_lamb,
     "muadam": _mup("MuAdam"),
     "muadamw": _mup("MuAdamW"),
     "musgd": _mup("MuSGD"),

@@ -16,6 +16,7 @@ Stage 2: stage 1 plus sharded gradients, reduce-scattered every micro step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,6 +164,10 @@ class ZeroOptimizer(ZeroStrategy):
     def _optimizer_exchanges(self) -> bool:
         return self.exchanging is not None and self.exchanging.exchanges_gradients
 
+    def _silent_step(self) -> bool:
+        """The optimizer's next step sends nothing, and no overflow check needs the ranks to agree."""
+        return not getattr(self.exchanging, "communicates_next_step", True) and not self.policy.check_overflow
+
     def after_backward(self) -> None:
         """Complete this backward's reductions (waits for in-flight buckets)."""
         self.reducer.finish()
@@ -205,7 +210,19 @@ class ZeroOptimizer(ZeroStrategy):
         for flat in self.groups:
             flat.settle()  # slots no gradient reached in this window (e.g. no_sync at the boundary)
         local = self._optimizer_exchanges()
-        if local:
+        if local and self._silent_step():
+            # A step that sends nothing (0/1 Adam's local step) and no overflow check to agree on:
+            # this rank's own norm, no collective; clipping uses it (the ranks' parameters differ
+            # until the next sync anyway, as in DeepSpeed). A non-finite one cannot be skipped on
+            # this rank alone (the ranks' step counts would part), so it stops training here.
+            squared = float(self._squared_norm())
+            if not math.isfinite(squared):
+                raise RuntimeError(
+                    f"rank {self.policy.rank}: non-finite gradients in a communication-free local step of "
+                    f"{type(self.exchanging).__name__}; other ranks cannot skip it with this rank. Lower the "
+                    "learning rate or set gradient_clipping, or use fp16 with loss scaling (then ranks agree on skips)."
+                )
+        elif local:
             # Un-reduced gradients (the optimizer averages its momentum itself): each rank's own
             # gradient is unscaled as it is, and clipped by the root mean square of the ranks' norms
             # (an upper bound of the mean's norm), the same multiplier on every rank.
