@@ -10,6 +10,11 @@ needs. glibc is told to return freed memory, so resident memory follows the live
 
     python benchmarks/sparse_attention_bench.py                       # 512..8192, about 2-4 minutes
     python benchmarks/sparse_attention_bench.py --lengths 512 2048 --threads 2
+    python benchmarks/sparse_attention_bench.py --loss weighted     # a dense output gradient
+
+The loss is ``out.sum()`` by default: its output gradient is a broadcast view that costs no
+memory unless the attention copies it (dense SDPA's backward does); ``--loss weighted`` uses
+``(out * w).sum()``, whose output gradient is a dense tensor as a real loss gives, for both peers.
 
 Peers: ``dense`` is ``scaled_dot_product_attention`` (a fused flash-style CPU kernel: its memory
 is O(L)); ``math`` is dense attention written out (softmax of the materialised ``L x L`` scores),
@@ -34,7 +39,7 @@ import json, statistics, sys, time
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 from shardwise.ops.sparse_attention import BigBirdSparsityConfig, FixedSparsityConfig, SparseSelfAttention
-kind, length, heads, dim, block, repeats, threads = sys.argv[1], *map(int, sys.argv[2:])
+kind, loss, (length, heads, dim, block, repeats, threads) = sys.argv[1], sys.argv[2], map(int, sys.argv[3:])
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 q, k, v = (torch.randn(1, heads, length, dim, requires_grad=True) for _ in range(3))
@@ -50,9 +55,10 @@ else:
     module = SparseSelfAttention(cfg, max_seq_length=length)
     density = module.plan(length, q.device).nonzero_blocks / (length // block) ** 2
     attend = module
+weight = torch.randn(1, heads, length, dim) if loss == "weighted" else None
 def step():
     out = attend(q, k, v)
-    out.sum().backward()
+    (out.sum() if weight is None else (out * weight).sum()).backward()
     q.grad = k.grad = v.grad = None
 def status_kib(field):
     with open("/proc/self/status") as f:
@@ -73,7 +79,7 @@ print(json.dumps({"ms": 1000 * statistics.median(times), "peak_mib": max(peak_ki
 
 def run_case(kind: str, length: int, args: argparse.Namespace) -> dict[str, float] | str:
     """One case in a fresh interpreter; its JSON line, or why it failed."""
-    argv = [kind, length, args.heads, args.head_dim, args.block, args.repeats, args.threads]
+    argv = [kind, args.loss, length, args.heads, args.head_dim, args.block, args.repeats, args.threads]
     cmd = [sys.executable, "-c", CASE, *map(str, argv)]
     try:
         env = {**os.environ, **MALLOC_ENV}
@@ -97,10 +103,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument(
+        "--loss",
+        choices=("sum", "weighted"),
+        default="sum",
+        help="sum: out.sum(), whose output gradient is a broadcast view (no memory) that a kernel may "
+        "copy; weighted: (out * w).sum(), a dense output gradient as a real loss gives",
+    )
     args = parser.parse_args()
     print(
         f"batch 1, {args.heads} heads, head_dim {args.head_dim}, block {args.block}, fp32, "
-        f"{args.threads} thread(s); forward+backward, median of {args.repeats}"
+        f"{args.threads} thread(s); forward+backward of the {args.loss} loss, median of {args.repeats}"
     )
     header = f"{'seq':>6} {'kind':>7} {'density':>8} {'ms':>9} {'x dense':>8} {'peak MiB':>9} {'x dense':>8}"
     print(header)
