@@ -199,3 +199,32 @@ def test_rows_per_chunk_follows_the_byte_budget() -> None:
         sparse_attention(q, k, v, plan, BLOCK, 1.0, chunk_rows=0)
     with pytest.raises(ValueError, match="chunk_bytes=0"):
         SparseSelfAttention(CONFIGS["fixed"], max_seq_length=SEQ, chunk_bytes=0)
+
+
+def test_non_contiguous_inputs_with_per_head_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Projections reshaped the BERT way, ``(B, L, H, D)`` permuted, are read without a copy."""
+    monkeypatch.setattr(chunked_block_sparse, "TILE_KEYS", 8)
+    attn = SparseSelfAttention(CONFIGS["bigbird_per_head"], max_seq_length=SEQ)
+    gen = torch.Generator().manual_seed(2)
+    base = [torch.randn(2, SEQ, HEADS, DIM, generator=gen).requires_grad_() for _ in range(3)]
+    q, k, v = (t.permute(0, 2, 1, 3) for t in base)
+    assert not q.is_contiguous()
+    out = _chunked(attn, q, k, v, 3)
+    ref = dense_reference(q, k, v, element_mask(attn.get_layout(SEQ), False))
+    _assert_equal_with_grads(out, ref, base)
+
+
+def test_bf16_chunks_stay_within_the_bf16_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the module's bf16 test: 4 roundings of 2**-9 on O(1) outputs and gradients, softmax and the
+    accumulators in fp32 (the tiles' partial outputs are rounded once more: 2e-2 still holds)."""
+    monkeypatch.setattr(chunked_block_sparse, "TILE_KEYS", 8)
+    attn = SparseSelfAttention(CONFIGS["variable_horizontal"], max_seq_length=SEQ)
+    q, k, v = _inputs()
+    ref = dense_reference(q, k, v, element_mask(attn.get_layout(SEQ), False))
+    low = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    out = _chunked(attn, *low, 5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    for got, want in zip(_grads(out.float(), low), _grads(ref, (q, k, v)), strict=True):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

@@ -79,13 +79,12 @@ def rows_per_chunk(
 
 def _gather(xb: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """``xb`` ``(B, H, nb, bs, D)``, ``cols`` ``(heads, n, w)`` -> ``(B, H, n, w * bs, D)``."""
-    b, h, nb, bs, d = xb.shape
+    b, h, _, bs, d = xb.shape
     heads, n, w = cols.shape
     if heads == 1:
         picked = xb.index_select(2, cols.reshape(-1))
-    else:
-        flat = (torch.arange(h, device=cols.device)[:, None, None] * nb + cols).reshape(-1)
-        picked = xb.reshape(b, h * nb, bs, d).index_select(1, flat)
+    else:  # indexing, not a (B, H * nb) view: that would copy all of a non-contiguous ``xb``
+        picked = xb[:, torch.arange(h, device=cols.device)[:, None, None], cols]  # (B, H, n, w, bs, D)
     return picked.reshape(b, h, n, w * bs, d)
 
 
