@@ -13,7 +13,7 @@ attention itself needs (Linux). Time: under glibc's default allocator, as in a t
 zeroed pages, which costs a chunked computation with many mid-sized temporaries about its
 compute time again.
 
-    python benchmarks/sparse_attention_bench.py                       # 512..8192, about 2-4 minutes
+    python benchmarks/sparse_attention_bench.py                       # 512..8192, about 5 minutes
     python benchmarks/sparse_attention_bench.py --lengths 512 2048 --threads 2
     python benchmarks/sparse_attention_bench.py --loss weighted     # a dense output gradient
 
