@@ -9,6 +9,11 @@ and attention masks), takes the softmax over the gathered keys and multiplies by
 values. Time and memory grow with the layout's block count, not with ``seq_len ** 2``; it runs
 on any device torch runs on. :func:`~.block_mask.layout_block_mask` turns the same layout into
 a FlexAttention ``BlockMask`` for callers who compile their model.
+
+Autograd through these ops keeps every gathered block and the sparse scores for the backward;
+:class:`~.sparse_self_attention.SparseSelfAttention` therefore runs the chunked, recomputing
+version (:mod:`.chunked_block_sparse`, which reuses the score helpers below) and comes here only
+when a bias (a learned relative position bias) needs its own gradient.
 """
 
 from __future__ import annotations

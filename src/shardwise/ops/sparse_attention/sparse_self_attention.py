@@ -6,6 +6,8 @@ gather plan of each sequence length is cached. Masks follow DeepSpeed's modes: `
 the mask to the scaled scores, ``"mul"`` drops the scores where the mask is 0. With
 ``attention="unidirectional"`` the module also applies the causal triangle inside the diagonal
 blocks (DeepSpeed left that to an ``attn_mask``), so a unidirectional layout is autoregressive.
+The attention runs in chunks of query rows that are recomputed in backward
+(:mod:`.chunked_block_sparse`), so its extra memory is about ``chunk_bytes``, not the layout's size.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from torch import nn
 
 from shardwise.ops.sparse_attention.block_plan import BlockPlan, build_block_plan
-from shardwise.ops.sparse_attention.block_sparse import block_sparse_attention
+from shardwise.ops.sparse_attention.chunked_block_sparse import CHUNK_BYTES, sparse_attention
 from shardwise.ops.sparse_attention.sparsity_config import FixedSparsityConfig, SparsityConfig
 
 MASK_MODES = ("add", "mul")
@@ -36,6 +38,9 @@ class SparseSelfAttention(nn.Module):
         key_padding_mask_mode: ``"add"`` or ``"mul"`` for ``key_padding_mask``.
         attn_mask_mode: ``"add"`` or ``"mul"`` for ``attn_mask``.
         max_seq_length: the longest sequence; the layout is made for it and sliced.
+        chunk_bytes: the working-set budget of one chunk of query rows: attention runs in chunks
+            and recomputes them in backward, so its extra memory is about this
+            (:mod:`.chunked_block_sparse`).
 
     Example:
         >>> import torch
@@ -52,6 +57,7 @@ class SparseSelfAttention(nn.Module):
         key_padding_mask_mode: str = "add",
         attn_mask_mode: str = "mul",
         max_seq_length: int = 2048,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         super().__init__()
         for name, mode in (
@@ -64,6 +70,9 @@ class SparseSelfAttention(nn.Module):
         self.key_padding_mask_mode = key_padding_mask_mode
         self.attn_mask_mode = attn_mask_mode
         self.max_seq_length = max_seq_length
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes={chunk_bytes}: use a positive byte budget")
+        self.chunk_bytes = chunk_bytes
         # a plain attribute, not a buffer: it is rebuilt from the config and its seed on every rank
         # (no broadcast or checkpoint needed), and with heads sharing one layout it is an expanded
         # read-only view that must never be written into (an in-place buffer broadcast would)
@@ -125,7 +134,7 @@ class SparseSelfAttention(nn.Module):
         if rpe is not None:
             rpe = rpe.reshape(seq_len, seq_len).to(dtype)
             pair_bias = rpe if pair_bias is None else pair_bias + rpe
-        return block_sparse_attention(
+        return sparse_attention(
             query,
             key,
             value,
@@ -135,4 +144,5 @@ class SparseSelfAttention(nn.Module):
             key_bias,
             pair_bias,
             self.causal,
+            self.chunk_bytes,
         )
