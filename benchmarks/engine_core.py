@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from step_parts import breakdown_line, summarize_parts
+
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "engine_core_worker.py"
 MODELS = REPO / "src" / "shardwise" / "testing" / "models.py"
@@ -312,6 +314,7 @@ def summarize(case: Case, ref_losses: list[float] | None, warmup: int, triad_Bps
     ]
     m["triad_GBps"] = statistics.mean(r.get("triad_Bps") or triad_Bps or 0.0 for r in ranks) / 1e9
     m["opt_vs_triad"] = statistics.mean(ratios) if ratios else None
+    m.update(summarize_parts(ranks, triad_Bps))  # shardwise: the step's parts (step_parts.py)
     losses = [statistics.mean(r["losses"][i] for r in ranks) for i in range(len(ranks[0]["losses"]))]
     m["losses"] = losses
     if ref_losses is not None:
@@ -388,6 +391,9 @@ def print_table(cases: list[Case]) -> None:
             f"{_fmt(pct, '5.0f'):>5}% {m['bytes_per_param']:>7.2f} {_fmt(m['max_abs_dloss'], '10.2e'):>10}  "
             f"{targets}"
         )
+        parts = breakdown_line(m)
+        if parts:
+            print(parts)
 
 
 def print_summary(cases: list[Case]) -> dict[str, dict[str, int]]:
