@@ -5,7 +5,8 @@ optimizer (which sees only the fp32 tensors this rank updates). Its ``step`` is,
 order: finish reductions; one all-reduce of the squared gradient norm (which also
 detects inf/NaN: no separate flag collective); the shared step maths
 (:func:`shardwise.zero.step_math.plan_step`: skip a non-finite step, else one multiply that
-averages over ranks, unscales and clips); the inner optimizer step; copy fp32 masters into
+averages over ranks, unscales and clips, folded into torch's fused AdamW where that is exact:
+:mod:`shardwise.zero.grad_fold`); the inner optimizer step; copy fp32 masters into
 16-bit parameters; all-gather updated shards. It implements
 :class:`~shardwise.zero.strategy.ZeroStrategy`.
 
@@ -30,6 +31,7 @@ from shardwise.optim.clipping import squared_norm
 from shardwise.optim.exchanging import GradientExchangingOptimizer
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
+from shardwise.zero.grad_fold import scaled_step
 from shardwise.zero.offload import checkpoint_view
 from shardwise.zero.param_owner import register_owner
 from shardwise.zero.param_publish import PublishPolicy, launch_publish
@@ -240,8 +242,8 @@ class ZeroOptimizer(ZeroStrategy):
         if not plan.apply:
             self.zero_grad()
             return plan.result()
-        self._scale_gradients(plan.multiplier)
-        self.optimizer.step()
+        grads = [g for flat in self.groups for g in flat.grad]
+        scaled_step(self.optimizer, grads, plan.multiplier, lambda: self._scale_gradients(plan.multiplier))
         self._publish_parameters()
         self.zero_grad()
         return plan.result()

@@ -43,6 +43,7 @@ from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
 from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
 from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
+from shardwise.zero.grad_fold import scaled_step
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
 from shardwise.zero.param_owner import register_owner
 from shardwise.zero.replicated import ReplicatedParams
@@ -326,8 +327,8 @@ class Stage3Optimizer(ZeroStrategy):
         if not plan.apply:
             self.zero_grad()
             return plan.result()
-        self._scale_gradients(sharded_grads + self.replicated.grads(), plan.multiplier)
-        self.optimizer.step()
+        grads, mult = sharded_grads + self.replicated.grads(), plan.multiplier  # folded where exact
+        scaled_step(self.optimizer, grads, mult, lambda: self._scale_gradients(grads, mult))
         self.replicated.publish()
         self.zero_grad()
         self.record.evict()
