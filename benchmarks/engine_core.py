@@ -461,6 +461,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, help="write all numbers to this JSON file")
     parser.add_argument("--steps", type=int, help="measured optimizer steps per case")
+    parser.add_argument(
+        "--clip",
+        type=float,
+        default=1.0,
+        help="gradient_clipping of every case (0: off; the default 1.0 clips every step)",
+    )
     parser.add_argument("--warmup", type=int, help="untimed optimizer steps first (>= 2)")
     parser.add_argument(
         "--frameworks", nargs="+", help="only these (shardwise ddp zero fsdp2 fsdp2_zero3 deepspeed)"
@@ -656,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": 1234,
             "data_seed": 4321,
             "optimizer": OPTIMIZER,
-            "clip": 1.0,
+            "clip": args.clip,
             "triad_elements": preset["triad_elements"],
             "triad_reps": 10,
         },

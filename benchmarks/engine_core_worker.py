@@ -313,7 +313,8 @@ class _TorchPeer:
         return self.bf16
 
     def _clip(self) -> None:
-        self.torch.nn.utils.clip_grad_norm_(self.wrapped.parameters(), self.spec["clip"])
+        if self.spec["clip"] > 0:  # --clip 0: no clipping (as gradient_clipping 0 in the engines)
+            self.torch.nn.utils.clip_grad_norm_(self.wrapped.parameters(), self.spec["clip"])
 
     def roots(self) -> list[Any]:
         return [self.wrapped, self.optimizer]
