@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from step_parts import breakdown_line, summarize_parts
+
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "engine_core_worker.py"
 MODELS = REPO / "src" / "shardwise" / "testing" / "models.py"
@@ -312,6 +314,7 @@ def summarize(case: Case, ref_losses: list[float] | None, warmup: int, triad_Bps
     ]
     m["triad_GBps"] = statistics.mean(r.get("triad_Bps") or triad_Bps or 0.0 for r in ranks) / 1e9
     m["opt_vs_triad"] = statistics.mean(ratios) if ratios else None
+    m.update(summarize_parts(ranks, triad_Bps))  # shardwise: the step's parts (step_parts.py)
     losses = [statistics.mean(r["losses"][i] for r in ranks) for i in range(len(ranks[0]["losses"]))]
     m["losses"] = losses
     if ref_losses is not None:
@@ -388,6 +391,9 @@ def print_table(cases: list[Case]) -> None:
             f"{_fmt(pct, '5.0f'):>5}% {m['bytes_per_param']:>7.2f} {_fmt(m['max_abs_dloss'], '10.2e'):>10}  "
             f"{targets}"
         )
+        parts = breakdown_line(m)
+        if parts:
+            print(parts)
 
 
 def print_summary(cases: list[Case]) -> dict[str, dict[str, int]]:
@@ -455,6 +461,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, help="write all numbers to this JSON file")
     parser.add_argument("--steps", type=int, help="measured optimizer steps per case")
+    parser.add_argument(
+        "--clip",
+        type=float,
+        default=1.0,
+        help="gradient_clipping of every case (0: off; the default 1.0 clips every step)",
+    )
     parser.add_argument("--warmup", type=int, help="untimed optimizer steps first (>= 2)")
     parser.add_argument(
         "--frameworks", nargs="+", help="only these (shardwise ddp zero fsdp2 fsdp2_zero3 deepspeed)"
@@ -650,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": 1234,
             "data_seed": 4321,
             "optimizer": OPTIMIZER,
-            "clip": 1.0,
+            "clip": args.clip,
             "triad_elements": preset["triad_elements"],
             "triad_reps": 10,
         },

@@ -69,6 +69,7 @@ def run_rounds(
     ratios: dict[tuple[int, int, str, int], list[float | None]] = {}
     step_ms: dict[tuple[int, int, str, int], list[float]] = {}
     opt_triad: dict[tuple[int, int, str, int], list[float]] = {}
+    local_triad: dict[tuple[int, int, str, int], list[float]] = {}
     for round_index in range(args.rounds):
         for tokens in args.workloads:
             batch = workload_batch(tokens, preset["model"])
@@ -94,7 +95,9 @@ def run_rounds(
                     step_ms.setdefault(key, []).append(case.metrics["step_ms"])
                     if case.metrics.get("opt_vs_triad") is not None:
                         opt_triad.setdefault(key, []).append(case.metrics["opt_vs_triad"])
-    return report(ratios, step_ms, opt_triad, args.rounds)
+                    if case.metrics.get("local_step_vs_triad") is not None:
+                        local_triad.setdefault(key, []).append(case.metrics["local_step_vs_triad"])
+    return report(ratios, step_ms, opt_triad, args.rounds, local_triad)
 
 
 def report(
@@ -102,13 +105,16 @@ def report(
     step_ms: dict[tuple[int, int, str, int], list[float]],
     opt_triad: dict[tuple[int, int, str, int], list[float]],
     rounds: int,
+    local_triad: dict[tuple[int, int, str, int], list[float]] | None = None,
 ) -> dict[str, Any]:
-    """Print one line per group: ratio per round, median, spread, target met every round."""
+    """Print one line per group: ratio per round, median, spread, target met every round; the
+    AdamW kernel's and the whole local step's (scale + AdamW + cast, ``step_parts.py``) %triad."""
+    local_triad = local_triad or {}
     print()
     print(f"engine-core rounds: shardwise step time / best peer's, {rounds} interleaved rounds")
     head = (
         f"{'tokens':>6} {'stage':>5} {'prec':>4} {'GAS':>3}  {'ratio per round':<24} {'median':>6} "
-        f"{'spread':>6}  {'step ms':>8} {'%triad':>6}  target"
+        f"{'spread':>6}  {'step ms':>8} {'%triad':>6} {'local':>6}  target"
     )
     print(head)
     print("-" * len(head))
@@ -124,10 +130,12 @@ def report(
         per_round = " ".join("  -  " if v is None else f"{v:5.2f}" for v in values)
         ms = statistics.median(step_ms[key]) if step_ms.get(key) else None
         triad = 100 * statistics.median(opt_triad[key]) if opt_triad.get(key) else None
+        local = 100 * statistics.median(local_triad[key]) if local_triad.get(key) else None
         print(
             f"{tokens:>6} {stage:>5} {precision:>4} {gas:>3}  {per_round:<24} "
             f"{'-' if median is None else f'{median:.2f}':>6} {'-' if spread is None else f'{spread:.2f}':>6}  "
-            f"{'-' if ms is None else f'{ms:.1f}':>8} {'-' if triad is None else f'{triad:.0f}%':>6}  "
+            f"{'-' if ms is None else f'{ms:.1f}':>8} {'-' if triad is None else f'{triad:.0f}%':>6} "
+            f"{'-' if local is None else f'{local:.0f}%':>6}  "
             f"<= {target:.2f} every round: {'pass' if every else 'FAIL'}"
         )
         rows.append(
@@ -141,6 +149,7 @@ def report(
                 "spread": spread,
                 "step_ms_median": ms,
                 "opt_vs_triad_median": None if triad is None else triad / 100,
+                "local_step_vs_triad_median": None if local is None else local / 100,
                 "target": target,
                 "met_every_round": every,
             }

@@ -39,6 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from step_parts import StepPartTimer  # this script's directory is on sys.path
+
 # How far the model-state walker follows references from its roots, and how many objects it
 # visits at most (a guard against wandering into unrelated global state).
 _WALK_MAX_DEPTH = 16
@@ -311,7 +313,8 @@ class _TorchPeer:
         return self.bf16
 
     def _clip(self) -> None:
-        self.torch.nn.utils.clip_grad_norm_(self.wrapped.parameters(), self.spec["clip"])
+        if self.spec["clip"] > 0:  # --clip 0: no clipping (as gradient_clipping 0 in the engines)
+            self.torch.nn.utils.clip_grad_norm_(self.wrapped.parameters(), self.spec["clip"])
 
     def roots(self) -> list[Any]:
         return [self.wrapped, self.optimizer]
@@ -512,6 +515,7 @@ def run_case(spec: dict[str, Any], models: types.ModuleType, t_launch: float, fi
     data = Data(models, spec)
     gas, warmup, steps = int(spec["gas"]), int(spec["warmup"]), int(spec["steps"])
     timer = OptimizerStepTimer()
+    parts = StepPartTimer(runner.engine.optimizer) if framework == "shardwise" else None
     mem: dict[str, int] = {}
 
     def measure_memory() -> None:
@@ -523,6 +527,8 @@ def run_case(spec: dict[str, Any], models: types.ModuleType, t_launch: float, fi
     step_s: list[float] = []
     opt_s: list[float] = []
     opt_bytes = 0
+    parts_s: list[dict[str, float]] = []
+    parts_bytes: dict[str, int] = {}
     for step in range(warmup + steps):
         if framework == "reference":
             batches = [data.global_batch(step, m) for m in range(gas)]
@@ -537,11 +543,13 @@ def run_case(spec: dict[str, Any], models: types.ModuleType, t_launch: float, fi
         step_losses = [runner.micro(x, y, m == gas - 1, hook) for m, (x, y) in enumerate(batches)]
         dt = time.perf_counter() - t0
         opt_dt, nbytes = timer.take()
+        part_dt, parts_bytes = parts.take() if parts is not None else ({}, {})
         losses.append(sum(step_losses) / gas)
         if step >= warmup:
             step_s.append(dt)
             opt_s.append(opt_dt)
             opt_bytes = nbytes
+            parts_s.append(part_dt)
     timer.remove()
     # The same processes, right after the steps, under the same machine load: the optimizer's
     # bandwidth is compared with this, not with a triad measured minutes earlier.
@@ -562,6 +570,7 @@ def run_case(spec: dict[str, Any], models: types.ModuleType, t_launch: float, fi
         "step_s": step_s,
         "opt_s": opt_s,
         "opt_bytes": opt_bytes,
+        **({"parts_s": parts_s, "parts_bytes": parts_bytes} if parts is not None else {}),
         "triad_Bps": triad,
         "triad_s": t_triad,
         "mem_walk_s": mem.get("walk_ms", 0) / 1e3,

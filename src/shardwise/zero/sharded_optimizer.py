@@ -5,7 +5,8 @@ optimizer (which sees only the fp32 tensors this rank updates). Its ``step`` is,
 order: finish reductions; one all-reduce of the squared gradient norm (which also
 detects inf/NaN: no separate flag collective); the shared step maths
 (:func:`shardwise.zero.step_math.plan_step`: skip a non-finite step, else one multiply that
-averages over ranks, unscales and clips); the inner optimizer step; copy fp32 masters into
+averages over ranks, unscales and clips, folded into torch's fused AdamW where that is exact:
+:mod:`shardwise.zero.grad_fold`); the inner optimizer step; copy fp32 masters into
 16-bit parameters; all-gather updated shards. It implements
 :class:`~shardwise.zero.strategy.ZeroStrategy`.
 
@@ -30,6 +31,7 @@ from shardwise.optim.clipping import squared_norm
 from shardwise.optim.exchanging import GradientExchangingOptimizer
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
+from shardwise.zero.grad_fold import scaled_step
 from shardwise.zero.offload import checkpoint_view
 from shardwise.zero.param_owner import register_owner
 from shardwise.zero.param_publish import PublishPolicy, launch_publish
@@ -240,17 +242,21 @@ class ZeroOptimizer(ZeroStrategy):
         if not plan.apply:
             self.zero_grad()
             return plan.result()
-        multiplier = plan.multiplier
+        grads = [g for flat in self.groups for g in flat.grad]
+        scaled_step(self.optimizer, grads, plan.multiplier, lambda: self._scale_gradients(plan.multiplier))
+        self._publish_parameters()
+        self.zero_grad()
+        return plan.result()
+
+    def _scale_gradients(self, multiplier: float) -> None:
+        """Average, unscale and clip: one multiply of the reduced gradients (then fp32 copies for
+        masters of another dtype)."""
         for flat in self.groups:
             if multiplier != 1.0:
                 torch._foreach_mul_(flat.grad, multiplier)
             for master, grad in zip(flat.master, flat.grad):
                 if grad.dtype != master.dtype:
                     master.grad = grad.to(master.dtype)
-        self.optimizer.step()
-        self._publish_parameters()
-        self.zero_grad()
-        return plan.result()
 
     def _check_all_used(self) -> None:
         """``ignore_unused_parameters: false``: raise naming the parameters without a gradient this window."""
@@ -261,11 +267,20 @@ class ZeroOptimizer(ZeroStrategy):
     def _publish_parameters(self) -> None:
         """Masters -> parameter buffer, then (sharded) bring every rank's updated shards to all
         ranks (:mod:`shardwise.zero.param_publish`: one all-gather per bucket by default)."""
-        pending = []
+        self._cast_masters_to_params()
+        self._gather_shards()
+
+    def _cast_masters_to_params(self) -> None:
+        """Updated fp32 masters -> the (16-bit) parameter buffers' owned ranges (fp32: nothing to do)."""
         for flat in self.groups:
             flat.copy_master_to_params()
-            if self.policy.stage == 0 or self.policy.world_size == 1:
-                continue
+
+    def _gather_shards(self) -> None:
+        """Sharded stages: every rank's updated shards to all ranks, waited here."""
+        if self.policy.stage == 0 or self.policy.world_size == 1:
+            return
+        pending = []
+        for flat in self.groups:
             pending.extend(launch_publish(flat, self.policy.publish, self.policy.process_group))
         for work, then in pending:
             if work is not None:

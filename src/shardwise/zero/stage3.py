@@ -43,6 +43,7 @@ from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
 from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
 from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
+from shardwise.zero.grad_fold import scaled_step
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
 from shardwise.zero.param_owner import register_owner
 from shardwise.zero.replicated import ReplicatedParams
@@ -326,15 +327,17 @@ class Stage3Optimizer(ZeroStrategy):
         if not plan.apply:
             self.zero_grad()
             return plan.result()
-        if plan.multiplier != 1.0:
-            grads = sharded_grads + self.replicated.grads()
-            if grads:
-                torch._foreach_mul_(grads, plan.multiplier)
-        self.optimizer.step()
+        grads, mult = sharded_grads + self.replicated.grads(), plan.multiplier  # folded where exact
+        scaled_step(self.optimizer, grads, mult, lambda: self._scale_gradients(grads, mult))
         self.replicated.publish()
         self.zero_grad()
         self.record.evict()
         return plan.result()
+
+    def _scale_gradients(self, grads: list[torch.Tensor], multiplier: float) -> None:
+        """Average, unscale and clip: one multiply of every gradient the optimizer reads."""
+        if multiplier != 1.0 and grads:
+            torch._foreach_mul_(grads, multiplier)
 
     # ------------------------------------------------------------------ checkpoints
     def state_layout(self) -> StateLayout:
@@ -418,13 +421,10 @@ class Stage3Optimizer(ZeroStrategy):
         seen: set[int] = set()
 
         def size(t: torch.Tensor | None) -> int:
-            if t is None:
+            storage = None if t is None else t.untyped_storage()
+            if storage is None or storage.nbytes() == 0 or storage.data_ptr() in seen:
                 return 0
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if storage.nbytes() == 0 or key in seen:
-                return 0
-            seen.add(key)
+            seen.add(storage.data_ptr())
             return int(storage.nbytes())
 
         out = {"params": 0, "grads": 0, "optimizer": 0, "offloaded_host": 0, "offloaded_nvme": 0}
