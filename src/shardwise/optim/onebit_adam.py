@@ -36,9 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from shardwise.comm import init as comm_init
-from shardwise.comm.compressed_allreduce import CompressedAllReduce
 from shardwise.optim.group_state import collect_group, run_closure
+from shardwise.optim.onebit_exchange import OneBitExchange
 
 __all__ = ["OneBitAdam"]
 
@@ -91,16 +90,12 @@ class OneBitAdam(torch.optim.Optimizer):
         self.bias_correction = bias_correction
         self.cuda_aware = cuda_aware
         self.comm_backend_name = comm_backend_name
-        self._group: Any = None
-        self._world_size = 1
-        self._exchange: CompressedAllReduce | None = None
-        self._pending_rank_state: dict[str, Any] | None = None
+        self._exchange = OneBitExchange("OneBitAdam")
 
     # ------------------------------------------------------------------ GradientExchangingOptimizer
     def attach_process_group(self, group: Any) -> None:
         """Exchange over ``group`` (None: the world) once the warm-up is over."""
-        self._group = group
-        self._world_size = comm_init.get_world_size(group) if comm_init.is_initialized() else 1
+        self._exchange.attach(group)
 
     def steps_taken(self) -> int:
         """Steps this optimizer has applied (restored with its state from a checkpoint)."""
@@ -110,29 +105,16 @@ class OneBitAdam(torch.optim.Optimizer):
     @property
     def exchanges_gradients(self) -> bool:
         """True in the compression phase with more than one rank: gradients must stay local."""
-        return self._world_size > 1 and self.steps_taken() >= self.freeze_step
+        return self._exchange.world_size > 1 and self.steps_taken() >= self.freeze_step
 
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's compression error buffers (empty before the first compressed step)."""
-        return {} if self._exchange is None else {"exchange": self._exchange.state_dict()}
+        state = self._exchange.state_dict()
+        return {} if state is None else {"exchange": state}
 
     def load_rank_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore the error buffers saved by :meth:`rank_state_dict` (applied when the exchange is built)."""
-        self._exchange = None
-        self._pending_rank_state = (state or {}).get("exchange")
-
-    def _exchange_for(self, numel: int, device: torch.device) -> CompressedAllReduce:
-        if self._exchange is None:
-            self._exchange = CompressedAllReduce(numel, device=device, group=self._group)
-            if self._pending_rank_state is not None:
-                self._exchange.load_state_dict(self._pending_rank_state)
-                self._pending_rank_state = None
-        if self._exchange.numel != numel:
-            raise RuntimeError(
-                f"OneBitAdam: the parameters with gradients changed from {self._exchange.numel} to {numel} "
-                "elements; 1-bit compression needs every parameter to get a gradient on every step"
-            )
-        return self._exchange
+        self._exchange.load_state_dict((state or {}).get("exchange"))
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -153,8 +135,8 @@ class OneBitAdam(torch.optim.Optimizer):
                     torch._foreach_mul_(exp_avg_sqs, beta2)
                     torch._foreach_addcmul_(exp_avg_sqs, tensors.grads, tensors.grads, value=1.0 - beta2)
                 buckets.append((group, tensors))
-        if compressed:
-            self._average_momenta([m for _, t in buckets for m in t.moments["exp_avg"]])
+        if compressed:  # one exchange for all momenta
+            self._exchange.average([m for _, t in buckets for m in t.moments["exp_avg"]])
         for group, tensors in buckets:
             lr, weight_decay = group["lr"], group["weight_decay"]
             params = tensors.params
@@ -165,14 +147,3 @@ class OneBitAdam(torch.optim.Optimizer):
             torch._foreach_addcdiv_(params, tensors.moments["exp_avg"], denom, value=-lr)
             torch._foreach_add_(tensors.steps, 1.0)
         return loss
-
-    def _average_momenta(self, momenta: list[Tensor]) -> None:
-        """Replace every rank's momenta by their 1-bit compressed average (one exchange for all)."""
-        if not momenta:
-            return
-        flat = torch.cat([m.reshape(-1).float() for m in momenta])
-        self._exchange_for(flat.numel(), flat.device).average(flat)
-        offset = 0
-        for m in momenta:
-            m.view(-1).copy_(flat[offset : offset + m.numel()])
-            offset += m.numel()
