@@ -16,6 +16,7 @@ import torch
 from shardwise.optim.adam import AdamNoBiasCorrection
 from shardwise.optim.lamb import Lamb
 from shardwise.optim.lion import Lion
+from shardwise.utils.logging import logger
 
 __all__ = [
     "DeepSpeedCPUAdagrad",
@@ -25,6 +26,21 @@ __all__ = [
     "FusedLamb",
     "FusedLion",
 ]
+
+
+def _note_ignored(name: str, **settings: tuple[Any, Any]) -> None:
+    """Warn for each DeepSpeed-only argument given a non-default value: ``arg=(value, default)``."""
+    for arg, (value, default) in settings.items():
+        if value != default:
+            logger.warning(
+                "%s(%s=%r) has no effect on shardwise: %s",
+                name,
+                arg,
+                value,
+                "optimizer states are always kept in fp32"
+                if arg == "fp32_optimizer_states"
+                else "DeepSpeed's Adagrad kernel has no AMSGrad either; torch's Adagrad runs",
+            )
 
 
 def _uncorrected_adam(
@@ -115,6 +131,7 @@ class DeepSpeedCPUAdam(FusedAdam):
         adamw_mode: bool = True,
         fp32_optimizer_states: bool = True,
     ) -> Any:
+        _note_ignored(cls.__name__, fp32_optimizer_states=(fp32_optimizer_states, True))
         if not bias_correction:
             return _uncorrected_adam(
                 model_params, lr, betas, eps, weight_decay, adamw_mode, amsgrad, cls.__name__
@@ -156,6 +173,9 @@ class DeepSpeedCPUAdagrad(torch.optim.Adagrad):
         amsgrad: bool = False,
         fp32_optimizer_states: bool = True,
     ) -> None:
+        _note_ignored(
+            type(self).__name__, amsgrad=(amsgrad, False), fp32_optimizer_states=(fp32_optimizer_states, True)
+        )
         super().__init__(model_params, lr=lr, eps=eps, weight_decay=weight_decay)
 
 
@@ -184,6 +204,7 @@ class DeepSpeedCPULion(Lion):
         weight_decay: float = 0.0,
         fp32_optimizer_states: bool = True,
     ) -> None:
+        _note_ignored(type(self).__name__, fp32_optimizer_states=(fp32_optimizer_states, True))
         super().__init__(model_params, lr=lr, betas=betas, weight_decay=weight_decay)
 
 

@@ -60,3 +60,22 @@ def test_accelerator_on_cpu() -> None:
         assert accelerator.device_name(0) == "cuda:0"
     else:
         assert (accelerator.device_name(0), accelerator.communication_backend_name()) == ("cpu", "gloo")
+
+
+def test_deepspeed_only_arguments_that_change_nothing_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32_optimizer_states=False and Adagrad's amsgrad are accepted, with a warning naming them."""
+    from shardwise.compat import ops
+
+    said: list[str] = []
+    monkeypatch.setattr(ops.logger, "warning", lambda fmt, *args: said.append(fmt % args))
+    w = [torch.nn.Parameter(torch.ones(2))]
+    ops.DeepSpeedCPUAdam(w)
+    ops.DeepSpeedCPUAdagrad(w)
+    assert said == []
+    ops.DeepSpeedCPUAdam(w, fp32_optimizer_states=False)
+    ops.DeepSpeedCPUAdagrad(w, amsgrad=True)
+    ops.DeepSpeedCPULion(w, fp32_optimizer_states=False)
+    assert len(said) == 3
+    assert "DeepSpeedCPUAdam(fp32_optimizer_states=False)" in said[0] and "fp32" in said[0]
+    assert "DeepSpeedCPUAdagrad(amsgrad=True)" in said[1]
+    assert "DeepSpeedCPULion(fp32_optimizer_states=False)" in said[2]
