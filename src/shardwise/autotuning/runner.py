@@ -30,7 +30,14 @@ from shardwise.autotuning.records import FAILED, OK, OOM, TIMEOUT
 __all__ = ["ExperimentLaunch", "Outcome", "apply_arg_mappings", "replace_config_arg", "run_launch"]
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config")
-OOM_SIGNS = ("out of memory", "outofmemoryerror", "cannot allocate memory", "memoryerror", "std::bad_alloc", "sigkill")
+OOM_SIGNS = (
+    "out of memory",
+    "outofmemoryerror",
+    "cannot allocate memory",
+    "memoryerror",
+    "std::bad_alloc",
+    "sigkill",
+)
 """Signs of an out-of-memory end in an experiment's stderr (SIGKILL: usually the kernel's OOM killer)."""
 
 

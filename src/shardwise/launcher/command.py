@@ -160,7 +160,12 @@ def build_parser(prog: str = "shardwise") -> argparse.ArgumentParser:
         metavar="BYTES",
         help="autotuning: memory one rank may use (e.g. 2G; default the GPU's, or host memory / ranks per node)",
     )
-    add("--autotuning_timeout", type=float, default=900.0, help="autotuning: seconds per experiment (default 900)")
+    add(
+        "--autotuning_timeout",
+        type=float,
+        default=900.0,
+        help="autotuning: seconds per experiment (default 900)",
+    )
     add("--elastic_training", action="store_true", help="elastic run: torchrun with --nnodes=min:max (c10d)")
     add("--min_elastic_nodes", type=int, default=-1, help="elastic: fewest nodes to run with (default 1)")
     add("--max_elastic_nodes", type=int, default=-1, help="elastic: most nodes (default: all hosts)")

@@ -249,6 +249,7 @@ def _fill(pending: list[tuple[nn.Module, str, Any]], compute: torch.dtype) -> No
             chunk = stash.shard
             chunk = chunk.to(compute).float() if param.requires_grad else chunk.to(local.dtype)
             local.copy_(chunk.reshape(local.shape))
+            stash.release()  # a stash kept in a file (remote_device="nvme") frees its map here
 
 
 def _apply_fully_shard(
@@ -285,6 +286,7 @@ def _apply_fully_shard(
             ignored_params=ignored,
         )
         _fill(pending, compute)
+        _evict_unit(record, module)
     record.units.extend(module for module, _ in targets)
     record.unit_names.extend(plan.names)
     record.reshard.extend(plan.reshard)
@@ -361,13 +363,51 @@ def _record_parameters(record: ShardedModel, tracker: _Tracker) -> dict[int, nn.
     return originals
 
 
-def _attach_param_swapper(record: ShardedModel) -> None:
-    """NVMe parameter offload: shards live in a swap file between steps, read back on use."""
-    spec = record.policy.param_offload
-    if spec is None or spec.device != "nvme":
+def _unit_params(module: nn.Module) -> list[nn.Parameter]:
+    """The sharded parameters FSDP2 manages directly in ``module`` (not in nested units)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    return [fp.sharded_param for group in state._fsdp_param_groups for fp in group.fsdp_params]
+
+
+def _evict_unit(record: ShardedModel, module: nn.Module) -> None:
+    """NVMe parameter offload: a unit just sharded goes to the swap file at once, so sharding a
+    model larger than memory holds one unit's shards in memory at a time."""
+    if record.swapper is None:
         return
-    record.swapper = ParamSwapper(record.sharded, spec, record.policy.rank)
-    record.module.register_forward_pre_hook(lambda *_: record.ensure_resident(), prepend=True)
+    indices = record.swapper.add(_unit_params(module))
+    record.unit_storages[id(module)] = indices
+    record.swapper.evict(indices)
+
+
+def _release_after_use(record: ShardedModel, module: nn.Module) -> None:
+    """Release a unit's shard pages after its forward, and after its backward (a hook on the
+    gradient of its inputs, which autograd computes once the unit's backward is done)."""
+
+    def after_backward(_grad: torch.Tensor) -> None:
+        record.release_pages(module)
+
+    def before_forward(_m: nn.Module, args: tuple[Any, ...]) -> None:
+        if torch.is_grad_enabled():
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and arg.requires_grad:
+                    arg.register_hook(after_backward)
+                    break
+
+    module.register_forward_pre_hook(before_forward)
+    module.register_forward_hook(lambda *_: record.release_pages(module))
+
+
+def _attach_param_swapper(record: ShardedModel) -> None:
+    """NVMe parameter offload: shards live in the swap file (each unit was evicted as it was
+    sharded); forwards and backwards read them through their maps, one unit at a time."""
+    if record.swapper is None:
+        return
+    record.swapper.add(record.sharded)  # any shard outside a unit's own parameters
+    for module in record.fsdp_modules():
+        if record.unit_storages.get(id(module)):
+            _release_after_use(record, module)
+    # a forward starts from the file's values: edits made to the maps since are discarded
+    record.module.register_forward_pre_hook(lambda *_: record.release_pages(), prepend=True)
     record.module.register_state_dict_pre_hook(lambda *_args, **_kw: record.ensure_resident())
     record.evict()
 
@@ -385,6 +425,8 @@ def shard_model(model: nn.Module, policy: ShardPolicy) -> ShardedModel:
     if existing is not None:
         return existing
     record = ShardedModel(model, policy)
+    if policy.param_offload is not None and policy.param_offload.device == "nvme":
+        record.swapper = ParamSwapper(policy.param_offload, policy.rank)
     with Init.paused():
         tracker = _Tracker(model)
         _refuse_meta_without_values(model)

@@ -36,6 +36,7 @@ import itertools
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from shardwise.zero.external_params import (
     register_external_parameter,
     unregister_external_parameter,
 )
+from shardwise.zero.nvme import AioSettings, MappedStash, swap_directory
 from shardwise.zero.sharded_model import record_of
 
 __all__ = [
@@ -84,6 +86,19 @@ class Stash:
     group: Any
     world: int
     rank: int
+    mapping: Any = None  # remote_device="nvme": the file map the chunk lives in
+    placeholder: Any = None  # weak reference to the placeholder (its ds_tensor is the chunk)
+
+    def release(self) -> None:
+        """Drop a chunk kept in a file (``remote_device="nvme"``) once ``initialize`` copied it
+        into its shard, so its pages and disk space go now rather than with the placeholder."""
+        if self.mapping is None:
+            return
+        empty = self.shard.new_empty((0, *self.shard.shape[1:]))
+        holder = self.placeholder() if self.placeholder is not None else None
+        if holder is not None and getattr(holder, "ds_tensor", None) is self.shard:
+            holder.ds_tensor = empty
+        self.shard, self.mapping = empty, None
 
 
 def stash_of(param: torch.Tensor) -> Stash | None:
@@ -181,6 +196,27 @@ def _data_parallel_group(data_parallel_group: Any, mpu: Any) -> Any:
     return None
 
 
+def _file_stash(remote_device: str | None, config: Any, rank: int) -> MappedStash | None:
+    """``remote_device="nvme"``: chunks go to a file under ``offload_param.nvme_path`` as they are
+    made (DeepSpeed's ZeRO-Infinity construction), so building a model larger than memory works."""
+    if remote_device != "nvme":
+        return None
+    from shardwise.config.loading import read_config_source
+
+    raw = read_config_source(config)[0] if config is not None else {}
+    zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
+    block = zero.get("offload_param") if isinstance(zero, dict) else None
+    path = block.get("nvme_path") if isinstance(block, dict) else None
+    if not path:
+        raise ValueError(
+            "zero.Init(remote_device='nvme') keeps parameter chunks in files under "
+            "zero_optimization.offload_param.nvme_path, which the config does not set "
+            f"(got {path!r}); pass config_dict_or_path= a config with offload_param "
+            '{"device": "nvme", "nvme_path": "/local_nvme"}, or use remote_device="cpu"'
+        )
+    return MappedStash(swap_directory(Path(path), "init", rank), AioSettings())
+
+
 def _config_dtype(config: Any) -> torch.dtype | None:
     """The parameter dtype a config trains in: fp16, bf16, else fp32 (None without a config).
 
@@ -252,7 +288,12 @@ class Init:
         self.dtype = dtype or _config_dtype(
             config_dict_or_path if config_dict_or_path is not None else config
         )
-        self._replacements: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+        # id(original) -> (original, held weakly so its memory goes as soon as the module lets
+        # go of it, and its placeholder); a dead original's reused id never matches
+        self._replacements: dict[int, tuple[weakref.ref[nn.Parameter], nn.Parameter]] = {}
+        self._file_stash = _file_stash(
+            remote_device, config_dict_or_path if config is None else config, self.rank
+        )
         self._modules: list[weakref.ref[nn.Module]] = []
         self._handles: list[Any] = []
         _ensure_owner_hook()
@@ -285,6 +326,8 @@ class Init:
                     self._partition_direct(module)
         self._replacements.clear()
         self._modules = []
+        if self._file_stash is not None:
+            self._file_stash.seal()  # the chunks' maps keep their bytes; the file name goes
 
     @classmethod
     @contextlib.contextmanager
@@ -314,7 +357,7 @@ class Init:
             return None
         self._modules.append(weakref.ref(module))
         pair = self._replacements.get(id(param))
-        if pair is not None and pair[0] is param:
+        if pair is not None and pair[0]() is param:
             _record_owner(module, name, pair[1])
             return pair[1]  # an already-partitioned parameter tied to one more module
         return None
@@ -330,7 +373,7 @@ class Init:
             if param is None or stash_of(param) is not None or param.dim() == 0:
                 continue  # scalars cannot be sharded (FSDP2 refuses them): kept whole
             pair = self._replacements.get(id(param))
-            placeholder = pair[1] if pair is not None and pair[0] is param else self._partition(param)
+            placeholder = pair[1] if pair is not None and pair[0]() is param else self._partition(param)
             module._parameters[name] = placeholder
             _record_owner(module, name, placeholder)
 
@@ -343,20 +386,24 @@ class Init:
             if self.world > 1:
                 collectives.broadcast(full, src=self.source, group=self.group)
             shard = _chunk(full, self.world, self.rank).clone()
+            mapping = None
+            if self._file_stash is not None:
+                shard, mapping = self._file_stash.put(shard)
         placeholder = nn.Parameter(
             torch.empty(full.shape, dtype=full.dtype, device="meta"), requires_grad=param.requires_grad
         )
         for key, value in vars(param).items():
             if not key.startswith("_shardwise"):
                 setattr(placeholder, key, value)
-        stash = Stash(shard, full.shape, full.dtype, self.group, self.world, self.rank)
+        stash = Stash(shard, full.shape, full.dtype, self.group, self.world, self.rank, mapping)
+        stash.placeholder = weakref.ref(placeholder)
         placeholder._shardwise_stash = stash  # type: ignore[attr-defined]
         placeholder.ds_id = next(_IDS)  # type: ignore[attr-defined]
         placeholder.ds_shape = full.shape  # type: ignore[attr-defined]
         placeholder.ds_numel = full.numel()  # type: ignore[attr-defined]
         placeholder.ds_tensor = shard  # type: ignore[attr-defined]
         placeholder.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
-        self._replacements[id(param)] = (param, placeholder)
+        self._replacements[id(param)] = (weakref.ref(param), placeholder)
         return placeholder
 
 

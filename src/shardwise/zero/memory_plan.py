@@ -283,7 +283,13 @@ def estimate_model_states_memory(
         grads -= shard_grads
         host += shard_params + shard_grads
         if offload_param == "nvme":
-            nvme += shard_params  # the swap file holds every shard; the step reads them back
+            nvme += shard_params  # the swap file holds every shard
+            if offload_optimizer == "nvme":
+                # forward, backward and the step stream them: a unit, a sub-group at a time
+                host -= shard_params
+                notes.append(
+                    "NVMe parameters stream from their file: a unit or a sub-group in memory at a time"
+                )
         # masters live on the host: their optimizer state does too, unless sent to files
         opt_dev -= shard_state
         if offload_optimizer == "nvme":

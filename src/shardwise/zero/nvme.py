@@ -98,14 +98,16 @@ class SwapFile:
     _pools: dict[int, ThreadPoolExecutor] = {}
     _pool_lock = threading.Lock()
 
-    def __init__(self, directory: Path, name: str, aio: AioSettings) -> None:
+    def __init__(self, directory: Path, name: str, aio: AioSettings, align: int = 512) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / f"{name}.swp"
         self.aio = aio
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self._size = 0
-        self._align = 512  # sector-aligned slots: small tensors waste little, requests stay aligned
+        # sector-aligned slots by default (small tensors waste little, requests stay aligned);
+        # files whose slots are memory-mapped one by one use mmap.ALLOCATIONGRANULARITY
+        self._align = align
 
     @classmethod
     def _pool(cls, workers: int) -> ThreadPoolExecutor:
@@ -165,6 +167,14 @@ class SwapFile:
         It stays valid after :meth:`close` (and after the file is deleted) while in use."""
         return mmap.mmap(self._fd, self._size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
+    def map_range(self, offset: int, nbytes: int) -> mmap.mmap:
+        """``nbytes`` at ``offset`` (a multiple of ``mmap.ALLOCATIONGRANULARITY``) as a private,
+        copy-on-write map: pages are read from the file on first touch and, while unwritten,
+        can be dropped again with :func:`drop_pages`. The map outlives the file's deletion."""
+        return mmap.mmap(
+            self._fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset
+        )
+
     def close(self, remove: bool = True) -> None:
         """Close (and by default delete) the file."""
         if self._fd >= 0:
@@ -177,6 +187,55 @@ class SwapFile:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: never raise from a finaliser
             self.close()
+
+
+def mapped_tensor(mapping: mmap.mmap, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``like``'s shape and dtype over the memory of ``mapping`` (which it keeps alive)."""
+    nbytes = like.numel() * like.element_size()
+    flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+    return flat.view(like.dtype).view(like.shape)
+
+
+def drop_pages(mapping: mmap.mmap) -> None:
+    """Release the memory pages of a private file map (``MADV_DONTNEED``): the next read pages the
+    file in again. Only for maps nobody wrote to (written pages would revert to the file's bytes)."""
+    mapping.madvise(mmap.MADV_DONTNEED)
+
+
+class MappedStash:
+    """Tensors written once to a swap file and kept as private maps of it (``zero.Init`` with
+    ``remote_device="nvme"``): building a model larger than memory holds only the parameters being
+    constructed in memory; the rest is the kernel's page cache, which it can drop.
+
+    The file is deleted by :meth:`seal` (when construction is over); the maps keep their bytes until
+    each tensor is released.
+    """
+
+    def __init__(self, directory: Path, aio: AioSettings) -> None:
+        self._directory = directory
+        self._file: SwapFile | None = SwapFile(directory, "stash", aio, align=mmap.ALLOCATIONGRANULARITY)
+
+    def put(self, tensor: torch.Tensor) -> tuple[torch.Tensor, mmap.mmap | None]:
+        """Write ``tensor`` to the file; returns a mapped tensor with its values, and its map."""
+        if tensor.numel() == 0:
+            return tensor, None
+        assert self._file is not None, "MappedStash.put after seal()"
+        tensor = tensor.contiguous()
+        offset = self._file.allocate(tensor.numel() * tensor.element_size())
+        self._file.write(tensor, offset).wait()
+        mapping = self._file.map_range(offset, tensor.numel() * tensor.element_size())
+        return mapped_tensor(mapping, tensor), mapping
+
+    def seal(self) -> None:
+        """No more tensors: delete the file (the maps stay valid)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            remove_directory(self._directory)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: never raise from a finaliser
+            self.seal()
 
 
 _DIRECTORY_NUMBERS = itertools.count()

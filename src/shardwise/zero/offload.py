@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -152,6 +152,21 @@ def split_sub_groups(numels: Sequence[int], sub_group_size: int) -> list[list[in
     return groups
 
 
+class Waitable(Protocol):
+    """Something in flight (an :class:`IoHandle` or a companion's transfer)."""
+
+    def wait(self) -> None: ...
+
+
+class StreamCompanion(Protocol):
+    """Tensors a streamed sub-group needs in memory besides its optimizer state (by index into
+    the store's ``device_tensors``): brought in before the sub-group steps, written out after."""
+
+    def load(self, indices: Sequence[int]) -> Sequence[Waitable]: ...
+
+    def save(self, indices: Sequence[int]) -> Sequence[Waitable]: ...
+
+
 @dataclass
 class _Slot:
     offset: int
@@ -202,6 +217,9 @@ class OffloadStore:
             self.host_groups.append({**hyper, "params": self.host[position : position + count]})
             position += count
         self.sub_groups = split_sub_groups(numels[: self.offloaded], spec.sub_group_size)
+        # what else a sub-group needs in memory while it steps (stage 3's NVMe parameter swapper:
+        # the masters themselves): ``load(indices)``/``save(indices)`` return things to ``wait()`` on
+        self.companion: StreamCompanion | None = None
         self._staged = staged
         self._file: SwapFile | None = None
         self._slots: dict[tuple[int, str], _Slot] = {}
@@ -309,12 +327,14 @@ class OffloadStore:
         """NVMe: per sub-group, read state, stage in, step, stage out, write state, evict."""
         ahead = self.spec.pipeline_read or self.spec.aio.overlap_events
         window = max(1, self.spec.buffer_count)
-        reads: dict[int, list[IoHandle]] = {}
-        writes: list[tuple[int, list[IoHandle]]] = []
+        reads: dict[int, list[Waitable]] = {}
+        writes: list[tuple[int, list[Waitable]]] = []
 
         def start_read(g: int) -> None:
             if g < len(self.sub_groups) and g not in reads:
-                reads[g] = self._load_state(optimizer, self.sub_groups[g])
+                indices = self.sub_groups[g]
+                companion = [] if self.companion is None else self.companion.load(indices)
+                reads[g] = [*self._load_state(optimizer, indices), *companion]
 
         for g, indices in enumerate(self.sub_groups):
             start_read(g)
@@ -324,12 +344,14 @@ class OffloadStore:
                         break
                     start_read(nxt)
             for handle in reads.pop(g):
-                handle.wait()
+                handle.wait()  # the state, and the companion's tensors, are in memory
             self._restore_staging(indices)
             self._stage_in(indices)
             self._step_subset(optimizer, indices)
             self._stage_out(indices)
-            handles = self._save_state(optimizer, indices)
+            handles: list[Waitable] = [*self._save_state(optimizer, indices)]
+            if self.companion is not None:
+                handles.extend(self.companion.save(indices))
             if self.spec.pipeline_write:
                 writes.append((g, handles))
                 while len(writes) + len(reads) > window:
@@ -382,7 +404,7 @@ class OffloadStore:
                 handles.append(self._file.write(tensor.contiguous(), slot.offset))
         return handles
 
-    def _finish_write(self, optimizer: torch.optim.Optimizer, g: int, handles: list[IoHandle]) -> None:
+    def _finish_write(self, optimizer: torch.optim.Optimizer, g: int, handles: Sequence[Waitable]) -> None:
         for handle in handles:
             handle.wait()
         for index in self.sub_groups[g]:

@@ -66,6 +66,7 @@ class ShardedModel:
         self._owners: WeakIdKeyDictionary = WeakIdKeyDictionary()  # current parameter -> OwnerRefs
         self._root_params: set[int] = set()
         self.swapper: ParamSwapper | None = None
+        self.unit_storages: dict[int, list[int]] = {}  # id(FSDP module) -> its swapped storages
         self.replicated_listener: Any = None  # set by the optimizer: refresh masters on edits
 
     # ------------------------------------------------------------------ lookups
@@ -100,6 +101,16 @@ class ShardedModel:
         """NVMe parameter offload: write the shards to their file and free the memory."""
         if self.swapper is not None:
             self.swapper.evict()
+
+    def release_pages(self, module: nn.Module | None = None) -> None:
+        """NVMe parameter offload: release the memory pages of one FSDP module's shards (default:
+        every shard). Values stay in the file; edits made to the maps are discarded."""
+        if self.swapper is None:
+            return
+        if module is None:
+            self.swapper.drop_pages(range(len(self.swapper.storages)))
+        else:
+            self.swapper.drop_pages(self.unit_storages.get(id(module), []))
 
     def refresh_replicated(self, param: nn.Parameter) -> None:
         """An unsharded parameter was edited in place: its fp32 master must follow."""

@@ -46,6 +46,7 @@ from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
 from shardwise.zero.grad_fold import scaled_step
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
 from shardwise.zero.param_owner import register_owner
+from shardwise.zero.param_swap import SwappedMasters
 from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_model import ShardedModel
 from shardwise.zero.sharded_optimizer import OptimizerFactory
@@ -167,6 +168,12 @@ class Stage3Optimizer(ZeroStrategy):
             )
         else:
             self.optimizer = optimizer_factory(inner_groups)
+        # NVMe parameters with NVMe optimizer state: the step brings masters in a sub-group at a
+        # time next to their state, instead of the whole model (a model larger than memory)
+        self._streams_params = record.swapper is not None and self.store is not None and self.store.is_nvme
+        if self._streams_params:
+            assert self.store is not None and record.swapper is not None
+            self.store.companion = SwappedMasters(record.swapper, self.store.device_tensors)
         # every trainable sharded parameter's accumulated gradient (local fp32 shard); the
         # optimizer's masters take theirs from here
         self._trainable = [p for p in record.sharded if p.requires_grad]
@@ -176,7 +183,11 @@ class Stage3Optimizer(ZeroStrategy):
         if policy.quantized_gradients:
             for module in record.fsdp_modules():
                 module.set_custom_reduce_scatter(QuantizedReduceScatter())  # type: ignore[operator]
-        elif record.policy.device.type == "cpu" and record.policy.reduce_dtype == torch.float32:
+        elif (
+            record.policy.device.type == "cpu"
+            and record.policy.reduce_dtype == torch.float32
+            and record.swapper is None  # deferring holds every unit's full gradients until backward ends
+        ):
             self._deferred = DeferredReduceScatter()
             for module in record.fsdp_modules():
                 module.set_custom_reduce_scatter(self._deferred)  # type: ignore[operator]
@@ -310,7 +321,11 @@ class Stage3Optimizer(ZeroStrategy):
     def step(self, loss_scale: float = 1.0) -> StepResult:
         """One optimizer step at an accumulation boundary (every rank must call it)."""
         policy = self.policy
-        self.record.ensure_resident()
+        if self._streams_params:
+            assert self.store is not None
+            SwappedMasters(self.record.swapper, self.store.device_tensors).bring_in_unstreamed(self.store)
+        else:
+            self.record.ensure_resident()
         if policy.fail_on_unused:  # ignore_unused_parameters: false
             params = [*self._trainable, *self.replicated.params]
             raise_if_unused(params, self._arrived | self.replicated.arrived, policy.param_names)
@@ -431,9 +446,9 @@ class Stage3Optimizer(ZeroStrategy):
         params_away = self.record.policy.param_offload is not None
         self._collect_grads()
         swapper = self.record.swapper
-        evicted = swapper is not None and not swapper.resident  # in the swap file, mapped: not held
         for param in self.record.sharded:
-            nbytes = 0 if evicted else size(_local(param))
+            mapped = swapper is not None and swapper.is_mapped(param)  # in the swap file: not held
+            nbytes = 0 if mapped else size(_local(param))
             grad = self._acc.get(id(param))
             gbytes = size(grad)
             if params_away:

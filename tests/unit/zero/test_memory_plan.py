@@ -79,8 +79,10 @@ def test_offload_moves_optimizer_state_off_the_device():
     assert params_cpu.device_total == 0 and params_cpu.offloaded_host == 8 * N
     params_nvme = estimate_model_states_memory(N, 3, 2, offload_param="nvme", offload_optimizer="nvme")
     assert params_nvme.device_total == 0
-    assert params_nvme.offloaded_host == 4 * N  # shards and grads, resident during the step
+    assert params_nvme.offloaded_host == 2 * N  # grads; the shards stream a sub-group at a time
     assert params_nvme.offloaded_nvme == 2 * N + 4 * N  # shard file + optimizer state file
+    params_nvme_state_cpu = estimate_model_states_memory(N, 3, 2, offload_param="nvme", offload_optimizer="cpu")
+    assert params_nvme_state_cpu.offloaded_host == 2 * N + 2 * N + 4 * N  # the step restores every shard
 
 
 def test_plan_rejects_bad_input():
