@@ -8,6 +8,14 @@ need), and the module gets a **meta-device** placeholder with the full shape. Pe
 is one submodule's parameters. ``initialize`` then materialises the model sharded: each
 shard unit gets real storage for its own chunk only, filled from the kept chunk.
 
+With ``remote_device="nvme"`` (DeepSpeed's ZeRO-Infinity construction) each chunk goes to a
+file under ``zero_optimization.offload_param.nvme_path`` as soon as it is made and is kept as a
+private map of that file: memory the kernel can drop, so a model larger than memory can be
+built. ``initialize`` copies each unit's chunks into its shards and releases them; with
+``offload_param`` on NVMe the shards go to their swap file unit by unit. Without that key the
+Init raises, naming it. Chunks are released as soon as the module lets go of the original
+parameter (the Init holds originals weakly).
+
 As in DeepSpeed, code in a parent's ``__init__`` that touches a child's parameters after
 the child is attached (a custom ``self.apply(init_fn)``) sees placeholders, and its
 in-place initialisers do nothing: wrap such code in ``GatheredParameters(...,
