@@ -206,6 +206,7 @@ def _place_and_build_zero(
         record=prepared.record,
         disable_allgather=bool(root.disable_allgather),
         param_names={id(p): name for name, p in prepared.module.named_parameters()},
+        module=prepared.module,
     )
     zero_optimizer.broadcast_parameters()
     return prepared.module, zero_optimizer

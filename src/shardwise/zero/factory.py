@@ -195,6 +195,7 @@ def build_zero_optimizer(
     record: ShardedModel | None = None,
     disable_allgather: bool = False,
     param_names: Mapping[int, str] | None = None,
+    module: nn.Module | None = None,
 ) -> ZeroStrategy:
     """The ZeRO optimizer for the stage: ``ZeroOptimizer`` (0-2) or ``Stage3Optimizer``.
 
@@ -212,6 +213,8 @@ def build_zero_optimizer(
         disable_allgather: the top-level ``disable_allgather`` (stages 1-2: broadcast the shards).
         param_names: ``id(parameter) -> name`` (names the parameters in the
             ``ignore_unused_parameters: false`` error).
+        module: the (placed) model; stages 1-2 with ``overlap_comm`` hook it so the post-step
+            all-gather overlaps the next forward (:mod:`shardwise.zero.async_gather`).
     """
     stage = int(zero.stage)
     _check_offload(zero)
@@ -271,4 +274,4 @@ def build_zero_optimizer(
         fail_on_unused=not zero.ignore_unused_parameters,
         param_names=param_names,
     )
-    return ZeroOptimizer(param_groups, optimizer_factory, policy)
+    return ZeroOptimizer(param_groups, optimizer_factory, policy, module=module)

@@ -170,15 +170,18 @@ class FlatGroup:
         return self.master
 
     # ------------------------------------------------------------------ after the step
-    def copy_master_to_params(self) -> None:
-        """Write updated fp32 masters into the (16-bit) parameter buffer's owned ranges."""
+    def copy_master_to_params(self, bucket: int | None = None) -> None:
+        """Write updated fp32 masters (of one bucket, or all) into the (16-bit) parameter
+        buffer's owned ranges."""
         if self.dtype == torch.float32:
             return  # masters are views of the parameter buffer
         if self._master_flat is not None:
-            self.param_buffer.copy_(self._master_flat)
+            self.param_buffer.copy_(self._master_flat)  # unsharded: one tensor per parameter, all at once
             return
-        for (lo, hi), master in zip(self.owned, self.master):
-            self.param_buffer[lo:hi].copy_(master)
+        chosen = range(len(self.owned)) if bucket is None else (bucket,)
+        for b in chosen:
+            lo, hi = self.owned[b]
+            self.param_buffer[lo:hi].copy_(self.master[b])
 
     def state_bytes(self) -> int:
         """Bytes held by this group's persistent buffers (params, grads, masters)."""

@@ -62,6 +62,7 @@ from shardwise.zero.external_params import (
     unregister_external_parameter,
 )
 from shardwise.zero.nvme import AioSettings, MappedStash, swap_directory
+from shardwise.zero.param_owner import owner_of
 from shardwise.zero.sharded_model import record_of
 
 __all__ = [
@@ -483,6 +484,9 @@ class GatheredParameters:
             if id(param) in seen:
                 continue
             seen.add(id(param))
+            owner = owner_of(param)
+            if owner is not None:
+                owner.wait_for_parameters()  # stages 1-2, overlap_comm: the post-step gather in flight
             full = self._gather(param)
             if full is None:
                 continue

@@ -38,6 +38,7 @@ import torch
 
 from shardwise.zero.memory_plan import offloaded_prefix
 from shardwise.zero.nvme import AioSettings, IoHandle, SwapFile, remove_directory, swap_directory
+from shardwise.zero.optimizer_subset import restricted
 
 __all__ = [
     "OffloadSpec",
@@ -283,25 +284,7 @@ class OffloadStore:
         if self.spec.pin:
             torch.cuda.current_stream().synchronize()  # host buffers may be reused or freed next
 
-    @staticmethod
-    @contextlib.contextmanager
-    def _restricted(optimizer: torch.optim.Optimizer, members: set[int]) -> Iterator[None]:
-        """Let ``optimizer.step()`` see only the tensors whose id is in ``members``."""
-        saved_groups = optimizer.param_groups
-        saved_params = [g["params"] for g in saved_groups]
-        active = []
-        for group in saved_groups:
-            subset = [p for p in group["params"] if id(p) in members]
-            if subset:
-                group["params"] = subset
-                active.append(group)
-        optimizer.param_groups = active
-        try:
-            yield
-        finally:
-            for group, params in zip(saved_groups, saved_params):
-                group["params"] = params
-            optimizer.param_groups = saved_groups
+    _restricted = staticmethod(restricted)  # step only some tensors (zero.optimizer_subset)
 
     def _step_subset(self, optimizer: torch.optim.Optimizer, indices: Sequence[int]) -> None:
         if not indices:

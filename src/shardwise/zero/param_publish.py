@@ -15,7 +15,7 @@ fp32 masters stay exact.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,14 +59,16 @@ def chunk_ranges(shard_numel: int, world: int, bucket_numel: int) -> list[tuple[
 
 
 def launch_publish(
-    flat: FlatGroup, policy: PublishPolicy, group: Any
+    flat: FlatGroup, policy: PublishPolicy, group: Any, buckets: Sequence[int] | None = None
 ) -> list[tuple[Any, Callable[[], None]]]:
-    """Start bringing every rank's updated shard of ``flat`` to all ranks; returns ``(work, then)``
-    pairs: wait for ``work``, then call ``then``."""
+    """Start bringing every rank's updated shard of ``flat`` (of the given ``buckets`` only, in
+    that order; default all) to all ranks; returns ``(work, then)`` pairs: wait for ``work``,
+    then call ``then``."""
     out: list[tuple[Any, Callable[[], None]]] = []
     world = flat.world_size
     buffer = flat.param_buffer
-    for plan, (lo, hi) in zip(flat.layout.buckets, flat.owned):
+    chosen = range(len(flat.layout.buckets)) if buckets is None else buckets
+    for plan, (lo, hi) in ((flat.layout.buckets[b], flat.owned[b]) for b in chosen):
         ranges = [plan.shard_range(r) for r in range(world)]
         if policy.quantized:
             quantized_all_gather(buffer[plan.start : plan.end], buffer[lo:hi], group)

@@ -10,6 +10,10 @@ averages over ranks, unscales and clips, folded into torch's fused AdamW where t
 16-bit parameters; all-gather updated shards. It implements
 :class:`~shardwise.zero.strategy.ZeroStrategy`.
 
+With ``overlap_comm`` at stages 1-2 (more than one rank, built with the module) the last three
+go bucket by bucket and the all-gathers are left in flight for the next forward to wait for,
+bucket by bucket (:mod:`shardwise.zero.async_gather`).
+
 Stage 0: no sharding (each rank steps the whole buffer; grads all-reduced).
 Stage 1: optimizer state sharded; grads reduce-scattered at the accumulation boundary.
 Stage 2: stage 1 plus sharded gradients, reduce-scattered every micro step.
@@ -17,6 +21,7 @@ Stage 2: stage 1 plus sharded gradients, reduce-scattered every micro step.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,10 +34,12 @@ from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
 from shardwise.optim.clipping import squared_norm
 from shardwise.optim.exchanging import GradientExchangingOptimizer
+from shardwise.zero.async_gather import BucketKey, PendingGathers
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
 from shardwise.zero.grad_fold import scaled_step
 from shardwise.zero.offload import checkpoint_view
+from shardwise.zero.optimizer_subset import restricted, steps_per_tensor
 from shardwise.zero.param_owner import register_owner
 from shardwise.zero.param_publish import PublishPolicy, launch_publish
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
@@ -77,13 +84,19 @@ class ZeroPolicy:
 
 
 class ZeroOptimizer(ZeroStrategy):
-    """Flat-buffer ZeRO (stages 0, 1, 2) around a torch optimizer built on the masters."""
+    """Flat-buffer ZeRO (stages 0, 1, 2) around a torch optimizer built on the masters.
+
+    ``module``: the model the parameters belong to; with ``policy.overlap_comm`` at stages 1-2
+    and more than one rank, the post-step all-gather then overlaps the next forward (hooks on
+    ``module`` wait for it). Without a module the gather is waited for inside ``step``.
+    """
 
     def __init__(
         self,
         param_groups: Sequence[dict[str, Any]],
         optimizer_factory: OptimizerFactory,
         policy: ZeroPolicy,
+        module: nn.Module | None = None,
     ) -> None:
         self.policy = policy
         self.mean_divisor = policy.post_divisor  # the collective summed pre_multiplier-scaled grads
@@ -137,6 +150,18 @@ class ZeroOptimizer(ZeroStrategy):
             self.exchanging.attach_process_group(policy.process_group)
         self._bind_master_grads()
         register_owner(self, [p for flat in self.groups for p in flat.params])
+        self.gathers: PendingGathers | None = None  # post-step gathers left in flight (overlap_comm)
+        if policy.overlap_comm and policy.stage in (1, 2) and policy.world_size > 1 and module is not None:
+            self.gathers = PendingGathers(self.groups)
+            self.gathers.attach(module)
+
+    def wait_for_parameters(self) -> None:
+        """Complete the post-step all-gathers still in flight (``overlap_comm``), so every rank's
+        parameters hold the updated values; a no-op when none is. Reads through the model's
+        forward or ``state_dict`` and through this strategy wait by themselves; call it before
+        reading parameter tensors directly between ``step()`` and the next forward."""
+        if self.gathers is not None:
+            self.gathers.wait_all()
 
     # ------------------------------------------------------------------ wiring
     def _bind_master_grads(self) -> None:
@@ -152,6 +177,7 @@ class ZeroOptimizer(ZeroStrategy):
     def broadcast_parameters(self) -> None:
         """Make every rank start from the first data-parallel rank's parameters (and masters)."""
         src = group_source_rank(self.policy.process_group)
+        self.wait_for_parameters()
         for flat in self.groups:
             collectives.broadcast(flat.param_buffer, src=src, group=self.policy.process_group)
             flat.refresh_masters()
@@ -160,6 +186,7 @@ class ZeroOptimizer(ZeroStrategy):
     def prepare_backward(self, is_boundary: bool) -> None:
         """Tell the reducer whether this backward ends an accumulation window, and whether the
         optimizer exchanges by itself at the next step (then gradients stay local)."""
+        self.wait_for_parameters()  # a backward with no forward since the step reads nothing, but be safe
         self.reducer.reduce_this_backward = is_boundary
         self.reducer.optimizer_exchanges = self._optimizer_exchanges()
 
@@ -206,6 +233,7 @@ class ZeroOptimizer(ZeroStrategy):
 
     def step(self, loss_scale: float = 1.0) -> StepResult:
         """One optimizer step at an accumulation boundary (every rank must call it)."""
+        self.wait_for_parameters()
         self.reducer.finish()
         if self.policy.fail_on_unused:
             self._check_all_used()
@@ -242,21 +270,51 @@ class ZeroOptimizer(ZeroStrategy):
         if not plan.apply:
             self.zero_grad()
             return plan.result()
-        grads = [g for flat in self.groups for g in flat.grad]
-        scaled_step(self.optimizer, grads, plan.multiplier, lambda: self._scale_gradients(plan.multiplier))
-        self._publish_parameters()
+        self._update(plan.multiplier)
         self.zero_grad()
         return plan.result()
 
-    def _scale_gradients(self, multiplier: float) -> None:
-        """Average, unscale and clip: one multiply of the reduced gradients (then fp32 copies for
-        masters of another dtype)."""
-        for flat in self.groups:
+    def _update(self, multiplier: float) -> None:
+        """The inner step on the gradients times ``multiplier``, then the parameters published:
+        all at once with a waited gather, or (``overlap_comm``) bucket by bucket in the forward's
+        order, each bucket's gather started as soon as it is updated and left in flight."""
+        if self.gathers is None:
+            grads = [g for flat in self.groups for g in flat.grad]
+            scaled_step(self.optimizer, grads, multiplier, lambda: self._scale_gradients(multiplier))
+            self._publish_parameters()
+            return
+        order = self.gathers.step_order()
+        per_bucket = steps_per_tensor(self.optimizer)  # else its step couples tensors: one step
+        if not per_bucket:
+            grads = [g for flat in self.groups for g in flat.grad]
+            scaled_step(self.optimizer, grads, multiplier, lambda: self._scale_gradients(multiplier))
+        for key in order:
+            if per_bucket:
+                self._step_bucket(key, multiplier)
+            self._cast_masters_to_params([key])
+            self._gather_shards([key])
+
+    def _step_bucket(self, key: BucketKey, multiplier: float) -> None:
+        """The inner step on one bucket's master only (exact for per-tensor optimizers)."""
+        gi, b = key
+        flat = self.groups[gi]
+        with restricted(self.optimizer, {id(flat.master[b])}):
+            scale = functools.partial(self._scale_gradients, multiplier, (key,))
+            scaled_step(self.optimizer, [flat.grad[b]], multiplier, scale)
+
+    def _scale_gradients(self, multiplier: float, keys: Sequence[BucketKey] | None = None) -> None:
+        """Average, unscale and clip: one multiply of the reduced gradients (of the buckets
+        ``keys``, default all), then fp32 copies for masters of another dtype."""
+        chosen = [(flat, range(len(flat.grad))) for flat in self.groups]
+        if keys is not None:
+            chosen = [(self.groups[gi], range(b, b + 1)) for gi, b in keys]
+        for flat, buckets in chosen:
+            grads = [flat.grad[b] for b in buckets]
             if multiplier != 1.0:
-                torch._foreach_mul_(flat.grad, multiplier)
-            for master, grad in zip(flat.master, flat.grad):
-                if grad.dtype != master.dtype:
-                    master.grad = grad.to(master.dtype)
+                torch._foreach_mul_(grads, multiplier)
+            for b in buckets:
+                if flat.grad[b].dtype != flat.master[b].dtype:
+                    flat.master[b].grad = flat.grad[b].to(flat.master[b].dtype)
 
     def _check_all_used(self) -> None:
         """``ignore_unused_parameters: false``: raise naming the parameters without a gradient this window."""
@@ -270,18 +328,29 @@ class ZeroOptimizer(ZeroStrategy):
         self._cast_masters_to_params()
         self._gather_shards()
 
-    def _cast_masters_to_params(self) -> None:
-        """Updated fp32 masters -> the (16-bit) parameter buffers' owned ranges (fp32: nothing to do)."""
-        for flat in self.groups:
-            flat.copy_master_to_params()
+    def _cast_masters_to_params(self, keys: Sequence[BucketKey] | None = None) -> None:
+        """Updated fp32 masters (of the buckets ``keys``, default all) -> the (16-bit) parameter
+        buffers' owned ranges (fp32: nothing to do)."""
+        if keys is None:
+            for flat in self.groups:
+                flat.copy_master_to_params()
+            return
+        for gi, b in keys:
+            self.groups[gi].copy_master_to_params(b)
 
-    def _gather_shards(self) -> None:
-        """Sharded stages: every rank's updated shards to all ranks, waited here."""
+    def _gather_shards(self, keys: Sequence[BucketKey] | None = None) -> None:
+        """Sharded stages: every rank's updated shards to all ranks; all buckets waited here, or
+        (``keys``, with ``overlap_comm``) those buckets' gathers started and left in flight."""
         if self.policy.stage == 0 or self.policy.world_size == 1:
+            return
+        publish, group = self.policy.publish, self.policy.process_group
+        if keys is not None and self.gathers is not None:
+            for gi, b in keys:
+                self.gathers.launch((gi, b), launch_publish(self.groups[gi], publish, group, buckets=[b]))
             return
         pending = []
         for flat in self.groups:
-            pending.extend(launch_publish(flat, self.policy.publish, self.policy.process_group))
+            pending.extend(launch_publish(flat, publish, group))
         for work, then in pending:
             if work is not None:
                 work.wait()
@@ -291,6 +360,7 @@ class ZeroOptimizer(ZeroStrategy):
     def state_layout(self) -> StateLayout:
         """Where each parameter's fp32 values and optimizer state sit: ranges of the flat masters
         (``shardwise.checkpoint.optimizer_state`` turns this into the checkpoint format)."""
+        self.wait_for_parameters()
         places: list[ParamPlace] = []
         members: list[list[int]] = [[] for _ in self.optimizer.param_groups]
         for flat, gi in zip(self.groups, self.group_index):
@@ -318,6 +388,7 @@ class ZeroOptimizer(ZeroStrategy):
     def gradient_layout(self) -> GradientLayout:
         """Where each parameter's reduced gradient sits: the same ranges of the flat gradients as
         its fp32 values of the masters; available after a reducing backward, until the step."""
+        self.wait_for_parameters()
         places = []
         for flat in self.groups:
             for index, param in enumerate(flat.params):
@@ -337,7 +408,10 @@ class ZeroOptimizer(ZeroStrategy):
             flat.refresh_masters()
 
     def close(self) -> None:
-        """Detach the gradient hooks and delete optimizer-offload swap files (nvme), if any."""
+        """Complete gathers in flight, detach the hooks and delete optimizer-offload swap files (nvme)."""
+        self.wait_for_parameters()
+        if self.gathers is not None:
+            self.gathers.detach()
         self.reducer.remove_hooks()
         store = getattr(self.optimizer, "store", None)
         if store is not None:

@@ -219,11 +219,24 @@ def settings_from_zero(zero: Any) -> Stage3Settings:
     )
 
 
+# What keys do at stages 1-2 where their stage-3 note (above) does not apply.
+STAGE12_NOTES: dict[str, str] = {
+    "overlap_comm": (
+        "stages 1-2: gradient reductions run while backward does, and the post-step all-gather of the "
+        "updated shards is left in flight bucket by bucket, each module's forward pre-hook waiting for "
+        "its own parameters' buckets (forwards, state_dict, checkpoints and the parameter accessors wait "
+        "by themselves; a parameter tensor read directly between step() and the next forward does not: "
+        "call engine.optimizer.wait_for_parameters() first)"
+    ),
+}
+
+
 def key_note(path: str, stage: int) -> str | None:
     """The engine note for one dotted key path of a resolved config, or None.
 
     Notes are given for ``zero_optimization.*`` and ``aio.*`` keys; keys of stages 1-2
-    are only annotated at stage 3 (where they have no effect).
+    are only annotated at stage 3 (where they have no effect), except those of
+    :data:`STAGE12_NOTES`, which say what they do at stages 1-2.
 
     Example:
         >>> key_note("zero_optimization.overlap_comm", 3)
@@ -235,6 +248,8 @@ def key_note(path: str, stage: int) -> str | None:
         return _render(kind, text)
     if head != "zero_optimization" or not rest:
         return None
+    if stage in (1, 2) and rest in STAGE12_NOTES:
+        return STAGE12_NOTES[rest]
     entry = KEY_NOTES.get(rest)
     if entry is None and "." in rest:
         block = rest.split(".", 1)[0]

@@ -116,6 +116,14 @@ class ZeroStrategy(Protocol):
         the next forward gathers again. Nothing to do where parameters are never partitioned."""
         ...
 
+    def wait_for_parameters(self) -> None:
+        """Complete parameter communication the step left in flight (stages 1-2 with
+        ``overlap_comm``: the post-step all-gather), so the parameter tensors hold the updated
+        values; a no-op where none is left. Forwards, ``state_dict`` and the strategy's own
+        methods wait by themselves; user code reading parameter tensors directly between
+        ``step()`` and the next forward calls this first."""
+        ...
+
     def gradient_layout(self) -> GradientLayout:
         """Where each parameter's reduced gradient sits now, in the same holdings as
         :meth:`state_layout`; ``unavailable`` says why there is none (``deepspeed.utils.safe_get_full_grad``)."""

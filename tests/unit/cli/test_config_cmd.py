@@ -315,3 +315,14 @@ def test_explain_notes_stage3_keys_that_do_nothing_at_stage_2(
     assert main(["config", "explain", path]) == 0
     out = capsys.readouterr().out
     assert "[engine: stage-3 key: no effect at stage 2]" in out
+
+
+def test_explain_says_what_overlap_comm_does_at_stages_1_and_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path, {"train_batch_size": 8, "zero_optimization": {"stage": 2, "overlap_comm": True}})
+    assert main(["config", "explain", path]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    line = lines["zero_optimization.overlap_comm"]
+    assert "post-step all-gather" in line and "wait_for_parameters()" in line
+    assert "no effect" not in line
