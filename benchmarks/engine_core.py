@@ -467,6 +467,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1.0,
         help="gradient_clipping of every case (0: off; the default 1.0 clips every step)",
     )
+    parser.add_argument(
+        "--overlap-comm",
+        type=lambda text: {"true": True, "false": False}[text.lower()],
+        default=None,
+        metavar="{true,false}",
+        help="zero_optimization.overlap_comm of the stage 1-2 configs (shardwise and DeepSpeed rows alike); "
+        "default: not set, i.e. DeepSpeed's default (false at stages 1-2)",
+    )
     parser.add_argument("--warmup", type=int, help="untimed optimizer steps first (>= 2)")
     parser.add_argument(
         "--frameworks", nargs="+", help="only these (shardwise ddp zero fsdp2 fsdp2_zero3 deepspeed)"
@@ -663,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
             "data_seed": 4321,
             "optimizer": OPTIMIZER,
             "clip": args.clip,
+            "overlap_comm": args.overlap_comm,
             "triad_elements": preset["triad_elements"],
             "triad_reps": 10,
         },

@@ -248,10 +248,17 @@ def _ds_style_config(spec: dict[str, Any]) -> dict[str, Any]:
             },
         },
         "bf16": {"enabled": bool(spec["bf16"])},
-        "zero_optimization": {"stage": spec["stage"], **spec.get("zero_extra", {})},
+        "zero_optimization": {"stage": spec["stage"], **_overlap_comm(spec), **spec.get("zero_extra", {})},
         # --zeropp rows: the comms logger counts the bytes every collective sends
         **({"comms_logger": {"enabled": True}} if spec.get("count_bytes") else {}),
     }
+
+
+def _overlap_comm(spec: dict[str, Any]) -> dict[str, Any]:
+    """``--overlap-comm``: ``zero_optimization.overlap_comm`` of the stage 1-2 rows (shardwise and
+    DeepSpeed alike); absent when not given (DeepSpeed's default: false at stages 1-2)."""
+    value = spec.get("overlap_comm")
+    return {} if value is None or spec["stage"] not in (1, 2) else {"overlap_comm": bool(value)}
 
 
 def _ensure_process_group() -> None:

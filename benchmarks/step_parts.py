@@ -9,7 +9,11 @@ At the accumulation boundary ``engine.step()`` runs the strategy's step
 * ``adamw``: the inner torch optimizer's step (timed by the worker's ``OptimizerStepTimer``);
 * ``cast``: fp32 masters back into 16-bit parameters (``_cast_masters_to_params``, stages 0-2;
   nothing to do in fp32, where masters are views of the parameters);
-* ``gather``: the stage 1-2 all-gather of the updated shards (``_gather_shards``);
+* ``gather``: the stage 1-2 all-gather of the updated shards (``_gather_shards``); with
+  ``overlap_comm`` only its launch (the gathers are left in flight);
+* ``wait``: with ``overlap_comm`` (stages 1-2), the time the next forward's hooks (and the step)
+  spent waiting for gathers still in flight (``strategy.gathers``: :mod:`shardwise.zero.async_gather`),
+  counted in the step whose forward waited; not part of ``total``;
 * ``total``: the whole strategy step, so ``total - sum(parts)`` is what the parts leave out.
 
 The *local step* (the issue's "unscale, clip, AdamW, cast back") is ``scale + adamw + cast``; its
@@ -34,7 +38,8 @@ PARTS: dict[str, str] = {
     "_gather_shards": "gather",
     "step": "total",
 }
-ORDER = ("norm", "scale", "adamw", "cast", "gather", "total")
+WAITS: dict[str, str] = {"wait_for": "wait", "wait_all": "wait"}  # on strategy.gathers, if any
+ORDER = ("norm", "scale", "adamw", "cast", "gather", "wait", "total")
 
 
 class StepPartTimer:
@@ -48,6 +53,11 @@ class StepPartTimer:
             method = getattr(strategy, attr, None)
             if method is not None:
                 setattr(strategy, attr, self._timed(method, label))
+        gathers = getattr(strategy, "gathers", None)  # overlap_comm: the forward's waits
+        for attr, label in WAITS.items():
+            method = getattr(gathers, attr, None)
+            if method is not None:
+                setattr(gathers, attr, self._timed(method, label))
 
     def _timed(self, method: Callable[..., Any], label: str) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
