@@ -16,7 +16,13 @@ from shardwise.zero import param_access as pa
 
 def _config(case: dict[str, Any], world: int, overlap: bool) -> dict[str, Any]:
     cfg = config(
-        case["stage"], case["precision"], case["gas"], 2, world, clip=case.get("clip", 0.0), overlap_comm=overlap
+        case["stage"],
+        case["precision"],
+        case["gas"],
+        2,
+        world,
+        clip=case.get("clip", 0.0),
+        overlap_comm=overlap,
     )
     if case.get("fused"):
         cfg["optimizer"]["params"].update({"torch_adam": True, "fused": True})
@@ -62,7 +68,9 @@ def train_both(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         losses, probes, busy = [], [], []
         for step in range(3):
             losses.extend(_train_step(engine, step, rank, case["gas"]))
-            busy.append(getattr(engine.optimizer, "gathers", None) is not None and engine.optimizer.gathers.busy)
+            busy.append(
+                getattr(engine.optimizer, "gathers", None) is not None and engine.optimizer.gathers.busy
+            )
             if step == 0:
                 probes.append(("eval", _eval_logits(engine, rank)))
                 probes.append(("state", _state(engine)))

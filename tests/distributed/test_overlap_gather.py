@@ -67,7 +67,9 @@ def test_overlap_is_bit_identical_to_synchronous(results, case):
 
 @pytest.mark.parametrize("case", CKPT_CASES, ids=_id)
 def test_checkpoint_right_after_step_equals_synchronous(case, tmp_path):
-    ranks = run_distributed_cases(checkpoint_after_step, [case], world_size=2, args=(str(tmp_path),), timeout=600)[0]
+    ranks = run_distributed_cases(
+        checkpoint_after_step, [case], world_size=2, args=(str(tmp_path),), timeout=600
+    )[0]
     for rank in ranks:
         sync, overlap = rank["False"], rank["True"]
         _equal(overlap["loaded"], sync["loaded"])

@@ -13,7 +13,8 @@ waits for them where parameters are read:
   (that forward is the *learning* one: it records the order in which buckets are used,
   which becomes the order buckets are updated and gathered in, and which modules never ran
   a pre-hook; buckets of parameters owned by such modules, read by another module directly,
-  are waited for at the root from then on); the root's forward hook waits for the rest;
+  are waited for at the root from then on); the root's forward hook (called even when the
+  forward raises) waits for the rest;
 - ``state_dict`` / ``load_state_dict`` of any hooked module (pre-hooks), the strategy's
   step, backward, checkpoint layouts (so checkpoints, ``safe_get_full_*`` and the other
   parameter accessors), ``GatheredParameters`` and ``close`` wait for everything first.
@@ -130,7 +131,8 @@ class PendingGathers:
             self._handles.append(module.register_state_dict_pre_hook(wait_everything))
             self._handles.append(module.register_load_state_dict_pre_hook(wait_everything))
         self._handles.append(root.register_forward_pre_hook(self._root_pre_hook, prepend=True))
-        self._handles.append(root.register_forward_hook(self._root_post_hook))
+        # always_call: a forward that raises still ends the recording and waits for the rest
+        self._handles.append(root.register_forward_hook(self._root_post_hook, always_call=True))
         if id(root) not in self._module_keys:
             self._handles.append(root.register_state_dict_pre_hook(wait_everything))
             self._handles.append(root.register_load_state_dict_pre_hook(wait_everything))

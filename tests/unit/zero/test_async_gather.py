@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -36,7 +37,13 @@ def _pending(model: nn.Module) -> tuple[PendingGathers, dict[str, tuple[int, int
     """One flat group, one bucket per Linear (20 elements each)."""
     params = list(model.parameters())
     flat = FlatGroup(
-        params, rank=0, world_size=1, bucket_numel=20, shard=True, full_grad_buffer=True, grad_dtype=torch.float32
+        params,
+        rank=0,
+        world_size=1,
+        bucket_numel=20,
+        shard=True,
+        full_grad_buffer=True,
+        grad_dtype=torch.float32,
     )
     pending = PendingGathers([flat])
     keys = {name: pending.keys_of(getattr(model, name).parameters())[0] for name in ("a", "b", "c")}
@@ -122,3 +129,17 @@ def test_detach_removes_every_hook():
     model(torch.zeros(1, 4))
     model.state_dict()
     assert log == [] and pending.busy
+
+
+def test_a_forward_that_raises_still_ends_the_recording_and_waits():
+    model = _Net()
+    pending, keys = _pending(model)
+    log: list[str] = []
+    _launch_all(pending, keys, log)
+    handle = model.b.register_forward_pre_hook(lambda m, i: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.zeros(1, 4))
+    handle.remove()
+    assert not pending.busy and pending.learned
+    # c never ran a pre-hook in the recorded forward: the root waits for it (conservative, still exact)
+    assert pending.step_order() == [keys["c"], keys["a"], keys["b"]]
