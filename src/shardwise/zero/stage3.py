@@ -386,9 +386,6 @@ class Stage3Optimizer(ZeroStrategy):
             process_group=self.policy.process_group,
         )
 
-    def wait_for_parameters(self) -> None:
-        """Nothing to wait for: FSDP2 gathers in the forward and leaves nothing in flight after the step."""
-
     def release_gathered_parameters(self) -> None:
         """Reshard every unit FSDP2 holds gathered (those kept between micro steps of a window, or
         not resharded after forward); the next forward gathers them again."""

@@ -121,8 +121,9 @@ class ZeroStrategy(Protocol):
         ``overlap_comm``: the post-step all-gather), so the parameter tensors hold the updated
         values; a no-op where none is left. Forwards, ``state_dict`` and the strategy's own
         methods wait by themselves; user code reading parameter tensors directly between
-        ``step()`` and the next forward calls this first."""
-        ...
+        ``step()`` and the next forward calls this first. The default: nothing is ever left in
+        flight (stage 3: FSDP2 gathers inside the forward)."""
+        return None
 
     def gradient_layout(self) -> GradientLayout:
         """Where each parameter's reduced gradient sits now, in the same holdings as
