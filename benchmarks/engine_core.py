@@ -62,7 +62,8 @@ PEERS: dict[int, list[str]] = {
 # What each framework runs, printed with the results and repeated in the README.
 DESCRIPTIONS = {
     "shardwise": "shardwise.initialize(model, model.parameters(), config) with the DeepSpeed-format "
-    "config (zero_optimization.stage, bf16.enabled, optimizer AdamW, gradient_clipping 1.0); "
+    "config (zero_optimization.stage and at stages 1-2 overlap_comm as --overlap-comm, bf16.enabled, "
+    "optimizer AdamW, gradient_clipping 1.0); "
     "loss = engine(x, y); engine.backward(loss); engine.step() per micro batch",
     "ddp": "torch DistributedDataParallel(gradient_as_bucket_view=True) + torch.optim.AdamW(fused=True); "
     "no_sync() off the GA boundary; clip_grad_norm_(1.0); bf16 = torch.autocast('cpu', bfloat16) "
@@ -473,7 +474,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="{true,false}",
         help="zero_optimization.overlap_comm of the stage 1-2 configs (shardwise and DeepSpeed rows alike); "
-        "default: not set, i.e. DeepSpeed's default (false at stages 1-2)",
+        "default: not set, i.e. DeepSpeed's default (false at stages 1-2: the post-step gather is waited "
+        "in the step); true leaves it in flight for the next forward (not faster on a 2-core machine)",
     )
     parser.add_argument("--warmup", type=int, help="untimed optimizer steps first (>= 2)")
     parser.add_argument(
