@@ -1,0 +1,224 @@
+"""One rank of the NVMe offload benchmark (run by ``nvme_offload_bench.py``; not for direct use).
+
+Invoked as ``python nvme_offload_worker.py '<json spec>'`` with the launcher variables in the
+environment; writes this rank's numbers as JSON to ``spec["out"]``. The same file runs under the
+project venv (shardwise) and under ``.venv-ds`` (DeepSpeed, ``DS_ACCELERATOR=cpu``): it imports only
+the standard library at module level and loads the GPT from ``src/shardwise/testing/models.py`` by
+its file path, so DeepSpeed's venv never imports shardwise.
+
+What it measures on this rank:
+
+* per phase (``build``: model construction + ``initialize``; ``steps``: the training steps) the
+  peak ``RssAnon`` and ``VmRSS`` seen by a 50 ms sampler thread reading ``/proc/self/status``;
+* ``VmHWM`` (the kernel's peak resident set) after the build and at the end;
+* per step: wall time, loss, and the deltas of ``/proc/self/io`` (``read_bytes``/``write_bytes``:
+  bytes the process made the block layer fetch or caused to be written back; ``rchar``/``wchar``:
+  bytes through read/write system calls, page-cache hits included).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+import types
+from pathlib import Path
+from typing import Any
+
+_SAMPLE_S = 0.05
+_IO_KEYS = ("read_bytes", "write_bytes", "rchar", "wchar")
+
+
+def _status_kib(keys: tuple[str, ...]) -> dict[str, int]:
+    """Values (KiB) of ``keys`` in ``/proc/self/status``."""
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in keys:
+                out[name] = int(rest.split()[0])
+    return out
+
+
+def proc_io() -> dict[str, int]:
+    """This process's ``/proc/self/io`` counters (all its threads)."""
+    out: dict[str, int] = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in _IO_KEYS:
+                out[name] = int(value)
+    return out
+
+
+class RssSampler:
+    """Peak ``RssAnon``/``VmRSS`` per phase, sampled every 50 ms on a daemon thread."""
+
+    def __init__(self) -> None:
+        self.phase = "build"
+        self.peaks: dict[str, dict[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def sample(self) -> None:
+        """Take one sample now (also called at phase ends, so short phases are seen)."""
+        now = _status_kib(("RssAnon", "VmRSS"))
+        peak = self.peaks.setdefault(self.phase, {"RssAnon": 0, "VmRSS": 0})
+        for key, kib in now.items():
+            peak[key] = max(peak[key], kib * 1024)
+
+    def _run(self) -> None:
+        while not self._stop.wait(_SAMPLE_S):
+            self.sample()
+
+    def enter(self, phase: str) -> None:
+        """Close the current phase and start ``phase``."""
+        self.sample()
+        self.phase = phase
+        self.sample()
+
+    def stop(self) -> None:
+        """Stop sampling."""
+        self.sample()
+        self._stop.set()
+        self._thread.join()
+
+
+def _load_models(path: str) -> types.ModuleType:
+    """Load ``shardwise/testing/models.py`` by path: the DeepSpeed venv has no shardwise."""
+    spec = importlib.util.spec_from_file_location("_bench_models", path)
+    assert spec is not None and spec.loader is not None, f"cannot load {path}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["_bench_models"] = module  # dataclasses look the module up while building
+    spec.loader.exec_module(module)
+    return module
+
+
+def _framework(name: str) -> Any:
+    """The library (``shardwise`` or ``deepspeed``), process group up (gloo)."""
+    if name == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        return deepspeed
+    import shardwise
+
+    shardwise.init_distributed(dist_backend="gloo")
+    return shardwise
+
+
+def init_weights(model: Any, models: types.ModuleType, gathered: Any) -> None:
+    """TinyGPT's initialisation again, one module's own parameters gathered at a time.
+
+    Under ``zero.Init`` the ``self.apply(self._init)`` in ``TinyGPT.__init__`` sees placeholders:
+    DeepSpeed wraps ``Module.apply`` to gather them, shardwise documents that such code must run
+    under ``GatheredParameters`` (else the layers keep torch's default init, e.g. N(0, 1)
+    embeddings: a loss near 100). Doing it here for both gives both the same distributions,
+    holding one module's parameters at a time.
+    """
+    import torch
+
+    scaled = 0.02 / (2 * model.config.n_layer) ** 0.5
+    for mname, module in model.named_modules():
+        own = list(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        with gathered([p for _, p in own], modifier_rank=0), torch.no_grad():
+            models.TinyGPT._init(module)
+            for pname, _ in own:
+                full = f"{mname}.{pname}"
+                if full.endswith("proj.weight") or full.endswith("mlp.2.weight"):
+                    # through the module: inside shardwise's block the module holds the full
+                    # tensor, the placeholder captured before it stays a meta tensor
+                    torch.nn.init.normal_(getattr(module, pname), mean=0.0, std=scaled)
+
+
+def _batch(torch: Any, spec: dict[str, Any], rank: int) -> tuple[Any, Any]:
+    """This rank's fixed micro batch (the same every step: the loss must fall if training works)."""
+    gen = torch.Generator().manual_seed(1234 + rank)
+    row = torch.randint(0, spec["model"]["vocab_size"], (1, spec["seq"] + 1), generator=gen)
+    return row[:, :-1].contiguous(), row[:, 1:].contiguous()
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build, initialise and train; return this rank's numbers."""
+    sampler = RssSampler()
+    io_start = proc_io()
+    t0 = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(int(spec["threads"]))
+    rank = int(os.environ["RANK"])
+    lib = _framework(spec["framework"])
+    models = _load_models(spec["models_path"])
+    gcfg = models.GPTConfig(**spec["model"])
+    torch.manual_seed(1234)
+    if spec["zero_init"]:
+        # Both libraries take the config under ``config_dict_or_path``; shardwise also as ``config``.
+        with lib.zero.Init(remote_device="nvme", config_dict_or_path=spec["config"]):
+            model = models.TinyGPT(gcfg)
+        torch.manual_seed(1234)  # the same draws in both frameworks, whatever construction consumed
+        init_weights(model, models, lib.zero.GatheredParameters)
+    else:
+        model = models.TinyGPT(gcfg)
+    t_model = time.perf_counter()
+    params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=spec["config"])
+    t_built = time.perf_counter()
+    sampler.enter("steps")
+    hwm_build = _status_kib(("VmHWM",))["VmHWM"] * 1024
+    io_built = proc_io()
+    x, y = _batch(torch, spec, rank)
+    steps = []
+    for _ in range(spec["steps"]):
+        before = proc_io()
+        s0 = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        seconds = time.perf_counter() - s0
+        after = proc_io()
+        steps.append(
+            {
+                "seconds": seconds,
+                "loss": float(loss.detach().float()),
+                "io": {k: after[k] - before[k] for k in _IO_KEYS},
+            }
+        )
+    sampler.stop()
+    result = {
+        "rank": rank,
+        "params": params,
+        "model_s": t_model - t0,
+        "build_s": t_built - t0,
+        "build_io": {k: io_built[k] - io_start[k] for k in _IO_KEYS},
+        "steps": steps,
+        "peaks": sampler.peaks,
+        "hwm_build": hwm_build,
+        "hwm": _status_kib(("VmHWM",))["VmHWM"] * 1024,
+        "versions": {"torch": torch.__version__, spec["framework"]: getattr(lib, "__version__", "?")},
+    }
+    destroy = getattr(engine, "destroy", None)
+    if callable(destroy):
+        destroy()
+    return result
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    out = Path(spec["out"])
+    try:
+        result = run(spec)
+    except BaseException:
+        out.with_suffix(".error").write_text(traceback.format_exc())
+        raise
+    out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
