@@ -13,11 +13,14 @@ What it measures on this rank:
 * ``VmHWM`` (the kernel's peak resident set) after the build and at the end;
 * per step: wall time, loss, and the deltas of ``/proc/self/io`` (``read_bytes``/``write_bytes``:
   bytes the process made the block layer fetch or caused to be written back; ``rchar``/``wchar``:
-  bytes through read/write system calls, page-cache hits included).
+  bytes through read/write system calls, page-cache hits included) and of the swap disk's
+  ``/sys/dev/block/M:m/stat`` (the whole machine's reads and writes on that device);
+* the bytes the swap files take on disk after the steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -53,6 +56,26 @@ def proc_io() -> dict[str, int]:
             if name in _IO_KEYS:
                 out[name] = int(value)
     return out
+
+
+def device_io(stat_path: str | None) -> dict[str, int]:
+    """Bytes the block device has read and written (``/sys/dev/block/M:m/stat``, 512-byte sectors):
+    the whole machine's I/O to the swap files' disk, page-cache write-back included."""
+    if stat_path is None:
+        return {"dev_read": 0, "dev_write": 0}
+    with open(stat_path) as f:
+        fields = f.read().split()
+    return {"dev_read": int(fields[2]) * 512, "dev_write": int(fields[6]) * 512}
+
+
+def bytes_on_disk(directory: str) -> int:
+    """Bytes allocated to the files under ``directory`` (sparse files count what is written)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+    return total
 
 
 class RssSampler:
@@ -175,22 +198,25 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     io_built = proc_io()
     x, y = _batch(torch, spec, rank)
     steps = []
+    stat = spec.get("device_stat")
     for _ in range(spec["steps"]):
-        before = proc_io()
+        before, dev_before = proc_io(), device_io(stat)
         s0 = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         seconds = time.perf_counter() - s0
-        after = proc_io()
+        after, dev_after = proc_io(), device_io(stat)
         steps.append(
             {
                 "seconds": seconds,
                 "loss": float(loss.detach().float()),
                 "io": {k: after[k] - before[k] for k in _IO_KEYS},
+                "device": {k: dev_after[k] - dev_before[k] for k in dev_after},
             }
         )
     sampler.stop()
+    swap_dir = spec["config"]["zero_optimization"]["offload_param"]["nvme_path"]
     result = {
         "rank": rank,
         "params": params,
@@ -201,6 +227,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "peaks": sampler.peaks,
         "hwm_build": hwm_build,
         "hwm": _status_kib(("VmHWM",))["VmHWM"] * 1024,
+        "swap_bytes": bytes_on_disk(swap_dir),  # every rank's files: the ranks share the directory
         "versions": {"torch": torch.__version__, spec["framework"]: getattr(lib, "__version__", "?")},
     }
     destroy = getattr(engine, "destroy", None)
