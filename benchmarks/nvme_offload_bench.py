@@ -15,10 +15,10 @@ figure), the disk bandwidth reached (bytes / step time) against the measured lim
 machine's RAM. DeepSpeed runs the same model and config from ``.venv-ds`` (``DS_ACCELERATOR=cpu``)
 when its ``async_io`` op builds; otherwise its row says why.
 
-A benchmark, not a test: the 4.5B run needs ~72 GB of disk (DeepSpeed's ~99 GB) and hours; a
+A benchmark, not a test: the 4.76B run needs ~57-76 GB of disk (DeepSpeed ~100 GB) and hours; a
 framework whose swap files would not fit in the free space is skipped, its row says so. Example (see README)::
 
-    .venv/bin/python benchmarks/nvme_offload_bench.py --params 4.5e9 --ranks 1 --steps 3 \\
+    .venv/bin/python benchmarks/nvme_offload_bench.py --params 4.8e9 --ranks 1 --steps 3 \\
         --nvme-path /mnt/nvme/bench --out results.json
 """
 
@@ -251,7 +251,7 @@ def check_deepspeed(python: str) -> str | None:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--params", type=float, default=4.5e9, help="target parameter count (default 4.5e9)")
+    p.add_argument("--params", type=float, default=4.8e9, help="target parameter count (default 4.8e9: 16 B/param >= 3x 24 GiB)")
     p.add_argument("--width", type=int, default=None, help="n_embd (default: 1024/2048/4096 by size)")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=32, help="tokens per micro batch (micro batch 1)")
