@@ -251,7 +251,12 @@ def check_deepspeed(python: str) -> str | None:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--params", type=float, default=4.8e9, help="target parameter count (default 4.8e9: 16 B/param >= 3x 24 GiB)")
+    p.add_argument(
+        "--params",
+        type=float,
+        default=4.8e9,
+        help="target parameter count (default 4.8e9: 16 B/param >= 3x 24 GiB)",
+    )
     p.add_argument("--width", type=int, default=None, help="n_embd (default: 1024/2048/4096 by size)")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=32, help="tokens per micro batch (micro batch 1)")
