@@ -85,7 +85,6 @@ def ds_config(args: argparse.Namespace, shape: dict[str, Any], nvme: Path) -> di
     """The one DeepSpeed-format config both frameworks get."""
     d, n = shape["n_embd"], param_count(shape)
     largest = shape["vocab_size"] * d  # the embedding, the largest tensor
-    per_layer = 12 * d * d + 13 * d
     part = -(-largest // args.ranks)
     buffer_elems = args.buffer_size or -(-part // (1 << 20)) * (1 << 20)  # >= the largest partition
     sub_group = args.sub_group_size or int(min(1e8, max(1 << 20, n // args.ranks // 8)))
@@ -120,9 +119,10 @@ def ds_config(args: argparse.Namespace, shape: dict[str, Any], nvme: Path) -> di
                 "pipeline_write": False,
             },
             "sub_group_size": sub_group,
-            "stage3_max_live_parameters": 2 * max(per_layer, largest),
-            "stage3_prefetch_bucket_size": per_layer,
-            "stage3_param_persistence_threshold": 100_000,
+            # the smallest working set: nothing kept gathered, prefetched or persistent
+            "stage3_max_live_parameters": 0,
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_param_persistence_threshold": 0,
             # release every gathered parameter after its module ran (DeepSpeed's default, 1e9, keeps
             # them while the live budget allows, and then runs out of offload_param buffers)
             "stage3_max_reuse_distance": 0,
@@ -286,6 +286,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--disk-test-gib", type=float, default=4.0, help="size of the disk test file (0: skip the test)"
     )
+    p.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=1 << 20,
+        help="glibc MALLOC_MMAP_THRESHOLD_ for the ranks (default 1 MiB; 0: glibc's dynamic default)",
+    )
     p.add_argument("--timeout", type=float, default=6 * 3600, help="seconds per framework run")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--ds-python", default=str(REPO / ".venv-ds" / "bin" / "python"))
@@ -341,6 +347,11 @@ def main(argv: list[str] | None = None) -> None:
             "device_stat": device_stat(base),
         }
         print(f"running {name} ...", flush=True)
+        if args.malloc_mmap_threshold > 0:
+            # glibc: blocks from this size up straight from mmap, so freed memory leaves the process (the
+            # default threshold grows as blocks are freed and keeps them in the heap): the peaks measure
+            # what the run holds, not the heap's history. The same for both frameworks.
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
         try:
             out = launch(spec, python, args.ranks, env, args.timeout)
         finally:

@@ -41,7 +41,7 @@ def summarize(results: list[dict[str, Any]], limit: dict[str, Any], ram: int) ->
         phase: {
             key: sum(r["peaks"].get(phase, {}).get(key, 0) for r in results) for key in ("RssAnon", "VmRSS")
         }
-        for phase in ("build", "steps")
+        for phase in ("build", "model", "initialize", "steps", "forward", "backward", "optimizer")
     }
     hwm = sum(r["hwm"] for r in results)
     return {
@@ -104,6 +104,13 @@ def print_report(rows: dict[str, Any], limit: dict[str, Any], ram: int) -> None:
             f" peak VmRSS: build {p['build']['VmRSS'] / 2**30:.2f}, steps {p['steps']['VmRSS'] / 2**30:.2f} GiB;"
             f" VmHWM {row['hwm'] / 2**30:.2f} GiB = {100 * row['hwm_over_ram']:.1f}% of RAM"
             f" (after build {row['hwm_build'] / 2**30:.2f}); loss going down: {'yes' if row['loss_down'] else 'NO'}"
+        )
+        print(
+            "   peak RssAnon by part: "
+            + ", ".join(
+                f"{part} {p[part]['RssAnon'] / 2**30:.2f} GiB"
+                for part in ("model", "initialize", "forward", "backward", "optimizer")
+            )
         )
         print(f"   swap files on disk after the steps: {row['swap_bytes'] / GB:.2f} GB")
     print(

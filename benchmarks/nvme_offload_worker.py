@@ -8,7 +8,9 @@ its file path, so DeepSpeed's venv never imports shardwise.
 
 What it measures on this rank:
 
-* per phase (``build``: model construction + ``initialize``; ``steps``: the training steps) the
+* per phase (``model``: construction (under ``zero.Init``); ``initialize``; ``build``: the
+  larger of the two; ``forward``, ``backward`` and
+  ``optimizer`` (``engine.step()``) over all steps; ``steps``: the largest of those three) the
   peak ``RssAnon`` and ``VmRSS`` seen by a 50 ms sampler thread reading ``/proc/self/status``;
 * ``VmHWM`` (the kernel's peak resident set) after the build and at the end;
 * per step: wall time, loss, and the deltas of ``/proc/self/io`` (``read_bytes``/``write_bytes``:
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -29,6 +32,7 @@ import threading
 import time
 import traceback
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +86,7 @@ class RssSampler:
     """Peak ``RssAnon``/``VmRSS`` per phase, sampled every 50 ms on a daemon thread."""
 
     def __init__(self) -> None:
-        self.phase = "build"
+        self.phase = "model"
         self.peaks: dict[str, dict[str, int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -135,30 +139,47 @@ def _framework(name: str) -> Any:
     return shardwise
 
 
-def init_weights(model: Any, models: types.ModuleType, gathered: Any) -> None:
-    """TinyGPT's initialisation again, one module's own parameters gathered at a time.
+@contextlib.contextmanager
+def tinygpt_init_in_constructors(models: types.ModuleType, n_layer: int) -> Iterator[None]:
+    """TinyGPT's initialisation done inside each layer's own constructor, where the parameters are real.
 
-    Under ``zero.Init`` the ``self.apply(self._init)`` in ``TinyGPT.__init__`` sees placeholders:
-    DeepSpeed wraps ``Module.apply`` to gather them, shardwise documents that such code must run
-    under ``GatheredParameters`` (else the layers keep torch's default init, e.g. N(0, 1)
-    embeddings: a loss near 100). Doing it here for both gives both the same distributions,
-    holding one module's parameters at a time.
+    ``TinyGPT.__init__`` initialises with ``self.apply(self._init)`` after its children are attached.
+    Under ``zero.Init`` those parameters are already placeholders: DeepSpeed wraps ``Module.apply``
+    to gather them, shardwise documents that such code must run under ``GatheredParameters``, else
+    the layers keep torch's default init (N(0, 1) embeddings: a loss near 100); and gathering
+    every module again after the build brings the whole model into memory. Here, while the model
+    is constructed, ``nn.Linear``/``nn.Embedding.reset_parameters`` draw TinyGPT's values (N(0,
+    0.02), zero biases; the attention and MLP output projections, the 2nd and 4th linear layer of
+    each block, N(0, 0.02 / sqrt(2 n_layer))) and ``TinyGPT._init`` does nothing, so both frameworks
+    draw the same values in the same order from the same seed, one layer in memory at a time.
     """
     import torch
+    from torch import nn
 
-    scaled = 0.02 / (2 * model.config.n_layer) ** 0.5
-    for mname, module in model.named_modules():
-        own = list(module.named_parameters(recurse=False))
-        if not own:
-            continue
-        with gathered([p for _, p in own], modifier_rank=0), torch.no_grad():
-            models.TinyGPT._init(module)
-            for pname, _ in own:
-                full = f"{mname}.{pname}"
-                if full.endswith("proj.weight") or full.endswith("mlp.2.weight"):
-                    # through the module: inside shardwise's block the module holds the full
-                    # tensor, the placeholder captured before it stays a meta tensor
-                    torch.nn.init.normal_(getattr(module, pname), mean=0.0, std=scaled)
+    counter = itertools.count()
+    scaled = 0.02 / (2 * n_layer) ** 0.5
+    saved = (nn.Linear.reset_parameters, nn.Embedding.reset_parameters, models.TinyGPT.__dict__["_init"])
+
+    def linear_reset(self: Any) -> None:
+        i = next(counter)
+        std = scaled if i < 4 * n_layer and i % 4 in (1, 3) else 0.02
+        with torch.no_grad():
+            nn.init.normal_(self.weight, mean=0.0, std=std)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+    def embedding_reset(self: Any) -> None:
+        with torch.no_grad():
+            nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+    nn.Linear.reset_parameters = linear_reset  # type: ignore[method-assign]
+    nn.Embedding.reset_parameters = embedding_reset  # type: ignore[method-assign]
+    models.TinyGPT._init = staticmethod(lambda module: None)
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved[0], saved[1]  # type: ignore[method-assign]
+        models.TinyGPT._init = saved[2]
 
 
 def _batch(torch: Any, spec: dict[str, Any], rank: int) -> tuple[Any, Any]:
@@ -181,16 +202,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     models = _load_models(spec["models_path"])
     gcfg = models.GPTConfig(**spec["model"])
     torch.manual_seed(1234)
-    if spec["zero_init"]:
-        # Both libraries take the config under ``config_dict_or_path``; shardwise also as ``config``.
-        with lib.zero.Init(remote_device="nvme", config_dict_or_path=spec["config"]):
-            model = models.TinyGPT(gcfg)
-        torch.manual_seed(1234)  # the same draws in both frameworks, whatever construction consumed
-        init_weights(model, models, lib.zero.GatheredParameters)
-    else:
+    # Both libraries take the config under ``config_dict_or_path``; shardwise also as ``config``.
+    zero_init = lib.zero.Init(
+        remote_device="nvme", config_dict_or_path=spec["config"], enabled=spec["zero_init"]
+    )
+    with tinygpt_init_in_constructors(models, gcfg.n_layer), zero_init:
         model = models.TinyGPT(gcfg)
     t_model = time.perf_counter()
     params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    sampler.enter("initialize")
     engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=spec["config"])
     t_built = time.perf_counter()
     sampler.enter("steps")
@@ -202,8 +222,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     for _ in range(spec["steps"]):
         before, dev_before = proc_io(), device_io(stat)
         s0 = time.perf_counter()
+        sampler.enter("forward")
         loss = engine(x, y)
+        sampler.enter("backward")
         engine.backward(loss)
+        sampler.enter("optimizer")
         engine.step()
         seconds = time.perf_counter() - s0
         after, dev_after = proc_io(), device_io(stat)
@@ -216,6 +239,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             }
         )
     sampler.stop()
+    for phase, parts in (
+        ("steps", ("forward", "backward", "optimizer")),
+        ("build", ("model", "initialize")),
+    ):
+        peaks = [sampler.peaks.get(part, {}) for part in parts]
+        sampler.peaks[phase] = {key: max(p.get(key, 0) for p in peaks) for key in ("RssAnon", "VmRSS")}
     swap_dir = spec["config"]["zero_optimization"]["offload_param"]["nvme_path"]
     result = {
         "rank": rank,
