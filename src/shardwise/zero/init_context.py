@@ -11,10 +11,8 @@ shard unit gets real storage for its own chunk only, filled from the kept chunk.
 With ``remote_device="nvme"`` (DeepSpeed's ZeRO-Infinity construction) each chunk goes to a
 file under ``zero_optimization.offload_param.nvme_path`` as soon as it is made and is kept as a
 private map of that file: memory the kernel can drop, so a model larger than memory can be
-built. ``initialize`` copies each unit's chunks into its shards and releases them; with
-``offload_param`` on NVMe the shards go to their swap file unit by unit. Without that key the
-Init raises, naming it. Chunks are released as soon as the module lets go of the original
-parameter (the Init holds originals weakly).
+built (``initialize`` copies each unit's chunks into its shards, then releases them). Without
+that key the Init raises, naming it. The Init holds the original parameters weakly.
 
 As in DeepSpeed, code in a parent's ``__init__`` that touches a child's parameters after
 the child is attached (a custom ``self.apply(init_fn)``) sees placeholders, and its
@@ -44,7 +42,6 @@ import itertools
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,7 +58,7 @@ from shardwise.zero.external_params import (
     register_external_parameter,
     unregister_external_parameter,
 )
-from shardwise.zero.nvme import AioSettings, MappedStash, swap_directory
+from shardwise.zero.init_config import config_dtype, file_stash
 from shardwise.zero.param_owner import owner_of
 from shardwise.zero.sharded_model import record_of
 
@@ -205,53 +202,6 @@ def _data_parallel_group(data_parallel_group: Any, mpu: Any) -> Any:
     return None
 
 
-def _file_stash(remote_device: str | None, config: Any, rank: int) -> MappedStash | None:
-    """``remote_device="nvme"``: chunks go to a file under ``offload_param.nvme_path`` as they are
-    made (DeepSpeed's ZeRO-Infinity construction), so building a model larger than memory works."""
-    if remote_device != "nvme":
-        return None
-    from shardwise.config.loading import read_config_source
-
-    raw = read_config_source(config)[0] if config is not None else {}
-    zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
-    block = zero.get("offload_param") if isinstance(zero, dict) else None
-    path = block.get("nvme_path") if isinstance(block, dict) else None
-    if not path:
-        raise ValueError(
-            "zero.Init(remote_device='nvme') keeps parameter chunks in files under "
-            "zero_optimization.offload_param.nvme_path, which the config does not set "
-            f"(got {path!r}); pass config_dict_or_path= a config with offload_param "
-            '{"device": "nvme", "nvme_path": "/local_nvme"}, or use remote_device="cpu"'
-        )
-    return MappedStash(swap_directory(Path(path), "init", rank), AioSettings())
-
-
-def _config_dtype(config: Any) -> torch.dtype | None:
-    """The parameter dtype a config trains in: fp16, bf16, else fp32 (None without a config).
-
-    Only the precision flags are read, not the whole config: batch keys may need the
-    world size and ``"auto"`` values the model, neither of which exists yet.
-    """
-    if config is None:
-        return None
-    from shardwise.config.loading import read_config_source
-
-    raw, _ = read_config_source(config)
-
-    def enabled(*names: str) -> bool:
-        for name in names:
-            block = raw.get(name)
-            if isinstance(block, dict) and block.get("enabled") in (True, "true", "True", 1):
-                return True
-        return False
-
-    if enabled("fp16"):
-        return torch.float16
-    if enabled("bf16", "bfloat16"):
-        return torch.bfloat16
-    return torch.float32
-
-
 class Init:
     """Build a model partitioned from the start (DeepSpeed's ``deepspeed.zero.Init``).
 
@@ -294,13 +244,11 @@ class Init:
         self.world = comm_init.get_world_size(self.group)
         self.rank = comm_init.get_rank(self.group)
         self.source = comm_init.group_source_rank(self.group)
-        self.dtype = dtype or _config_dtype(
-            config_dict_or_path if config_dict_or_path is not None else config
-        )
+        self.dtype = dtype or config_dtype(config_dict_or_path if config_dict_or_path is not None else config)
         # id(original) -> (original, held weakly so its memory goes as soon as the module lets
         # go of it, and its placeholder); a dead original's reused id never matches
         self._replacements: dict[int, tuple[weakref.ref[nn.Parameter], nn.Parameter]] = {}
-        self._file_stash = _file_stash(
+        self._file_stash = file_stash(
             remote_device, config_dict_or_path if config is None else config, self.rank
         )
         self._modules: list[weakref.ref[nn.Module]] = []

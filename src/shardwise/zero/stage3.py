@@ -50,6 +50,7 @@ from shardwise.zero.param_swap import SwappedMasters
 from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_model import ShardedModel
 from shardwise.zero.sharded_optimizer import OptimizerFactory
+from shardwise.zero.stage3_memory import breakdown
 from shardwise.zero.state_layout import (
     GRADIENTS_UNAVAILABLE,
     GradientLayout,
@@ -428,64 +429,9 @@ class Stage3Optimizer(ZeroStrategy):
 
     # ------------------------------------------------------------------ introspection
     def memory_breakdown(self) -> dict[str, int]:
-        """Model-state bytes held by this rank, by role.
-
-        ``params``/``grads``/``optimizer`` are on the compute device; ``offloaded_host``
-        and ``offloaded_nvme`` are what offload moved away. Each storage is counted once.
-        """
-        seen: set[int] = set()
-
-        def size(t: torch.Tensor | None) -> int:
-            storage = None if t is None else t.untyped_storage()
-            if storage is None or storage.nbytes() == 0 or storage.data_ptr() in seen:
-                return 0
-            seen.add(storage.data_ptr())
-            return int(storage.nbytes())
-
-        out = {"params": 0, "grads": 0, "optimizer": 0, "offloaded_host": 0, "offloaded_nvme": 0}
-        params_away = self.record.policy.param_offload is not None
+        """Model-state bytes held by this rank, by role (:func:`~shardwise.zero.stage3_memory.breakdown`)."""
         self._collect_grads()
-        swapper = self.record.swapper
-        for param in self.record.sharded:
-            mapped = swapper is not None and swapper.is_mapped(param)  # in the swap file: not held
-            nbytes = 0 if mapped else size(_local(param))
-            grad = self._acc.get(id(param))
-            gbytes = size(grad)
-            if params_away:
-                out["offloaded_host"] += nbytes + gbytes
-            else:
-                out["params"] += nbytes
-                out["grads"] += gbytes
-        for param in self.record.replicated:
-            out["params"] += size(param)
-        for master in self.replicated.masters:
-            out["optimizer"] += size(master)
-        for acc in self.replicated.accumulators:
-            out["grads"] += size(acc)
-        if self.record.swapper is not None:
-            out["offloaded_nvme"] += self.record.swapper.file_bytes
-        inner = self.optimizer.inner if isinstance(self.optimizer, OffloadedOptimizer) else self.optimizer
-        offloaded_ids: set[int] = set()
-        if self.store is not None:
-            store_bytes = self.store.state_bytes(inner)
-            out["offloaded_host"] += store_bytes["host"]
-            out["offloaded_nvme"] += store_bytes["nvme"]
-            offloaded_ids = {id(t) for t in self.store.host[: self.store.offloaded]}
-            for t in self.store.host[: self.store.offloaded]:
-                size(t)  # counted by the store already
-                for value in inner.state.get(t, {}).values():
-                    if torch.is_tensor(value):
-                        size(value)
-        # with offload_param the masters, hence the optimizer state, live on the host
-        state_on_host = params_away and self.store is None
-        for param_key, state in inner.state.items():
-            if id(param_key) in offloaded_ids:
-                continue
-            for value in state.values():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    nbytes = size(value)
-                    out["offloaded_host" if state_on_host else "optimizer"] += nbytes
-        return out
+        return breakdown(self)
 
     def model_state_bytes(self) -> int:
         """Bytes of parameters, gradients, masters and optimizer state this rank holds in
