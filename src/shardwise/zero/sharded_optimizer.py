@@ -34,6 +34,7 @@ from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
 from shardwise.optim.clipping import squared_norm
 from shardwise.optim.exchanging import GradientExchangingOptimizer
+from shardwise.utils.logging import logger
 from shardwise.zero.async_gather import BucketKey, PendingGathers
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
@@ -154,6 +155,13 @@ class ZeroOptimizer(ZeroStrategy):
         if policy.overlap_comm and policy.stage in (1, 2) and policy.world_size > 1 and module is not None:
             self.gathers = PendingGathers(self.groups)
             self.gathers.attach(module)
+            if policy.rank == 0:
+                logger.info(
+                    "zero_optimization.overlap_comm at stage %d: the post-step all-gather runs behind the "
+                    "next forward; code that reads parameter tensors directly between engine.step() and "
+                    "the next forward must call engine.optimizer.wait_for_parameters() first",
+                    policy.stage,
+                )
 
     def wait_for_parameters(self) -> None:
         """Complete the post-step all-gathers still in flight (``overlap_comm``), so every rank's
