@@ -171,10 +171,10 @@ class Stage3Optimizer(ZeroStrategy):
             self.optimizer = optimizer_factory(inner_groups)
         # NVMe parameters with NVMe optimizer state: the step brings masters in a sub-group at a
         # time next to their state, instead of the whole model (a model larger than memory)
-        self._streams_params = record.swapper is not None and self.store is not None and self.store.is_nvme
-        if self._streams_params:
-            assert self.store is not None and record.swapper is not None
-            self.store.companion = SwappedMasters(record.swapper, self.store.device_tensors)
+        self._swapped_masters: SwappedMasters | None = None
+        if record.swapper is not None and self.store is not None and self.store.is_nvme:
+            self._swapped_masters = SwappedMasters(record.swapper, self.store.device_tensors)
+            self.store.companion = self._swapped_masters
         # every trainable sharded parameter's accumulated gradient (local fp32 shard); the
         # optimizer's masters take theirs from here
         self._trainable = [p for p in record.sharded if p.requires_grad]
@@ -322,9 +322,8 @@ class Stage3Optimizer(ZeroStrategy):
     def step(self, loss_scale: float = 1.0) -> StepResult:
         """One optimizer step at an accumulation boundary (every rank must call it)."""
         policy = self.policy
-        if self._streams_params:
-            assert self.store is not None
-            SwappedMasters(self.record.swapper, self.store.device_tensors).bring_in_unstreamed(self.store)
+        if self._swapped_masters is not None:
+            self._swapped_masters.bring_in_unstreamed(self.store)
         else:
             self.record.ensure_resident()
         if policy.fail_on_unused:  # ignore_unused_parameters: false
