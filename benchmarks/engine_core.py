@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rank_processes import wait_ranks
 from step_parts import breakdown_line, summarize_parts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -192,21 +193,8 @@ def launch(
                     stderr=subprocess.STDOUT,
                 )
             )
-        deadline = time.monotonic() + timeout * n_cases
-        failed_at: float | None = None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = now
-            # After a rank fails its partner would wait for gloo's timeout: stop it soon.
-            if now > deadline or (failed_at is not None and now - failed_at > 3.0):
-                break
-            time.sleep(0.05)
-        timed_out = any(p.poll() is None for p in procs)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        # after a rank fails its partner would wait for gloo's timeout: stop it soon
+        timed_out = wait_ranks(procs, time.monotonic() + timeout * n_cases, grace=3.0, poll=0.05)
         for log in logs:
             log.close()
 

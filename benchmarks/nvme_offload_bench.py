@@ -43,6 +43,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import disk_limit  # noqa: E402  (this script's directory)
 from nvme_offload_report import GB, print_report, summarize  # noqa: E402
+from rank_processes import wait_ranks  # noqa: E402
 
 # Swap-file bytes per parameter, with a margin over what was measured at 0.1-0.2B parameters (12 and
 # 21): shardwise keeps the fp32 parameters and AdamW's moments in its files (the model state's 16
@@ -185,19 +186,7 @@ def launch(spec: dict[str, Any], python: str, ranks: int, env_extra: dict[str, s
                     stderr=subprocess.STDOUT,
                 )
             )
-        deadline, failed_at = time.monotonic() + timeout, None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = now
-            if now > deadline or (failed_at is not None and now - failed_at > 5.0):
-                break
-            time.sleep(0.2)
-        timed_out = any(p.poll() is None for p in procs)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        timed_out = wait_ranks(procs, time.monotonic() + timeout, grace=5.0, poll=0.2)
         for log in logs:
             log.close()
         results, errors = [], []
