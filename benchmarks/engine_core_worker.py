@@ -127,7 +127,8 @@ def model_state_bytes(roots: list[Any]) -> int:
     hangs its partitions on parameters), bound methods, ``functools.partial`` and closure cells
     (hooks often keep their buffers only there). Storages are de-duplicated by address, so
     views of one flat buffer count once; storages freed by resizing to zero (FSDP2's unsharded
-    parameters between steps) count nothing.
+    parameters between steps) count nothing. Of shardwise's shared-memory buffers
+    (``SharedBuffers``, every rank's buffer mapped in every rank) only this rank's own counts.
     """
     import torch
 
@@ -157,6 +158,10 @@ def model_state_bytes(roots: list[Any]) -> int:
                 stack.extend((v, depth + 1) for v in extra.values())
             continue
         if depth >= _WALK_MAX_DEPTH:
+            continue
+        if type(obj).__name__ == "SharedBuffers":
+            # shardwise's shared-memory buffers map every rank's buffer; the others' are their memory
+            stack.append((obj.mine, depth + 1))
             continue
         children: list[Any] = []
         if isinstance(obj, dict):

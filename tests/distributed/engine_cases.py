@@ -413,6 +413,7 @@ def destroy_detaches_gradient_hooks(rank: int, world: int, stage: int) -> dict[s
     """After ``engine.destroy()`` a backward on the module is plain autograd: no shardwise
     hook fires, nothing is reduced, and every parameter keeps autograd's own gradient."""
     from shardwise.comm import collectives
+    from shardwise.comm.shared_memory import SharedBuffers
 
     torch.set_num_threads(1)
     engine, _, _, _ = shardwise.initialize(model=make_model(), config=_cfg(stage))
@@ -439,6 +440,19 @@ def destroy_detaches_gradient_hooks(rank: int, world: int, stage: int) -> dict[s
 
     for name in names:
         setattr(collectives, name, counting(name))
+    # one host's ranks reduce through shared memory (stages 0-1) instead of these collectives
+    shared_names = ("reduce_scatter", "all_reduce")
+    shared_originals = {name: getattr(SharedBuffers, name) for name in shared_names}
+
+    def counting_shared(name: str) -> Any:
+        def call(self: SharedBuffers, *args: Any, **kwargs: Any) -> Any:
+            calls.append(f"shared {name}")
+            return shared_originals[name](self, *args, **kwargs)
+
+        return call
+
+    for name in shared_names:
+        setattr(SharedBuffers, name, counting_shared(name))
     try:
         x, y = batch(2, 0, rank, 2)
         engine.backward(engine(x, y))
@@ -455,6 +469,8 @@ def destroy_detaches_gradient_hooks(rank: int, world: int, stage: int) -> dict[s
     finally:
         for name in names:
             setattr(collectives, name, originals[name])
+        for name in shared_names:
+            setattr(SharedBuffers, name, shared_originals[name])
     return {
         "before": before,
         "after": {"fired": len(fired), "collectives": len(calls)},

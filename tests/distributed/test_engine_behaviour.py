@@ -106,10 +106,17 @@ def test_model_parallel_norm_counts_replicated_parameters_once():
 
 def test_stages_0_to_2_reduce_finished_chunks_during_backward_with_identical_results():
     # the whole model in one bucket: reduced at the end of backward (chunk >= bucket), or in
-    # ~300-element pieces as backward finishes them
+    # ~300-element pieces as backward finishes them; over gloo (one host's ranks would otherwise
+    # reduce through shared memory, in whole buckets at the end of backward)
     stages = (0, 1, 2)
     cases_ = [{"stage": stage, "chunk": chunk} for stage in stages for chunk in (1 << 30, 300)]
-    results = run_distributed_cases(cases.reduction_overlaps_backward, cases_, world_size=2, timeout=300)
+    results = run_distributed_cases(
+        cases.reduction_overlaps_backward,
+        cases_,
+        world_size=2,
+        timeout=300,
+        env={"SHARDWISE_SHM_COLLECTIVES": "0"},
+    )
     for stage, whole, chunked in zip(stages, results[0::2], results[1::2]):
         for a, b in zip(whole, chunked):
             assert a["losses"] == b["losses"], stage
@@ -122,9 +129,12 @@ def test_stages_0_to_2_reduce_finished_chunks_during_backward_with_identical_res
             assert set(b["gradient_reductions"]) == {kind}, stage
 
 
-def test_ranks_with_different_or_repeated_gradients_reduce_the_same_pieces():
+@pytest.mark.parametrize("transport", [{}, {"SHARDWISE_SHM_COLLECTIVES": "0"}], ids=["shm", "gloo"])
+def test_ranks_with_different_or_repeated_gradients_reduce_the_same_pieces(transport):
     grid = [{"stage": s, "reentrant": r} for s in (0, 1, 2) for r in (None, False, True)]
-    results = run_distributed_cases(cases.divergent_gradient_patterns, grid, world_size=2, timeout=300)
+    results = run_distributed_cases(
+        cases.divergent_gradient_patterns, grid, world_size=2, timeout=300, env=transport
+    )
     by_case = {(c["stage"], c["reentrant"]): r for c, r in zip(grid, results)}
     for stage in (0, 1, 2):
         plain = by_case[(stage, None)]

@@ -1,7 +1,11 @@
 """Stages 1-2 with ``overlap_comm: true``: the post-step all-gather runs behind the next forward
 (:mod:`shardwise.zero.async_gather`), and everything is bit-identical to ``overlap_comm: false``:
 losses, parameters, reads between step() and the next forward (eval forward, state_dict, the
-fp32 accessors), and checkpoints saved or loaded right after step()."""
+fp32 accessors), and checkpoints saved or loaded right after step().
+
+The overlap is gloo's: these ranks share a host, so they run with ``SHARDWISE_SHM_COLLECTIVES=0``
+(on one host the shared-memory transport gathers inside the step, leaving nothing in flight:
+``test_shared_memory_transport.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import torch
 from overlap_gather_cases import checkpoint_after_step, reads_child_weight, train_both
 
 from shardwise.testing import run_distributed_cases
+
+GLOO = {"SHARDWISE_SHM_COLLECTIVES": "0"}
 
 pytestmark = [pytest.mark.distributed, pytest.mark.numeric]
 
@@ -34,7 +40,7 @@ def _id(case: dict) -> str:
 
 @pytest.fixture(scope="module")
 def results():
-    return dict(zip(map(_id, CASES), run_distributed_cases(train_both, CASES, world_size=2, timeout=900)))
+    return dict(zip(map(_id, CASES), run_distributed_cases(train_both, CASES, world_size=2, timeout=900, env=GLOO)))
 
 
 def _equal(a, b) -> None:
@@ -68,7 +74,7 @@ def test_overlap_is_bit_identical_to_synchronous(results, case):
 @pytest.mark.parametrize("case", CKPT_CASES, ids=_id)
 def test_checkpoint_right_after_step_equals_synchronous(case, tmp_path):
     ranks = run_distributed_cases(
-        checkpoint_after_step, [case], world_size=2, args=(str(tmp_path),), timeout=600
+        checkpoint_after_step, [case], world_size=2, args=(str(tmp_path),), timeout=600, env=GLOO
     )[0]
     for rank in ranks:
         sync, overlap = rank["False"], rank["True"]

@@ -11,6 +11,9 @@ the reference takes the multiplier from the engine's reported norm, and the norm
 checked against the exact norm within a derived worst-case bound (zero_reference's module
 docstring and ``norm_error_bound``), because the engine sums it shard by shard and the
 rounding of that sum depends on the CPU's vector width.
+
+Every case runs under both transports of a one-host gloo group: shared memory (the default) and
+gloo itself (``SHARDWISE_SHM_COLLECTIVES=0``, the multi-host path).
 """
 
 from __future__ import annotations
@@ -47,9 +50,15 @@ def _id(case: dict) -> str:
     return "stage{stage}-{precision}-gas{gas}-micro{micro_batch}".format(**case) + extra
 
 
-@pytest.fixture(scope="module")
-def results():
-    return dict(zip(map(_id, CASES), run_distributed_cases(rank_train, CASES, world_size=WORLD, timeout=900)))
+TRANSPORTS = {"shm": {}, "gloo": {"SHARDWISE_SHM_COLLECTIVES": "0"}}
+
+
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+def results(request):
+    runs = run_distributed_cases(
+        rank_train, CASES, world_size=WORLD, timeout=900, env=TRANSPORTS[request.param]
+    )
+    return dict(zip(map(_id, CASES), runs))
 
 
 @pytest.mark.parametrize("case", GRID, ids=_id)

@@ -11,6 +11,11 @@ model, with no copies. Per bucket the group keeps:
 
 Stages 0 and 1 also keep a full-size ``grad_buffer`` that gradients accumulate into
 between reductions; stage 2 keeps only the shard gradients (the memory saving).
+
+With a :class:`~shardwise.comm.shared_memory.SharedMemoryGroup` (all ranks on one host, CPU,
+gloo) the parameter buffer and the full gradient buffer live in shared memory, every rank's
+mapped in every rank (``shared_params``, ``shared_grads``), so reductions and gathers are reads
+of the other ranks' buffers instead of gloo transfers.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from shardwise.comm.shared_memory import SharedBuffers, SharedMemoryGroup
 from shardwise.zero.partition import FlatLayout, plan_layout
 
 
@@ -37,6 +43,7 @@ class FlatGroup:
         full_grad_buffer: bool,
         grad_dtype: torch.dtype,
         align: int = 1,
+        shared: SharedMemoryGroup | None = None,
     ) -> None:
         if not params:
             raise ValueError("a FlatGroup needs at least one parameter")
@@ -51,17 +58,30 @@ class FlatGroup:
         self.shard = shard
         self.grad_dtype = grad_dtype
         self.layout: FlatLayout = plan_layout([p.numel() for p in params], world_size, bucket_numel, align)
-        self.param_buffer = torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.device)
+        total = self.layout.total_numel
+        # shared-memory buffers (None: private ones); why not, when the group could not get them
+        self.shared_params: SharedBuffers | None = None
+        self.shared_grads: SharedBuffers | None = None
+        self.not_shared: str | None = None
+        self.shared_params = self._allocate_shared(shared, total, self.dtype)
+        self.param_buffer = (
+            self.shared_params.mine
+            if self.shared_params is not None
+            else torch.zeros(total, dtype=self.dtype, device=self.device)
+        )
         with torch.no_grad():
             for slot, p in zip(self.layout.slots, self.params):
                 view = self.param_buffer[slot.offset : slot.offset + slot.numel]
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view_as(p)
-        self.grad_buffer = (
-            torch.zeros(self.layout.total_numel, dtype=grad_dtype, device=self.device)
-            if full_grad_buffer
-            else None
-        )
+        self.grad_buffer: torch.Tensor | None = None
+        if full_grad_buffer:
+            self.shared_grads = self._allocate_shared(shared, total, grad_dtype)
+            self.grad_buffer = (
+                self.shared_grads.mine
+                if self.shared_grads is not None
+                else torch.zeros(total, dtype=grad_dtype, device=self.device)
+            )
         self.owned = [self.owned_range(b) for b in range(len(self.layout.buckets))]
         self.master: list[torch.Tensor] = []
         self.grad: list[torch.Tensor] = []
@@ -98,6 +118,19 @@ class FlatGroup:
         # read (``settle``). That saves a memset and a read of the whole buffer per window;
         # copy == 0 + x exactly, so results do not change.
         self._written = [False] * len(self.params)
+
+    def _allocate_shared(
+        self, shared: SharedMemoryGroup | None, numel: int, dtype: torch.dtype
+    ) -> SharedBuffers | None:
+        """Zero-filled shared buffers from ``shared`` (collective), or None (then ``not_shared``
+        says why, if ``shared`` was given)."""
+        if shared is None:
+            return None
+        got = shared.allocate(numel, dtype)
+        if isinstance(got, str):
+            self.not_shared = got
+            return None
+        return got
 
     # ------------------------------------------------------------------ layout helpers
     def owned_range(self, bucket: int) -> tuple[int, int]:

@@ -28,6 +28,13 @@ class FullBufferReducer(GradientReducer):
 
     def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Any = None) -> None:
         assert all(g.grad_buffer is not None for g in groups), "stages 0-1 keep a full gradient buffer"
+        # Every group's gradient buffer in shared memory (and the wire is the buffer itself):
+        # whole buckets are reduced by reading the other ranks' buffers, once backward has
+        # filled them. Nothing is gained by going piece by piece then: the reduction costs a
+        # summing pass, not a transfer to overlap, and each piece would pay two barriers.
+        self.shared = all(
+            g.shared_grads is not None and policy.comm_dtype in (None, g.grad_dtype) for g in groups
+        )
         super().__init__(groups, policy, process_group)
         # Where autograd accumulates a parameter's gradient once .grad is a view of its slot.
         self._expected_ptr = [
@@ -39,7 +46,7 @@ class FullBufferReducer(GradientReducer):
         ]
 
     def _reduces_in_pieces(self, algorithm: str) -> bool:
-        return self._piece_exchange or algorithm == "all_reduce"
+        return not self.shared and (self._piece_exchange or algorithm == "all_reduce")
 
     def _accumulate(self, gi: int, pi: int, param: torch.Tensor) -> None:
         group = self.groups[gi]
@@ -87,8 +94,11 @@ class FullBufferReducer(GradientReducer):
         self._in_flight(work, after)
 
     def _launch_bucket(self, gi: int, bucket: int) -> None:
-        """Stage 1 (stage 0 always goes in pieces): reduce-scatter one whole bucket in place,
-        so this rank's shard of the buffer holds its sums."""
+        """Stage 1 (stage 0 goes in pieces unless shared): reduce-scatter one whole bucket in
+        place, so this rank's shard of the buffer holds its sums."""
+        if self.shared:
+            self._reduce_shared(gi, bucket)
+            return
         group = self.groups[gi]
         assert group.grad_buffer is not None and self.policy.shard
         plan = group.layout.buckets[bucket]
@@ -112,3 +122,18 @@ class FullBufferReducer(GradientReducer):
                 target.copy_(out)
 
         self._in_flight(work, after)
+
+    def _reduce_shared(self, gi: int, bucket: int) -> None:
+        """Reduce one whole bucket through shared memory, at once (the ranks' barriers inside):
+        at stage 1 each rank's shard of the bucket gets its sums (with ``reduce_scatter: false``
+        and at stage 0 every rank gets the whole bucket's)."""
+        group = self.groups[gi]
+        assert group.grad_buffer is not None and group.shared_grads is not None
+        plan = group.layout.buckets[bucket]
+        group.settle(bucket)
+        self._wire(group.grad_buffer[plan.start : plan.end])  # the pre-multiplier, in place
+        ranges = [plan.shard_range(r) for r in range(group.world_size)]
+        if self.policy.shard and not self.policy.all_reduce_gradients:
+            group.shared_grads.reduce_scatter(ranges)
+        else:
+            group.shared_grads.all_reduce(ranges)

@@ -1,7 +1,10 @@
 """Stages 1-2: how updated shards reach every rank after the step (``allgather_bucket_size``,
 ``allgather_partitions`` / ``disable_allgather``).
 
-By default each bucket is one all-gather (the exact path, unchanged). With
+By default each bucket is one all-gather (the exact path, unchanged); when the parameter buffers
+are in shared memory (all ranks on one host, see :mod:`shardwise.comm.shared_memory`) each rank
+copies the other ranks' shards from their buffers instead (``allgather_bucket_size`` elements at a
+time, with no scratch buffer). With
 ``allgather_bucket_size`` smaller than a bucket, the bucket goes in several all-gathers of at
 most that many elements each (every rank contributes the same piece of its shard, gathered
 into a scratch buffer and copied to the owners' places). With ``allgather_partitions: false``
@@ -70,6 +73,11 @@ def launch_publish(
     chosen = range(len(flat.layout.buckets)) if buckets is None else buckets
     for plan, (lo, hi) in ((flat.layout.buckets[b], flat.owned[b]) for b in chosen):
         ranges = [plan.shard_range(r) for r in range(world)]
+        if flat.shared_params is not None and not (policy.quantized or policy.broadcast):
+            # every rank's parameter buffer is mapped here: copy the others' shards, now (in
+            # allgather_bucket_size pieces: no scratch either way, but the key keeps its meaning)
+            flat.shared_params.all_gather(ranges, chunk_ranges(hi - lo, world, policy.bucket_numel))
+            continue
         if policy.quantized:
             quantized_all_gather(buffer[plan.start : plan.end], buffer[lo:hi], group)
             continue

@@ -32,6 +32,7 @@ from torch import nn
 
 from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
+from shardwise.comm.shared_memory import ENV_SWITCH, SHM_DIR, SharedMemoryGroup, open_shared_memory
 from shardwise.optim.clipping import squared_norm
 from shardwise.optim.exchanging import GradientExchangingOptimizer
 from shardwise.utils.logging import logger
@@ -111,6 +112,7 @@ class ZeroOptimizer(ZeroStrategy):
         self.group_index: list[int] = []  # flat group -> user param group
         self.tp_flags: list[bool] = []
         inner_groups: list[dict[str, Any]] = []
+        shared = self._open_shared_memory(param_groups)
         for gi, group in enumerate(param_groups):
             params = [p for p in group["params"] if p.requires_grad]
             hyper = {k: v for k, v in group.items() if k != "params"}
@@ -124,6 +126,7 @@ class ZeroOptimizer(ZeroStrategy):
                     shard=shard,
                     full_grad_buffer=policy.stage < 2,
                     grad_dtype=policy.grad_dtype,
+                    shared=shared if key[1].type == "cpu" else None,
                 )
                 self.groups.append(flat)
                 self.group_index.append(gi)
@@ -150,9 +153,19 @@ class ZeroOptimizer(ZeroStrategy):
         if self.exchanging is not None:
             self.exchanging.attach_process_group(policy.process_group)
         self._bind_master_grads()
+        self._log_transport()
         register_owner(self, [p for flat in self.groups for p in flat.params])
         self.gathers: PendingGathers | None = None  # post-step gathers left in flight (overlap_comm)
-        if policy.overlap_comm and policy.stage in (1, 2) and policy.world_size > 1 and module is not None:
+        # (with the parameter buffers in shared memory the gather is a copy done inside the step:
+        # nothing to leave in flight)
+        in_flight = not all(flat.shared_params is not None for flat in self.groups)
+        if (
+            policy.overlap_comm
+            and policy.stage in (1, 2)
+            and policy.world_size > 1
+            and module is not None
+            and in_flight
+        ):
             self.gathers = PendingGathers(self.groups)
             self.gathers.attach(module)
             if policy.rank == 0:
@@ -162,6 +175,46 @@ class ZeroOptimizer(ZeroStrategy):
                     "the next forward must call engine.optimizer.wait_for_parameters() first",
                     policy.stage,
                 )
+
+    def _open_shared_memory(self, param_groups: Sequence[dict[str, Any]]) -> SharedMemoryGroup | None:
+        """Shared-memory buffers when every rank runs on this host with CPU tensors over gloo
+        (:mod:`shardwise.comm.shared_memory`); None otherwise, saying why where it matters."""
+        policy = self.policy
+        devices = {p.device for group in param_groups for p in group["params"] if p.requires_grad}
+        device = torch.device("cpu") if devices <= {torch.device("cpu")} else next(iter(devices))
+        if policy.world_size < 2 or device.type != "cpu":
+            return None
+        opened = open_shared_memory(policy.process_group, device)
+        if isinstance(opened, str):
+            if policy.rank == 0 and not opened.endswith(f"{ENV_SWITCH}=0"):
+                logger.info(
+                    "ZeRO stage %d: collectives through gloo, not shared memory: %s", policy.stage, opened
+                )
+            return None
+        return opened
+
+    def _log_transport(self) -> None:
+        """Say (rank 0) whether the buffers went to shared memory, and why not if they could not."""
+        if self.policy.rank != 0:
+            return
+        refused = next((flat.not_shared for flat in self.groups if flat.not_shared), None)
+        if refused is not None:
+            logger.warning(
+                "ZeRO stage %d: gradients and parameters travel through gloo, not shared memory, because %s; "
+                "give %s more room (docker: --shm-size) or set %s=0 to choose gloo and silence this",
+                self.policy.stage,
+                refused,
+                SHM_DIR,
+                ENV_SWITCH,
+            )
+        elif any(flat.shared_params is not None for flat in self.groups):
+            logger.info(
+                "ZeRO stage %d: the %d ranks share this host: gradients are reduced and parameters gathered "
+                "through shared memory (%s=0: through gloo)",
+                self.policy.stage,
+                self.policy.world_size,
+                ENV_SWITCH,
+            )
 
     def wait_for_parameters(self) -> None:
         """Complete the post-step all-gathers still in flight (``overlap_comm``), so every rank's

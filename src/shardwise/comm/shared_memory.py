@@ -1,0 +1,248 @@
+"""Collectives through shared memory between the ranks of one host (CPU tensors, gloo groups).
+
+Why: gloo moves every byte over loopback TCP. Measured on the project's 2-core machine, an
+all-reduce of 69 MB between 2 ranks takes 42 ms, 39 ms of it CPU time in each process, time a
+compute-bound rank loses from its forward and backward. Ranks that share a host can instead
+read each other's buffers: a reduce-scatter becomes one summing pass over this rank's shard
+(about 5 ms for the same 69 MB) and an all-gather one copy. gloo has no shared-memory
+transport, and the libraries that do (oneCCL's torch bindings, MPI) are compiled extensions
+this project does not take on, so this module does it with what torch already has: tensors
+mapped from files (``torch.from_file(shared=True)``) and the group's own barrier.
+
+How:
+
+* :func:`open_shared_memory` checks that every rank of the group runs on this host (same host
+  name and boot id) and agrees on a name prefix. :meth:`SharedMemoryGroup.allocate` then gives
+  every rank a flat buffer as a file in ``/dev/shm``, its space reserved with
+  ``posix_fallocate`` (a full ``/dev/shm`` is an error at creation, never a ``SIGBUS`` later),
+  maps every rank's file in every rank, and unlinks the files once all are mapped, so nothing is
+  left behind even when a process dies. Either every rank gets its buffers or none does (the
+  outcome is agreed by an all-reduce), so ranks never disagree about the transport.
+* Synchronisation is the group's barrier (gloo, under the group's timeout: a rank that dies
+  cannot hang the others forever). Every collective is fenced by a barrier on entry and on exit,
+  so no rank writes a range while another still reads it.
+* Sums are taken in rank order (``b0 + b1 + b2 ...``) by whichever rank owns a range, so all
+  ranks end with identical values and the result does not depend on timing.
+
+Opt out with ``SHARDWISE_SHM_COLLECTIVES=0`` (gloo then carries everything, as before).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm.comms_logger import COMMS_LOGGER
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "SHARDWISE_SHM_COLLECTIVES"
+SHM_DIR = Path("/dev/shm")
+# Ranks 2 and up sum through a scratch block of this many elements (they cannot overwrite their
+# own values before adding them in rank order); small enough to stay in cache.
+_SCRATCH_NUMEL = 1 << 16
+
+
+def switched_off() -> bool:
+    """Whether ``SHARDWISE_SHM_COLLECTIVES`` turns the shared-memory path off."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _cannot_share(group: Any, device: torch.device) -> str | None:
+    """Why this group's collectives cannot go through shared memory, from what every rank of a
+    job sees alike (device, group size, backend); None: worth asking the hosts."""
+    if device.type != "cpu":
+        return f"the tensors are on {device.type}"
+    if not dist.is_initialized() or dist.get_world_size(group) < 2:
+        return "a single rank"
+    if "gloo" not in str(dist.get_backend(group)):
+        return f"the {dist.get_backend(group)} backend"
+    return None
+
+
+def _local_refusal() -> str:
+    """Why this rank will not share ('' when it will): the switch, or no ``/dev/shm``."""
+    if switched_off():
+        return f"{ENV_SWITCH}=0"
+    if not SHM_DIR.is_dir():
+        return f"{SHM_DIR} does not exist"
+    return ""
+
+
+@dataclass
+class SharedBuffers:
+    """One flat buffer per rank of the group, every rank's mapped here; ``tensors[rank]`` is
+    this rank's own (``mine``). The collectives below take ranges of the flat buffers and must be
+    called by every rank of the group in the same order."""
+
+    tensors: list[torch.Tensor]
+    rank: int
+    group: Any
+
+    @property
+    def mine(self) -> torch.Tensor:
+        """This rank's buffer (the one its model and optimizer use)."""
+        return self.tensors[self.rank]
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group gets here (the group's gloo barrier)."""
+        dist.barrier(group=self.group)
+
+    def _sum_into_mine(self, lo: int, hi: int) -> None:
+        """``mine[lo:hi]`` = the sum over ranks of ``tensors[r][lo:hi]``, added in rank order."""
+        if hi <= lo:
+            return
+        out = self.mine[lo:hi]
+        parts = [t[lo:hi] for t in self.tensors]
+        if self.rank <= 1:
+            # out is parts[0] or parts[1]: b0 + b1 written in place reads each element before
+            # writing it, then the later ranks are added in order
+            torch.add(parts[0], parts[1], out=out)
+            for part in parts[2:]:
+                out.add_(part)
+            return
+        scratch = torch.empty(min(_SCRATCH_NUMEL, hi - lo), dtype=out.dtype)
+        for a in range(0, hi - lo, _SCRATCH_NUMEL):
+            b = min(a + _SCRATCH_NUMEL, hi - lo)
+            block = scratch[: b - a]
+            torch.add(parts[0][a:b], parts[1][a:b], out=block)
+            for part in parts[2:]:
+                block.add_(part[a:b])
+            out[a:b].copy_(block)
+
+    def reduce_scatter(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Each rank's range ``ranges[r]`` (absolute, in the flat buffer) of its own buffer
+        becomes the sum of that range over all ranks' buffers; the rest is left as it was."""
+        record = self._record("reduce_scatter_tensor", ranges[self.rank])
+        self.barrier()
+        self._sum_into_mine(*ranges[self.rank])
+        self.barrier()
+        if record is not None:
+            record.complete()
+
+    def all_gather(
+        self, ranges: Sequence[tuple[int, int]], pieces: Sequence[tuple[int, int]] | None = None
+    ) -> None:
+        """Every rank's buffer gets each rank ``r``'s range ``ranges[r]`` from rank ``r``'s buffer.
+        ``pieces`` (offsets ``[a, b)`` within every rank's range, which are all the same size) are
+        gathered one after another, each counted as one all-gather by the comms logger
+        (``allgather_bucket_size``); default: the whole ranges at once."""
+        self.barrier()
+        size = ranges[self.rank][1] - ranges[self.rank][0]
+        for a, b in pieces or [(0, size)]:
+            record = self._record("all_gather_into_tensor", (a, b))
+            self._copy_others([(lo + a, lo + b) for lo, _ in ranges])
+            if record is not None:
+                record.complete()
+        self.barrier()
+
+    def all_reduce(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """The union of ``ranges`` (one per rank, together covering the span to reduce) becomes
+        the sum over all ranks' buffers in every rank's buffer: each rank sums its range, then
+        copies the others'."""
+        record = self._record("all_reduce", (min(a for a, _ in ranges), max(b for _, b in ranges)))
+        self.barrier()
+        self._sum_into_mine(*ranges[self.rank])
+        self.barrier()
+        self._copy_others(ranges)
+        self.barrier()
+        if record is not None:
+            record.complete()
+
+    def _record(self, op: str, span: tuple[int, int]) -> Any:
+        """Time the collective for the comms logger (under the name and size of the torch
+        collective it replaces: the output shard, the input shard, the whole span), when it is on."""
+        if not COMMS_LOGGER.enabled:
+            return None
+        nbytes = max(0, span[1] - span[0]) * self.mine.element_size()
+        return COMMS_LOGGER.start(op, nbytes, len(self.tensors), False)
+
+    def _copy_others(self, ranges: Sequence[tuple[int, int]]) -> None:
+        mine = self.mine
+        for r, (lo, hi) in enumerate(ranges):
+            if r != self.rank and hi > lo:
+                mine[lo:hi].copy_(self.tensors[r][lo:hi])
+
+
+def _everyones(reason: str, group: Any) -> str:
+    """Every rank's reason (empty: none), joined; the same string on every rank."""
+    reasons: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reasons, reason, group=group)
+    return "; ".join(r for r in reasons if r)
+
+
+class SharedMemoryGroup:
+    """Allocates :class:`SharedBuffers` for the ranks of one host (see :func:`open_shared_memory`)."""
+
+    def __init__(self, group: Any, prefix: str) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self._prefix = prefix
+        self._count = 0
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> SharedBuffers | str:
+        """Zero-filled flat buffers of ``numel`` elements, one per rank, all mapped in every rank.
+        Collective: every rank calls it with the same arguments. Returns the reason instead when
+        any rank could not get its buffer or map another's (no rank keeps any then)."""
+        self._count += 1
+        paths = [SHM_DIR / f"{self._prefix}-{self._count}-{r}" for r in range(self.world)]
+        nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
+        reason = ""
+        try:
+            fd = os.open(paths[self.rank], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            reason = f"rank {self.rank} could not reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: {exc.strerror}"
+        reason = _everyones(reason, self.group)
+        tensors: list[torch.Tensor] = []
+        if not reason:
+            try:
+                tensors = [torch.from_file(str(p), shared=True, size=max(1, numel), dtype=dtype) for p in paths]
+            except (OSError, RuntimeError) as exc:
+                reason = f"rank {self.rank} could not map another rank's buffer in {SHM_DIR}: {exc}"
+            reason = _everyones(reason, self.group)
+        # every rank has mapped what it will map: the names can go (the memory stays while mapped)
+        dist.barrier(group=self.group)
+        paths[self.rank].unlink(missing_ok=True)
+        if reason:
+            return reason
+        return SharedBuffers([t[:numel] for t in tensors], self.rank, self.group)
+
+
+def open_shared_memory(group: Any, device: torch.device) -> SharedMemoryGroup | str:
+    """A :class:`SharedMemoryGroup` when every rank of ``group`` runs on this host with CPU
+    tensors over gloo, otherwise the reason why not. Collective whenever the tensors are on the
+    CPU of a gloo group of two or more ranks (it compares what the ranks see)."""
+    reason = _cannot_share(group, device)
+    if reason is not None:
+        return reason
+    me = (socket.gethostname(), _boot_id(), f"shardwise-{uuid.uuid4().hex[:16]}", _local_refusal())
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, me, group=group)
+    refusals = [f"rank {r}: {refusal}" for r, (_, _, _, refusal) in enumerate(everyone) if refusal]
+    if refusals:
+        return "; ".join(refusals)
+    hosts = {(host, boot) for host, boot, _, _ in everyone}
+    if len(hosts) > 1:
+        return f"the ranks run on {len(hosts)} hosts"
+    return SharedMemoryGroup(group, everyone[0][2])

@@ -1,0 +1,166 @@
+"""Per-rank scenarios for test_shared_memory_transport.py: the shared-memory collectives of one
+host (:mod:`shardwise.comm.shared_memory`) and the ZeRO stages 0-2 that use them."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from zero_reference import batch, config, make_model
+
+import shardwise
+from shardwise.comm import shared_memory as shm
+
+CPU = torch.device("cpu")
+
+
+def _inputs(world: int, numel: int) -> list[torch.Tensor]:
+    """Every rank's input, computable on every rank (seeded by rank)."""
+    return [torch.randn(numel, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
+
+
+def _in_rank_order(values: list[torch.Tensor]) -> torch.Tensor:
+    total = values[0] + values[1]
+    for v in values[2:]:
+        total = total + v
+    return total
+
+
+def _leftovers() -> list[str]:
+    return sorted(p.name for p in shm.SHM_DIR.glob("shardwise-*"))
+
+
+def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """reduce_scatter, all_gather (whole and in pieces) and all_reduce on buffers of
+    ``case["shard"]`` elements per rank; the expected sums are taken in rank order."""
+    group = shm.open_shared_memory(None, CPU)
+    assert not isinstance(group, str), group
+    shard = case["shard"]
+    numel = shard * world
+    buffers = group.allocate(numel, torch.float32)
+    torch.distributed.barrier()  # every rank has returned (and unlinked its file)
+    after_allocate = _leftovers()
+    ranges = [(r * shard, (r + 1) * shard) for r in range(world)]
+    values = _inputs(world, numel)
+    expected = _in_rank_order(values)
+    lo, hi = ranges[rank]
+    out: dict[str, Any] = {"leftovers": after_allocate, "zeros": bool((buffers.mine == 0).all())}
+
+    buffers.mine.copy_(values[rank])
+    buffers.reduce_scatter(ranges)
+    out["reduce_scatter_mine"] = torch.equal(buffers.mine[lo:hi], expected[lo:hi])
+    others = torch.ones(numel, dtype=torch.bool)
+    others[lo:hi] = False
+    out["reduce_scatter_rest_untouched"] = torch.equal(buffers.mine[others], values[rank][others])
+
+    buffers.all_gather(ranges)  # every owner's sums to everyone
+    out["all_gather"] = torch.equal(buffers.mine, expected)
+
+    buffers.mine.copy_(values[rank] * 2)
+    pieces = [(a, min(a + 7, shard)) for a in range(0, shard, 7)]  # uneven last piece
+    buffers.all_gather(ranges, pieces)
+    out["all_gather_pieces"] = torch.equal(
+        buffers.mine, torch.cat([values[r][a:b] * 2 for r, (a, b) in enumerate(ranges)])
+    )
+
+    buffers.mine.copy_(values[rank])
+    buffers.all_reduce(ranges)
+    out["all_reduce"] = torch.equal(buffers.mine, expected)
+    return out
+
+
+def refusals(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """One rank cannot reserve its buffer, sees another host, or has the switch off: every rank
+    gets the same refusal (no hang, nothing left in /dev/shm)."""
+    kind = case["kind"]
+    saved = (os.posix_fallocate, socket.gethostname, os.environ.get(shm.ENV_SWITCH))
+    try:
+        if kind == "no_space" and rank == 1:
+
+            def full(fd: int, offset: int, length: int) -> None:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            os.posix_fallocate = full
+        if kind == "two_hosts" and rank == 1:
+            socket.gethostname = lambda: "elsewhere"
+        if kind == "switched_off" and rank == 1:
+            os.environ[shm.ENV_SWITCH] = "0"
+        got = shm.open_shared_memory(None, CPU)
+        if not isinstance(got, str):
+            got = got.allocate(1000, torch.float32)
+        torch.distributed.barrier()
+        return {"result": got if isinstance(got, str) else "shared", "leftovers": _leftovers()}
+    finally:
+        os.posix_fallocate, socket.gethostname = saved[0], saved[1]
+        if saved[2] is None:
+            os.environ.pop(shm.ENV_SWITCH, None)
+        else:
+            os.environ[shm.ENV_SWITCH] = saved[2]
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append((record.levelno, record.getMessage()))
+
+
+def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Three steps of ZeRO stage ``case["stage"]`` (clipping on) with shared memory on, off, and
+    with rank 1 unable to reserve its buffers: losses, parameters, and what was logged."""
+    out: dict[str, Any] = {}
+    for mode in ("shared", "gloo", "no_space"):
+        saved = (os.posix_fallocate, os.environ.get(shm.ENV_SWITCH))
+        if mode == "gloo":
+            os.environ[shm.ENV_SWITCH] = "0"
+        if mode == "no_space" and rank == 1:
+
+            def full(fd: int, offset: int, length: int) -> None:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            os.posix_fallocate = full
+        records = _Records()
+        log = logging.getLogger("shardwise")
+        level = log.level
+        log.setLevel(logging.INFO)
+        log.addHandler(records)
+        try:
+            torch.manual_seed(0)
+            cfg = config(case["stage"], case["precision"], case["gas"], 2, world, clip=0.05)
+            engine, *_ = shardwise.initialize(model=make_model(), config=cfg)
+            losses = []
+            for step in range(3):
+                for micro in range(case["gas"]):
+                    x, y = batch(step, micro, rank, 2)
+                    logits = engine(x)
+                    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(float(loss.detach()))
+            groups = engine.optimizer.groups
+            out[mode] = {
+                "losses": losses,
+                "params": [p.detach().clone() for p in engine.module.parameters()],
+                "shared_params": [g.shared_params is not None for g in groups],
+                "shared_grads": [g.shared_grads is not None for g in groups],
+                "logged": records.messages,
+            }
+            engine.destroy()
+        finally:
+            log.removeHandler(records)
+            log.setLevel(level)
+            os.posix_fallocate = saved[0]
+            if saved[1] is None:
+                os.environ.pop(shm.ENV_SWITCH, None)
+            else:
+                os.environ[shm.ENV_SWITCH] = saved[1]
+    torch.distributed.barrier()
+    out["leftovers"] = _leftovers()
+    return out

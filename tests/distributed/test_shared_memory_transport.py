@@ -1,0 +1,91 @@
+"""The shared-memory transport of one host's gloo ranks (:mod:`shardwise.comm.shared_memory`).
+
+- The collectives give exactly the sums taken in rank order (bitwise, at 2 and 3 ranks: rank 2
+  sums through its scratch block), leave the other ranges alone, and leave nothing in /dev/shm.
+- Every rank agrees when one cannot share (no space, another host, the switch off): no hang,
+  no half-shared group, nothing left behind.
+- ZeRO stages 0-2 put their buffers there by default and train bit-identically to gloo
+  (``SHARDWISE_SHM_COLLECTIVES=0``); when a rank cannot reserve its buffers the engine warns,
+  naming the fix, and trains through gloo. (Parity with the single-process reference under both
+  transports: test_zero_parity.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import shared_memory_cases as cases
+import torch
+
+from shardwise.testing import run_distributed_cases
+
+pytestmark = [pytest.mark.distributed, pytest.mark.numeric]
+
+COLLECTIVE_CASES = [{"shard": 5}, {"shard": (1 << 16) + 3}]  # the second spans two scratch blocks
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_are_rank_order_sums(world: int) -> None:
+    for results in run_distributed_cases(cases.collectives, COLLECTIVE_CASES, world_size=world, timeout=300):
+        for rank in results:
+            assert rank["leftovers"] == []  # unlinked as soon as every rank mapped them
+            assert rank["zeros"]
+            for key in (
+                "reduce_scatter_mine",
+                "reduce_scatter_rest_untouched",
+                "all_gather",
+                "all_gather_pieces",
+                "all_reduce",
+            ):
+                assert rank[key], key
+
+
+REFUSALS = [{"kind": "no_space"}, {"kind": "two_hosts"}, {"kind": "switched_off"}]
+
+
+def test_every_rank_agrees_when_one_cannot_share() -> None:
+    runs = run_distributed_cases(cases.refusals, REFUSALS, world_size=2, timeout=300)
+    expected = {
+        "no_space": "rank 1 could not reserve",
+        "two_hosts": "the ranks run on 2 hosts",
+        "switched_off": "rank 1: SHARDWISE_SHM_COLLECTIVES=0",
+    }
+    for case, ranks in zip(REFUSALS, runs):
+        for rank in ranks:
+            assert rank["leftovers"] == []
+            assert expected[case["kind"]] in rank["result"], (case, rank["result"])
+
+
+TRAIN_CASES = [
+    {"stage": 0, "precision": "fp32", "gas": 2},
+    {"stage": 1, "precision": "fp32", "gas": 1},
+    {"stage": 1, "precision": "bf16", "gas": 2},
+    {"stage": 2, "precision": "fp32", "gas": 2},
+]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return run_distributed_cases(cases.train, TRAIN_CASES, world_size=2, timeout=600)
+
+
+@pytest.mark.parametrize("index", range(len(TRAIN_CASES)))
+def test_stages_0_to_2_train_bit_identically_through_shared_memory(trained, index: int) -> None:
+    case = TRAIN_CASES[index]
+    for rank in trained[index]:
+        shared, gloo, refused = rank["shared"], rank["gloo"], rank["no_space"]
+        assert all(shared["shared_params"])
+        assert all(shared["shared_grads"]) == (case["stage"] < 2)  # stage 2 keeps its gradients private
+        assert not any(gloo["shared_params"]) and not any(refused["shared_params"])
+        for other in (gloo, refused):
+            assert other["losses"] == shared["losses"]
+            assert all(torch.equal(a, b) for a, b in zip(shared["params"], other["params"]))
+        assert rank["leftovers"] == []
+    logged = trained[index][0]
+    assert any("through shared memory" in m for _, m in logged["shared"]["logged"])
+    warnings = [m for level, m in logged["no_space"]["logged"] if level >= 30]
+    assert any(
+        "not shared memory" in m and "--shm-size" in m and "rank 1 could not reserve" in m for m in warnings
+    )
+    assert not any("shared memory" in m for _, m in logged["gloo"]["logged"])  # the switch: nothing to say
+    ranks = trained[index]
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["shared"]["params"], ranks[1]["shared"]["params"]))
