@@ -7,6 +7,8 @@ import errno
 import logging
 import os
 import socket
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,7 +80,7 @@ def refusals(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     """One rank cannot reserve its buffer, sees another host, or has the switch off: every rank
     gets the same refusal (no hang, nothing left in /dev/shm)."""
     kind = case["kind"]
-    saved = (os.posix_fallocate, socket.gethostname, os.environ.get(shm.ENV_SWITCH))
+    saved = (os.posix_fallocate, socket.gethostname, os.environ.get(shm.ENV_SWITCH), shm.SHM_DIR)
     try:
         if kind == "no_space" and rank == 1:
 
@@ -90,13 +92,19 @@ def refusals(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
             socket.gethostname = lambda: "elsewhere"
         if kind == "switched_off" and rank == 1:
             os.environ[shm.ENV_SWITCH] = "0"
+        if kind == "separate_dirs" and rank == 1:  # as with containers that each mount their own /dev/shm
+            shm.SHM_DIR = Path(tempfile.mkdtemp())
         got = shm.open_shared_memory(None, CPU)
         if not isinstance(got, str):
             got = got.allocate(1000, torch.float32)
         torch.distributed.barrier()
-        return {"result": got if isinstance(got, str) else "shared", "leftovers": _leftovers()}
+        leftovers = _leftovers()
+        if shm.SHM_DIR != saved[3]:
+            leftovers += sorted(p.name for p in shm.SHM_DIR.iterdir())
+            shm.SHM_DIR.rmdir()
+        return {"result": got if isinstance(got, str) else "shared", "leftovers": leftovers}
     finally:
-        os.posix_fallocate, socket.gethostname = saved[0], saved[1]
+        os.posix_fallocate, socket.gethostname, shm.SHM_DIR = saved[0], saved[1], saved[3]
         if saved[2] is None:
             os.environ.pop(shm.ENV_SWITCH, None)
         else:

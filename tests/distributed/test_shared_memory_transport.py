@@ -2,8 +2,8 @@
 
 - The collectives give exactly the sums taken in rank order (bitwise, at 2 and 3 ranks: rank 2
   sums through its scratch block), leave the other ranges alone, and leave nothing in /dev/shm.
-- Every rank agrees when one cannot share (no space, another host, the switch off): no hang,
-  no half-shared group, nothing left behind.
+- Every rank agrees when one cannot share (no space, another host, the switch off, a /dev/shm of
+  its own): no hang, no half-shared group, nothing left behind.
 - ZeRO stages 0-2 put their buffers there by default and train bit-identically to gloo
   (``SHARDWISE_SHM_COLLECTIVES=0``); when a rank cannot reserve its buffers the engine warns,
   naming the fix, and trains through gloo. (Parity with the single-process reference under both
@@ -39,7 +39,7 @@ def test_collectives_are_rank_order_sums(world: int) -> None:
                 assert rank[key], key
 
 
-REFUSALS = [{"kind": "no_space"}, {"kind": "two_hosts"}, {"kind": "switched_off"}]
+REFUSALS = [{"kind": k} for k in ("no_space", "two_hosts", "switched_off", "separate_dirs")]
 
 
 def test_every_rank_agrees_when_one_cannot_share() -> None:
@@ -48,6 +48,7 @@ def test_every_rank_agrees_when_one_cannot_share() -> None:
         "no_space": "rank 1 could not reserve",
         "two_hosts": "the ranks run on 2 hosts",
         "switched_off": "rank 1: SHARDWISE_SHM_COLLECTIVES=0",
+        "separate_dirs": "could not map another rank's buffer",
     }
     for case, ranks in zip(REFUSALS, runs):
         for rank in ranks:

@@ -217,9 +217,13 @@ class SharedMemoryGroup:
         tensors: list[torch.Tensor] = []
         if not reason:
             try:
+                for p in paths:  # each must be the file its rank made (from_file would create a missing one)
+                    if p.stat().st_size < nbytes:
+                        raise OSError(0, f"{p} holds {p.stat().st_size} bytes, not {nbytes}")
                 tensors = [torch.from_file(str(p), shared=True, size=max(1, numel), dtype=dtype) for p in paths]
             except (OSError, RuntimeError) as exc:
-                reason = f"rank {self.rank} could not map another rank's buffer in {SHM_DIR}: {exc}"
+                why = exc.strerror if isinstance(exc, OSError) else str(exc)
+                reason = f"rank {self.rank} could not map another rank's buffer in {SHM_DIR} ({why})"
             reason = _everyones(reason, self.group)
         # every rank has mapped what it will map: the names can go (the memory stays while mapped)
         dist.barrier(group=self.group)
