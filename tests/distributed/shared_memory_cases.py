@@ -99,7 +99,7 @@ def refusals(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
             got = got.allocate(1000, torch.float32)
         torch.distributed.barrier()
         leftovers = _leftovers()
-        if shm.SHM_DIR != saved[3]:
+        if saved[3] != shm.SHM_DIR:
             leftovers += sorted(p.name for p in shm.SHM_DIR.iterdir())
             shm.SHM_DIR.rmdir()
         return {"result": got if isinstance(got, str) else "shared", "leftovers": leftovers}
@@ -141,7 +141,8 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         log.addHandler(records)
         try:
             torch.manual_seed(0)
-            cfg = config(case["stage"], case["precision"], case["gas"], 2, world, clip=0.05)
+            bucket = {"reduce_bucket_size": case["bucket"]} if "bucket" in case else {}
+            cfg = config(case["stage"], case["precision"], case["gas"], 2, world, clip=0.05, **bucket)
             engine, *_ = shardwise.initialize(model=make_model(), config=cfg)
             losses = []
             for step in range(3):
@@ -158,6 +159,7 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
                 "params": [p.detach().clone() for p in engine.module.parameters()],
                 "shared_params": [g.shared_params is not None for g in groups],
                 "shared_grads": [g.shared_grads is not None for g in groups],
+                "shared_staging": [g.shared_staging is not None for g in groups],
                 "logged": records.messages,
             }
             engine.destroy()

@@ -40,7 +40,9 @@ def _id(case: dict) -> str:
 
 @pytest.fixture(scope="module")
 def results():
-    return dict(zip(map(_id, CASES), run_distributed_cases(train_both, CASES, world_size=2, timeout=900, env=GLOO)))
+    return dict(
+        zip(map(_id, CASES), run_distributed_cases(train_both, CASES, world_size=2, timeout=900, env=GLOO))
+    )
 
 
 def _equal(a, b) -> None:

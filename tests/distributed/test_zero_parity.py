@@ -33,6 +33,19 @@ GRID = [
     for precision in ("fp32", "bf16", "fp16")
     for gas in (1, 4)
 ]
+# the whole model in one reduce bucket (at stage 2 on one host: the shared staging buffer)
+ONE_BUCKET = [
+    {
+        "stage": stage,
+        "precision": precision,
+        "gas": 4,
+        "micro_batch": MICRO,
+        "steps": STEPS,
+        "zero": {"reduce_bucket_size": 10**8},
+    }
+    for stage in (1, 2)
+    for precision in ("fp32", "bf16")
+]
 CLIP_CASES = [
     {"stage": stage, "precision": "fp32", "gas": 2, "micro_batch": MICRO, "steps": 2, "clip": 0.05}
     for stage in (0, 1, 2)
@@ -42,11 +55,12 @@ GAS_CASES = [
     {"stage": 2, "precision": "fp32", "gas": 2, "micro_batch": 4, "steps": 2, "same_data": True},
     {"stage": 1, "precision": "fp32", "gas": 2, "micro_batch": 4, "steps": 2, "same_data": True},
 ]
-CASES = GRID + CLIP_CASES + GAS_CASES
+CASES = GRID + ONE_BUCKET + CLIP_CASES + GAS_CASES
 
 
 def _id(case: dict) -> str:
     extra = f"-clip{case['clip']}" if "clip" in case else ""
+    extra += "-one_bucket" if "zero" in case else ""
     return "stage{stage}-{precision}-gas{gas}-micro{micro_batch}".format(**case) + extra
 
 
@@ -61,7 +75,7 @@ def results(request):
     return dict(zip(map(_id, CASES), runs))
 
 
-@pytest.mark.parametrize("case", GRID, ids=_id)
+@pytest.mark.parametrize("case", GRID + ONE_BUCKET, ids=_id)
 def test_matches_single_process_reference(results, case):
     ref = reference_run(
         case["precision"], case["gas"], MICRO, WORLD, STEPS, reduce_every_micro=case["stage"] == 2

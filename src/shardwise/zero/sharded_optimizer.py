@@ -32,7 +32,6 @@ from torch import nn
 
 from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
-from shardwise.comm.shared_memory import ENV_SWITCH, SHM_DIR, SharedMemoryGroup, open_shared_memory
 from shardwise.optim.clipping import squared_norm
 from shardwise.optim.exchanging import GradientExchangingOptimizer
 from shardwise.utils.logging import logger
@@ -46,6 +45,7 @@ from shardwise.zero.param_owner import register_owner
 from shardwise.zero.param_publish import PublishPolicy, launch_publish
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
 from shardwise.zero.shard_accumulator_reducer import ShardAccumulatorReducer
+from shardwise.zero.shared_buffers import log_transport, open_for_groups
 from shardwise.zero.state_layout import (
     GRADIENTS_UNAVAILABLE,
     FlatPiece,
@@ -112,7 +112,9 @@ class ZeroOptimizer(ZeroStrategy):
         self.group_index: list[int] = []  # flat group -> user param group
         self.tp_flags: list[bool] = []
         inner_groups: list[dict[str, Any]] = []
-        shared = self._open_shared_memory(param_groups)
+        shared = open_for_groups(
+            param_groups, policy.process_group, policy.world_size, policy.stage, policy.rank
+        )
         for gi, group in enumerate(param_groups):
             params = [p for p in group["params"] if p.requires_grad]
             hyper = {k: v for k, v in group.items() if k != "params"}
@@ -127,6 +129,7 @@ class ZeroOptimizer(ZeroStrategy):
                     full_grad_buffer=policy.stage < 2,
                     grad_dtype=policy.grad_dtype,
                     shared=shared if key[1].type == "cpu" else None,
+                    shared_staging=policy.stage == 2,
                 )
                 self.groups.append(flat)
                 self.group_index.append(gi)
@@ -153,7 +156,7 @@ class ZeroOptimizer(ZeroStrategy):
         if self.exchanging is not None:
             self.exchanging.attach_process_group(policy.process_group)
         self._bind_master_grads()
-        self._log_transport()
+        log_transport(self.groups, policy.stage, policy.rank, policy.world_size)
         register_owner(self, [p for flat in self.groups for p in flat.params])
         self.gathers: PendingGathers | None = None  # post-step gathers left in flight (overlap_comm)
         # (with the parameter buffers in shared memory the gather is a copy done inside the step:
@@ -175,46 +178,6 @@ class ZeroOptimizer(ZeroStrategy):
                     "the next forward must call engine.optimizer.wait_for_parameters() first",
                     policy.stage,
                 )
-
-    def _open_shared_memory(self, param_groups: Sequence[dict[str, Any]]) -> SharedMemoryGroup | None:
-        """Shared-memory buffers when every rank runs on this host with CPU tensors over gloo
-        (:mod:`shardwise.comm.shared_memory`); None otherwise, saying why where it matters."""
-        policy = self.policy
-        devices = {p.device for group in param_groups for p in group["params"] if p.requires_grad}
-        device = torch.device("cpu") if devices <= {torch.device("cpu")} else next(iter(devices))
-        if policy.world_size < 2 or device.type != "cpu":
-            return None
-        opened = open_shared_memory(policy.process_group, device)
-        if isinstance(opened, str):
-            if policy.rank == 0 and not opened.endswith(f"{ENV_SWITCH}=0"):
-                logger.info(
-                    "ZeRO stage %d: collectives through gloo, not shared memory: %s", policy.stage, opened
-                )
-            return None
-        return opened
-
-    def _log_transport(self) -> None:
-        """Say (rank 0) whether the buffers went to shared memory, and why not if they could not."""
-        if self.policy.rank != 0:
-            return
-        refused = next((flat.not_shared for flat in self.groups if flat.not_shared), None)
-        if refused is not None:
-            logger.warning(
-                "ZeRO stage %d: gradients and parameters travel through gloo, not shared memory, because %s; "
-                "give %s more room (docker: --shm-size) or set %s=0 to choose gloo and silence this",
-                self.policy.stage,
-                refused,
-                SHM_DIR,
-                ENV_SWITCH,
-            )
-        elif any(flat.shared_params is not None for flat in self.groups):
-            logger.info(
-                "ZeRO stage %d: the %d ranks share this host: gradients are reduced and parameters gathered "
-                "through shared memory (%s=0: through gloo)",
-                self.policy.stage,
-                self.policy.world_size,
-                ENV_SWITCH,
-            )
 
     def wait_for_parameters(self) -> None:
         """Complete the post-step all-gathers still in flight (``overlap_comm``), so every rank's

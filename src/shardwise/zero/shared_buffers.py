@@ -1,0 +1,66 @@
+"""Stages 0-2 on one host: whether the flat buffers go to shared memory, and saying so.
+
+:func:`open_for_groups` opens a :class:`~shardwise.comm.shared_memory.SharedMemoryGroup` for
+the data-parallel group when every rank runs on this host with CPU tensors over gloo;
+:class:`~shardwise.zero.flat_group.FlatGroup` then allocates its buffers from it.
+:func:`log_transport` tells the user (rank 0) which transport the gradients and parameters
+took, and, when a rank could not reserve its buffers, why and what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shardwise.comm.shared_memory import ENV_SWITCH, SHM_DIR, SharedMemoryGroup, open_shared_memory
+from shardwise.utils.logging import logger
+from shardwise.zero.flat_group import FlatGroup
+
+
+def open_for_groups(
+    param_groups: Sequence[dict[str, Any]], process_group: Any, world_size: int, stage: int, rank: int
+) -> SharedMemoryGroup | None:
+    """Shared-memory buffers when every rank runs on this host with the (trainable) parameters
+    on the CPU over gloo; None otherwise, saying why (rank 0, info) unless the switch is off."""
+    devices = {p.device for group in param_groups for p in group["params"] if p.requires_grad}
+    device = torch.device("cpu") if devices <= {torch.device("cpu")} else next(iter(devices))
+    if world_size < 2 or device.type != "cpu":
+        return None
+    opened = open_shared_memory(process_group, device)
+    if isinstance(opened, str):
+        if rank == 0 and not opened.endswith(f"{ENV_SWITCH}=0"):
+            logger.info("ZeRO stage %d: collectives through gloo, not shared memory: %s", stage, opened)
+        return None
+    return opened
+
+
+def log_transport(groups: Sequence[FlatGroup], stage: int, rank: int, world_size: int) -> None:
+    """Say (rank 0) whether the buffers went to shared memory, and why not if they could not."""
+    if rank != 0:
+        return
+    refused = next((flat.not_shared for flat in groups if flat.not_shared), None)
+    if refused is not None:
+        logger.warning(
+            "ZeRO stage %d: gradients and parameters travel through gloo, not shared memory, because %s; "
+            "give %s more room (docker: --shm-size) or set %s=0 to choose gloo and silence this",
+            stage,
+            refused,
+            SHM_DIR,
+            ENV_SWITCH,
+        )
+    elif any(flat.shared_params is not None for flat in groups):
+        staged = sum(
+            flat.shared_staging.mine.numel() * flat.shared_staging.mine.element_size()
+            for flat in groups
+            if flat.shared_staging is not None
+        )
+        logger.info(
+            "ZeRO stage %d: the %d ranks share this host: gradients are reduced and parameters gathered "
+            "through shared memory%s (%s=0: through gloo)",
+            stage,
+            world_size,
+            f", the reduce bucket staged there between steps ({staged / 2**20:.1f} MiB)" if staged else "",
+            ENV_SWITCH,
+        )
