@@ -17,6 +17,7 @@ from zero_reference import batch, config, make_model
 
 import shardwise
 from shardwise.comm import shared_memory as shm
+from shardwise.comm import shm_barrier
 
 CPU = torch.device("cpu")
 
@@ -52,6 +53,9 @@ def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     expected = _in_rank_order(values)
     lo, hi = ranges[rank]
     out: dict[str, Any] = {"leftovers": after_allocate, "zeros": bool((buffers.mine == 0).all())}
+    # the spinning barrier where the memory model allows it (x86-64), gloo's elsewhere
+    spins = isinstance(getattr(group.barrier, "__self__", None), shm_barrier.SpinBarrier)
+    out["barrier_as_expected"] = spins == shm_barrier.supported()
 
     buffers.mine.copy_(values[rank])
     buffers.reduce_scatter(ranges)

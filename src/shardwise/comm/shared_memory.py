@@ -18,8 +18,9 @@ How:
   maps every rank's file in every rank, and unlinks the files once all are mapped, so nothing is
   left behind even when a process dies. Either every rank gets its buffers or none does (the
   outcome is agreed by an all-reduce), so ranks never disagree about the transport.
-* Synchronisation is the group's barrier (gloo, under the group's timeout: a rank that dies
-  cannot hang the others forever). Every collective is fenced by a barrier on entry and on exit,
+* Synchronisation is a barrier on counters in shared memory (:mod:`shardwise.comm.shm_barrier`,
+  x86-64; elsewhere the group's gloo barrier), under the collective timeout: a rank that dies
+  cannot hang the others forever. Every collective is fenced by a barrier on entry and on exit,
   so no rank writes a range while another still reads it.
 * Sums are taken in rank order (``b0 + b1 + b2 ...``) by whichever rank owns a range, so all
   ranks end with identical values and the result does not depend on timing.
@@ -33,7 +34,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.comm import shm_barrier
 from shardwise.comm.comms_logger import COMMS_LOGGER
+from shardwise.comm.env import timeout_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +96,7 @@ class SharedBuffers:
 
     tensors: list[torch.Tensor]
     rank: int
-    group: Any
+    fence: Callable[[], None]  # the group's barrier
 
     @property
     def mine(self) -> torch.Tensor:
@@ -101,8 +104,8 @@ class SharedBuffers:
         return self.tensors[self.rank]
 
     def barrier(self) -> None:
-        """Wait until every rank of the group gets here (the group's gloo barrier)."""
-        dist.barrier(group=self.group)
+        """Wait until every rank of the group gets here."""
+        self.fence()
 
     def _sum(self, lo: int, hi: int, out: torch.Tensor | None = None, accumulate: bool = False) -> None:
         """The sum over ranks of ``tensors[r][lo:hi]``, added in rank order, written to ``out``
@@ -203,12 +206,21 @@ def _everyones(reason: str, group: Any) -> str:
 class SharedMemoryGroup:
     """Allocates :class:`SharedBuffers` for the ranks of one host (see :func:`open_shared_memory`)."""
 
-    def __init__(self, group: Any, prefix: str) -> None:
+    def __init__(self, group: Any, prefix: str, pids: Sequence[int] | None = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._prefix = prefix
         self._count = 0
+        self.barrier: Callable[[], None] = self._gloo_barrier
+        if shm_barrier.supported():
+            counters = self.allocate(1, torch.int64)
+            if not isinstance(counters, str):  # (agreed by every rank, like any allocation)
+                timeout = timeout_from_env(os.environ).total_seconds()
+                self.barrier = shm_barrier.SpinBarrier(counters.tensors, self.rank, timeout, pids).wait
+
+    def _gloo_barrier(self) -> None:
+        dist.barrier(group=self.group)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> SharedBuffers | str:
         """Zero-filled flat buffers of ``numel`` elements, one per rank, all mapped in every rank.
@@ -247,7 +259,7 @@ class SharedMemoryGroup:
         paths[self.rank].unlink(missing_ok=True)
         if reason:
             return reason
-        return SharedBuffers([t[:numel] for t in tensors], self.rank, self.group)
+        return SharedBuffers([t[:numel] for t in tensors], self.rank, lambda: self.barrier())
 
 
 def open_shared_memory(group: Any, device: torch.device) -> SharedMemoryGroup | str:
@@ -257,13 +269,29 @@ def open_shared_memory(group: Any, device: torch.device) -> SharedMemoryGroup | 
     reason = _cannot_share(group, device)
     if reason is not None:
         return reason
-    me = (socket.gethostname(), _boot_id(), f"shardwise-{uuid.uuid4().hex[:16]}", _local_refusal())
+    me = (
+        socket.gethostname(),
+        _boot_id(),
+        f"shardwise-{uuid.uuid4().hex[:16]}",
+        _local_refusal(),
+        os.getpid(),
+        _pid_namespace(),
+    )
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, me, group=group)
-    refusals = [f"rank {r}: {refusal}" for r, (_, _, _, refusal) in enumerate(everyone) if refusal]
+    refusals = [f"rank {r}: {who[3]}" for r, who in enumerate(everyone) if who[3]]
     if refusals:
         return "; ".join(refusals)
-    hosts = {(host, boot) for host, boot, _, _ in everyone}
+    hosts = {(who[0], who[1]) for who in everyone}
     if len(hosts) > 1:
         return f"the ranks run on {len(hosts)} hosts"
-    return SharedMemoryGroup(group, everyone[0][2])
+    same_pids = len({who[5] for who in everyone}) == 1 and everyone[0][5] is not None
+    return SharedMemoryGroup(group, everyone[0][2], [who[4] for who in everyone] if same_pids else None)
+
+
+def _pid_namespace() -> int | None:
+    """This process's pid namespace (its inode), so process ids are compared only within one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
