@@ -163,7 +163,6 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
                 "params": [p.detach().clone() for p in engine.module.parameters()],
                 "shared_params": [g.shared_params is not None for g in groups],
                 "shared_grads": [g.shared_grads is not None for g in groups],
-                "shared_staging": [g.shared_staging is not None for g in groups],
                 "logged": records.messages,
             }
             engine.destroy()

@@ -33,7 +33,7 @@ GRID = [
     for precision in ("fp32", "bf16", "fp16")
     for gas in (1, 4)
 ]
-# the whole model in one reduce bucket (at stage 2 on one host: the shared staging buffer)
+# the whole model in one reduce bucket (stages 0-1 on one host: one shared-memory reduction per backward)
 ONE_BUCKET = [
     {
         "stage": stage,

@@ -107,16 +107,15 @@ class SharedBuffers:
         """Wait until every rank of the group gets here."""
         self.fence()
 
-    def _sum(self, lo: int, hi: int, out: torch.Tensor | None = None, accumulate: bool = False) -> None:
-        """The sum over ranks of ``tensors[r][lo:hi]``, added in rank order, written to ``out``
-        (default: this rank's own ``mine[lo:hi]``), or added to it with ``accumulate``."""
+    def _sum_into_mine(self, lo: int, hi: int) -> None:
+        """``mine[lo:hi]`` = the sum over ranks of ``tensors[r][lo:hi]``, added in rank order."""
         if hi <= lo:
             return
-        out = self.mine[lo:hi] if out is None else out
+        out = self.mine[lo:hi]
         parts = [t[lo:hi] for t in self.tensors]
-        if not accumulate and (self.rank <= 1 or not _overlaps(out, self.mine)):
-            # out is parts[0], parts[1] or apart from every part: b0 + b1 written in place reads
-            # each element before writing it, then the later ranks are added in order
+        if self.rank <= 1:
+            # out is parts[0] or parts[1]: b0 + b1 written in place reads each element before
+            # writing it, then the later ranks are added in order
             torch.add(parts[0], parts[1], out=out)
             for part in parts[2:]:
                 out.add_(part)
@@ -128,21 +127,14 @@ class SharedBuffers:
             torch.add(parts[0][a:b], parts[1][a:b], out=block)
             for part in parts[2:]:
                 block.add_(part[a:b])
-            if accumulate:
-                out[a:b].add_(block)
-            else:
-                out[a:b].copy_(block)
+            out[a:b].copy_(block)
 
-    def reduce_scatter(
-        self, ranges: Sequence[tuple[int, int]], out: torch.Tensor | None = None, accumulate: bool = False
-    ) -> None:
+    def reduce_scatter(self, ranges: Sequence[tuple[int, int]]) -> None:
         """Each rank's range ``ranges[r]`` (absolute, in the flat buffer) of its own buffer
-        becomes the sum of that range over all ranks' buffers; the rest is left as it was. With
-        ``out`` (a tensor of that range's size) the sums go there instead, or are added to it
-        with ``accumulate``."""
+        becomes the sum of that range over all ranks' buffers; the rest is left as it was."""
         record = self._record("reduce_scatter_tensor", ranges[self.rank])
         self.barrier()
-        self._sum(*ranges[self.rank], out=out, accumulate=accumulate)
+        self._sum_into_mine(*ranges[self.rank])
         self.barrier()
         if record is not None:
             record.complete()
@@ -169,7 +161,7 @@ class SharedBuffers:
         copies the others'."""
         record = self._record("all_reduce", (min(a for a, _ in ranges), max(b for _, b in ranges)))
         self.barrier()
-        self._sum(*ranges[self.rank])
+        self._sum_into_mine(*ranges[self.rank])
         self.barrier()
         self._copy_others(ranges)
         self.barrier()
@@ -189,11 +181,6 @@ class SharedBuffers:
         for r, (lo, hi) in enumerate(ranges):
             if r != self.rank and hi > lo:
                 mine[lo:hi].copy_(self.tensors[r][lo:hi])
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' storages are the same memory."""
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _everyones(reason: str, group: Any) -> str:

@@ -15,9 +15,7 @@ between reductions; stage 2 keeps only the shard gradients (the memory saving).
 With a :class:`~shardwise.comm.shared_memory.SharedMemoryGroup` (all ranks on one host, CPU,
 gloo) the parameter buffer and the full gradient buffer live in shared memory, every rank's
 mapped in every rank (``shared_params``, ``shared_grads``), so reductions and gathers are reads
-of the other ranks' buffers instead of gloo transfers. At stage 2 (no full gradient buffer) a group
-that fits in one reduce bucket stages each micro step's gradients in a shared buffer of that
-bucket's size instead (``shared_staging``).
+of the other ranks' buffers instead of gloo transfers.
 """
 
 from __future__ import annotations
@@ -46,7 +44,6 @@ class FlatGroup:
         grad_dtype: torch.dtype,
         align: int = 1,
         shared: SharedMemoryGroup | None = None,
-        shared_staging: bool = False,
     ) -> None:
         if not params:
             raise ValueError("a FlatGroup needs at least one parameter")
@@ -65,7 +62,6 @@ class FlatGroup:
         # shared-memory buffers (None: private ones); why not, when the group could not get them
         self.shared_params: SharedBuffers | None = None
         self.shared_grads: SharedBuffers | None = None
-        self.shared_staging: SharedBuffers | None = None
         self.not_shared: str | None = None
         self.shared_params = self._allocate_shared(shared, total, self.dtype)
         self.param_buffer = (
@@ -86,11 +82,6 @@ class FlatGroup:
                 if self.shared_grads is not None
                 else torch.zeros(total, dtype=grad_dtype, device=self.device)
             )
-        if shared_staging and not full_grad_buffer and len(self.layout.buckets) == 1:
-            # stage 2 with the whole group in one reduce bucket: the bucket's micro-step
-            # gradients are staged in shared memory (one bucket's worth, as DeepSpeed keeps its
-            # reduce bucket), and each rank sums its shard from every rank's staging buffer
-            self.shared_staging = self._allocate_shared(shared, total, grad_dtype)
         self.owned = [self.owned_range(b) for b in range(len(self.layout.buckets))]
         self.master: list[torch.Tensor] = []
         self.grad: list[torch.Tensor] = []

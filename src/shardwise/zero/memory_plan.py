@@ -20,9 +20,7 @@ for files (``nvme`` keeps no state in memory between steps). Stage 3's ``offload
 moves parameters and gradients to the host (``cpu``) or parameters to files (``nvme``,
 read back for forward, backward and the step: the plan counts them in both places, as
 the step sees them). Transient buffers (gathered units, reduction buckets) are not
-model state and are not counted; nor is the one reduce bucket that stage 2 keeps between steps
-in shared memory when all ranks share a host and the model fits in ``reduce_bucket_size`` (as
-DeepSpeed keeps its reduce bucket; ``initialize`` logs its size).
+model state and are not counted.
 
 Pure Python: a model is only asked for ``parameters()``.
 """

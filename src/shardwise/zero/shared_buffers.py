@@ -51,16 +51,12 @@ def log_transport(groups: Sequence[FlatGroup], stage: int, rank: int, world_size
             ENV_SWITCH,
         )
     elif any(flat.shared_params is not None for flat in groups):
-        staged = sum(
-            flat.shared_staging.mine.numel() * flat.shared_staging.mine.element_size()
-            for flat in groups
-            if flat.shared_staging is not None
-        )
         logger.info(
-            "ZeRO stage %d: the %d ranks share this host: gradients are reduced and parameters gathered "
-            "through shared memory%s (%s=0: through gloo)",
+            "ZeRO stage %d: the %d ranks share this host: %s through shared memory (%s=0: through gloo)",
             stage,
             world_size,
-            f", the reduce bucket staged there between steps ({staged / 2**20:.1f} MiB)" if staged else "",
+            "gradients are reduced and parameters gathered"
+            if any(flat.shared_grads is not None for flat in groups)
+            else "parameters are gathered (stage 2 reduces its gradient buckets through gloo)",
             ENV_SWITCH,
         )
