@@ -7,8 +7,7 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from zero_reference import batch, config, make_model
+from zero_reference import batch, config, make_model, train_step
 
 import shardwise
 from shardwise.zero import param_access as pa
@@ -27,22 +26,6 @@ def _config(case: dict[str, Any], world: int, overlap: bool) -> dict[str, Any]:
     if case.get("fused"):
         cfg["optimizer"]["params"].update({"torch_adam": True, "fused": True})
     return cfg
-
-
-def _loss(engine: Any, step: int, micro: int, rank: int) -> torch.Tensor:
-    x, y = batch(step, micro, rank, 2)
-    logits = engine(x)
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
-
-
-def _train_step(engine: Any, step: int, rank: int, gas: int) -> list[float]:
-    losses = []
-    for micro in range(gas):
-        loss = _loss(engine, step, micro, rank)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
 
 
 def _state(engine: Any) -> dict[str, torch.Tensor]:
@@ -67,7 +50,7 @@ def train_both(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         engine, *_ = shardwise.initialize(model=model, config=_config(case, world, overlap))
         losses, probes, busy = [], [], []
         for step in range(3):
-            losses.extend(_train_step(engine, step, rank, case["gas"]))
+            losses.extend(train_step(engine, step, rank, case["gas"]))
             busy.append(
                 getattr(engine.optimizer, "gathers", None) is not None and engine.optimizer.gathers.busy
             )
@@ -92,12 +75,12 @@ def checkpoint_after_step(rank: int, world: int, case: dict[str, Any], tmp: str)
         torch.manual_seed(0)
         engine, *_ = shardwise.initialize(model=make_model(), config=_config(case, world, overlap))
         for step in range(2):
-            _train_step(engine, step, rank, case["gas"])
+            train_step(engine, step, rank, case["gas"])
         path = os.path.join(tmp, f"overlap-{overlap}")
         engine.save_checkpoint(path, tag="t")
-        after_save = _train_step(engine, 2, rank, case["gas"])  # the save left the step intact
+        after_save = train_step(engine, 2, rank, case["gas"])  # the save left the step intact
         engine.load_checkpoint(path, tag="t")  # right after a step: its gather is in flight
-        resumed = _train_step(engine, 2, rank, case["gas"])
+        resumed = train_step(engine, 2, rank, case["gas"])
         final = _state(engine)
         engine.destroy()
         fresh, *_ = shardwise.initialize(model=make_model(seed=1), config=_config(case, world, False))

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from zero_reference import batch, config, make_model
+from zero_reference import config, make_model, train_step
 
 import shardwise
 from shardwise.comm import shared_memory as shm
@@ -148,15 +147,7 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
             bucket = {"reduce_bucket_size": case["bucket"]} if "bucket" in case else {}
             cfg = config(case["stage"], case["precision"], case["gas"], 2, world, clip=0.05, **bucket)
             engine, *_ = shardwise.initialize(model=make_model(), config=cfg)
-            losses = []
-            for step in range(3):
-                for micro in range(case["gas"]):
-                    x, y = batch(step, micro, rank, 2)
-                    logits = engine(x)
-                    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
-                    engine.backward(loss)
-                    engine.step()
-                    losses.append(float(loss.detach()))
+            losses = [loss for step in range(3) for loss in train_step(engine, step, rank, case["gas"])]
             groups = engine.optimizer.groups
             out[mode] = {
                 "losses": losses,

@@ -49,6 +49,22 @@ def batch(step: int, micro: int, rank: int, micro_batch: int) -> tuple[torch.Ten
     return data[:, :-1], data[:, 1:]
 
 
+def train_step(engine: Any, step: int, rank: int, gas: int, micro_batch: int = 2) -> list[float]:
+    """One optimizer step of ``engine`` on ``rank``'s micro batches (DeepSpeed's loop: forward,
+    backward, step per micro batch); the micro batches' losses."""
+    import torch.nn.functional as F
+
+    losses = []
+    for micro in range(gas):
+        x, y = batch(step, micro, rank, micro_batch)
+        logits = engine(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def config(
     stage: int, precision: str, gas: int, micro_batch: int, world: int, clip: float = 0.0, **zero: Any
 ) -> dict[str, Any]:
