@@ -13,7 +13,7 @@ Stages 0 and 1 also keep a full-size ``grad_buffer`` that gradients accumulate i
 between reductions; stage 2 keeps only the shard gradients (the memory saving).
 
 With a :class:`~shardwise.comm.shared_memory.SharedMemoryGroup` (all ranks on one host, CPU,
-gloo) the parameter buffer and the full gradient buffer live in shared memory, every rank's
+gloo) the (sharded) parameter buffer and the full gradient buffer live in shared memory, every rank's
 mapped in every rank (``shared_params``, ``shared_grads``), so reductions and gathers are reads
 of the other ranks' buffers instead of gloo transfers.
 """
@@ -59,11 +59,13 @@ class FlatGroup:
         self.grad_dtype = grad_dtype
         self.layout: FlatLayout = plan_layout([p.numel() for p in params], world_size, bucket_numel, align)
         total = self.layout.total_numel
-        # shared-memory buffers (None: private ones); why not, when the group could not get them
-        self.shared_params: SharedBuffers | None = None
-        self.shared_grads: SharedBuffers | None = None
+        # shared-memory buffers (None: private ones): the parameters where shards are published
+        # (stages 1-2), the full gradient buffer (stages 0-1); why not, if the group could not
         self.not_shared: str | None = None
-        self.shared_params = self._allocate_shared(shared, total, self.dtype)
+        self.shared_grads: SharedBuffers | None = None
+        self.shared_params: SharedBuffers | None = self._allocate_shared(
+            shared if shard else None, total, self.dtype
+        )
         self.param_buffer = (
             self.shared_params.mine
             if self.shared_params is not None

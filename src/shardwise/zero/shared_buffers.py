@@ -50,13 +50,13 @@ def log_transport(groups: Sequence[FlatGroup], stage: int, rank: int, world_size
             SHM_DIR,
             ENV_SWITCH,
         )
-    elif any(flat.shared_params is not None for flat in groups):
+    elif any(flat.shared_params is not None or flat.shared_grads is not None for flat in groups):
         logger.info(
             "ZeRO stage %d: the %d ranks share this host: %s through shared memory (%s=0: through gloo)",
             stage,
             world_size,
-            "gradients are reduced and parameters gathered"
-            if any(flat.shared_grads is not None for flat in groups)
-            else "parameters are gathered (stage 2 reduces its gradient buckets through gloo)",
+            {0: "gradients are all-reduced", 1: "gradients are reduced and parameters gathered"}.get(
+                stage, "parameters are gathered (stage 2 reduces its gradient buckets through gloo)"
+            ),
             ENV_SWITCH,
         )
