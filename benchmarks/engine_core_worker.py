@@ -39,22 +39,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from step_parts import StepPartTimer  # this script's directory is on sys.path
+from bench_models import load_models  # this script's directory is on sys.path
+from step_parts import StepPartTimer
 
 # How far the model-state walker follows references from its roots, and how many objects it
 # visits at most (a guard against wandering into unrelated global state).
 _WALK_MAX_DEPTH = 16
 _WALK_MAX_OBJECTS = 500_000
-
-
-def _load_models(path: str) -> types.ModuleType:
-    """Load ``shardwise/testing/models.py`` by path: the DeepSpeed venv has no shardwise."""
-    spec = importlib.util.spec_from_file_location("_bench_models", path)
-    assert spec is not None and spec.loader is not None, f"cannot load {path}"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["_bench_models"] = module  # dataclasses look the module up while building
-    spec.loader.exec_module(module)
-    return module
 
 
 # --------------------------------------------------------------------------- measurement helpers
@@ -626,7 +617,7 @@ def run_job(spec: dict[str, Any], t_launch: float, out: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
-    models = _load_models(spec["models_path"])
+    models = load_models(spec["models_path"])
     import_s: float | None = None
     for index, case in enumerate(spec["cases"]):
         try:

@@ -23,7 +23,6 @@ What it measures on this rank:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import json
 import os
@@ -35,6 +34,8 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from bench_models import load_models  # this script's directory is on sys.path
 
 _SAMPLE_S = 0.05
 _IO_KEYS = ("read_bytes", "write_bytes", "rchar", "wchar")
@@ -116,16 +117,6 @@ class RssSampler:
         self._thread.join()
 
 
-def _load_models(path: str) -> types.ModuleType:
-    """Load ``shardwise/testing/models.py`` by path: the DeepSpeed venv has no shardwise."""
-    spec = importlib.util.spec_from_file_location("_bench_models", path)
-    assert spec is not None and spec.loader is not None, f"cannot load {path}"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["_bench_models"] = module  # dataclasses look the module up while building
-    spec.loader.exec_module(module)
-    return module
-
-
 def _framework(name: str) -> Any:
     """The library (``shardwise`` or ``deepspeed``), process group up (gloo)."""
     if name == "deepspeed":
@@ -199,7 +190,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(int(spec["threads"]))
     rank = int(os.environ["RANK"])
     lib = _framework(spec["framework"])
-    models = _load_models(spec["models_path"])
+    models = load_models(spec["models_path"])
     gcfg = models.GPTConfig(**spec["model"])
     torch.manual_seed(1234)
     # Both libraries take the config under ``config_dict_or_path``; shardwise also as ``config``.
