@@ -38,13 +38,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from rank_processes import free_port  # this script's directory is on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "activation_checkpointing_worker.py"
@@ -63,18 +64,12 @@ QUICK = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def launch(
     spec: dict[str, Any], python: str, env_extra: dict[str, str], timeout: float, world: int = WORLD
 ) -> list[dict[str, Any]]:
     """Run the ``world`` ranks of one peer; their results, or RuntimeError with the first rank's error."""
     with tempfile.TemporaryDirectory(prefix="act_ckpt_") as tmp:
-        port, procs = _free_port(), []
+        port, procs = free_port(), []
         for rank in range(world):
             env = dict(os.environ, **env_extra)
             env.update(

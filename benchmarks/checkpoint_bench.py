@@ -33,13 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from rank_processes import free_port  # this script's directory is on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DS_PYTHON = REPO / ".venv-ds" / "bin" / "python"
@@ -190,12 +191,6 @@ def export_worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------- driver side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _env(python: Path, framework: str) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     if framework == "deepspeed":
@@ -206,7 +201,7 @@ def _env(python: Path, framework: str) -> dict[str, str]:
 def run_ranks(python: Path, framework: str, extra: list[str], timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch:
         result = Path(scratch) / "result.json"
-        port = _free_port()
+        port = free_port()
         procs = []
         for rank in range(WORLD):
             env = {

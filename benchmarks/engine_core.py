@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rank_processes import wait_ranks
+from rank_processes import free_port, last_error_line, wait_ranks
 from step_parts import breakdown_line, summarize_parts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -132,20 +131,6 @@ class Case:
 # --------------------------------------------------------------------------- launching
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _last_error_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    for line in reversed(lines):
-        if "Error" in line or "Exception" in line:
-            return line[:300]
-    return lines[-1][:300] if lines else "no output"
-
-
 @dataclass
 class JobResult:
     """What came back from one job: per case, the ranks' results; and why it stopped early."""
@@ -161,7 +146,7 @@ def launch(
     """Run ``world`` ranks of the worker on ``spec`` (its ``cases`` in order, or a triad)."""
     n_cases = len(spec.get("cases", [None]))
     with tempfile.TemporaryDirectory(prefix="engine_core_") as tmp:
-        port = _free_port()
+        port = free_port()
         procs: list[subprocess.Popen[bytes]] = []
         logs = []
         for rank in range(world):
@@ -209,9 +194,11 @@ def launch(
             if err_file.exists():
                 err = json.loads(err_file.read_text())
                 failed_case = err["case"] if failed_case is None else min(failed_case, err["case"])
-                errors.append(f"rank {rank}: {_last_error_line(err['traceback'])}")
+                errors.append(f"rank {rank}: {last_error_line(err['traceback'], 300)}")
             elif p.returncode != 0:
-                errors.append(f"rank {rank}: {_last_error_line((Path(tmp) / f'rank{rank}.log').read_text())}")
+                errors.append(
+                    f"rank {rank}: {last_error_line((Path(tmp) / f'rank{rank}.log').read_text(), 300)}"
+                )
         done = min(len(r) for r in per_rank)
         cases = [[per_rank[r][i] for r in range(world)] for i in range(done)]
         if done == n_cases and not errors:
@@ -257,7 +244,7 @@ def _probe(python: str, code: str, env_extra: dict[str, str]) -> tuple[bool, str
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, str(exc)
     if done.returncode != 0:
-        return False, _last_error_line(done.stderr or done.stdout)
+        return False, last_error_line(done.stderr or done.stdout, 300)
     return True, done.stdout.strip()
 
 

@@ -30,7 +30,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import disk_limit  # noqa: E402  (this script's directory)
 from nvme_offload_report import GB, print_report, summarize  # noqa: E402
-from rank_processes import wait_ranks  # noqa: E402
+from rank_processes import free_port, last_error_line, wait_ranks  # noqa: E402
 
 # Swap-file bytes per parameter, with a margin over what was measured at 0.1-0.2B parameters (12 and
 # 21): shardwise keeps the fp32 parameters and AdamW's moments in its files (the model state's 16
@@ -142,24 +141,10 @@ def ds_config(args: argparse.Namespace, shape: dict[str, Any], nvme: Path) -> di
     }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _last_error_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    for line in reversed(lines):
-        if "Error" in line or "Exception" in line:
-            return line[:400]
-    return lines[-1][:400] if lines else "no output"
-
-
 def launch(spec: dict[str, Any], python: str, ranks: int, env_extra: dict[str, str], timeout: float) -> Any:
     """Run the worker on ``ranks`` processes; the ranks' results, or an error string."""
     with tempfile.TemporaryDirectory(prefix="nvme_bench_") as tmp:
-        port, procs, logs = _free_port(), [], []
+        port, procs, logs = free_port(), [], []
         threads = str(max(1, (os.cpu_count() or 1) // ranks))
         for rank in range(ranks):
             env = dict(os.environ, **env_extra)
@@ -197,7 +182,7 @@ def launch(spec: dict[str, Any], python: str, ranks: int, env_extra: dict[str, s
                 continue
             err = out.with_suffix(".error")
             text = err.read_text() if err.exists() else (Path(tmp) / f"rank{rank}.log").read_text()
-            errors.append(f"rank {rank} (exit {p.returncode}): {_last_error_line(text)}")
+            errors.append(f"rank {rank} (exit {p.returncode}): {last_error_line(text)}")
         if errors or len(results) != ranks:
             return ("timed out: " if timed_out else "") + ("; ".join(errors) or "no result")
         return results
@@ -232,7 +217,7 @@ def check_deepspeed(python: str) -> str | None:
     if done.returncode != 0:
         warn = [ln.strip() for ln in done.stdout.splitlines() + done.stderr.splitlines() if "async_io" in ln]
         return (
-            f"not available: DeepSpeed's async_io op does not build here: {_last_error_line(done.stderr)} "
+            f"not available: DeepSpeed's async_io op does not build here: {last_error_line(done.stderr)} "
             + " | ".join(warn[:3])
         )
     return None
