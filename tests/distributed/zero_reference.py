@@ -15,9 +15,9 @@ differently, and by how much depends on the CPU's vector width (AVX2 vs AVX-512 
 ``default`` kernels). So the two halves are checked separately:
 
 - the parameters are exact by construction: given ``engine_norms`` (the norms the engine
-  reported), the reference derives the multiplier from the engine's norm with DeepSpeed's
-  rule (``combined = loss_scale * max(1, (norm + 1e-6) / clip)``, grads ``*= 1 / combined``),
-  so every later operation runs the same kernels on the same bits;
+  reported), the reference derives the divisor from the engine's norm with DeepSpeed's
+  rule (``combined = loss_scale * max(1, (norm + 1e-6) / clip)``, rounded to fp32, grads
+  ``/= combined``), so every later operation runs the same kernels on the same bits;
 - the norm itself is compared with the exact (float64) norm of the reference's fp32
   gradients within :func:`norm_error_bound`, a worst-case bound on fp32 rounding that
   holds for any summation order, hence on any CPU.
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from shardwise.testing.models import GPTConfig, TinyGPT
+from shardwise.zero.step_math import fp32
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, qkv_bias=False)
@@ -173,15 +174,20 @@ def _reference(
         clip = (used + 1e-6) / clip_to if clip_to > 0 else 0.0
         if clip > 1:
             combined = divisor * clip
-        mult = 1.0 / combined
+        combined = fp32(combined)
         for m, t in zip(masters, total):
-            m.grad = t * mult
+            m.grad = t / combined
         opt.step()
         with torch.no_grad():
             for p, m in zip(params, masters):
                 p.copy_(m)
     largest = max(m.numel() for m in masters)
-    return {"losses": losses, "params": [m.clone() for m in masters], "norms": norms, "largest_tensor": largest}
+    return {
+        "losses": losses,
+        "params": [m.clone() for m in masters],
+        "norms": norms,
+        "largest_tensor": largest,
+    }
 
 
 def norm_error_bound(norm: float, largest_tensor: int, tensors: int, world: int) -> float:

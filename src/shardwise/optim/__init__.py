@@ -14,6 +14,7 @@ from shardwise.optim.clipping import (
     clip_coefficient,
     clip_coefficient_tensor,
     global_norm,
+    gradient_divisor,
     scale_,
     squared_norm,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "clip_coefficient",
     "clip_coefficient_tensor",
     "global_norm",
+    "gradient_divisor",
     "is_zero_supported",
     "resolve_client_optimizer",
     "scale_",

@@ -1,18 +1,22 @@
 """Global-norm gradient clipping maths (spec §7.3).
 
 The clip is a global L2 norm over every gradient of the model, applied once per optimizer step.
-With a loss scale (fp16) the norm is taken on the *scaled* gradients, and one multiply both
-unscales and clips:
+With a loss scale (fp16) the norm is taken on the *scaled* gradients, and one combined scale
+both unscales and clips:
 
     clip = ((scaled_norm / loss_scale) + 1e-6) / max_norm
-    grads *= 1 / (loss_scale * max(1, clip))
+    combined = loss_scale * max(1, clip)
 
-With ``loss_scale=1`` this is the fp32 rule ``coef = min(1, max_norm / (norm + 1e-6))``.
-``max_norm = 0`` disables clipping (the multiplier is then just ``1 / loss_scale``).
+With ``loss_scale=1`` the effect is the fp32 rule ``coef = min(1, max_norm / (norm + 1e-6))``.
+``max_norm = 0`` disables clipping (the combined scale is then just ``loss_scale``).
+The ZeRO stages divide the gradients by ``combined`` (:func:`gradient_divisor`): one correctly
+rounded operation per element, which torch's fused Adam/AdamW can do inside its own pass
+(:mod:`shardwise.zero.grad_fold`). :func:`clip_coefficient` is its reciprocal, for callers that
+multiply.
 
 Work is split so the sharded paths can share it: each rank computes the squared norm of the
 gradients it holds (``squared_norm``), the squares are summed across ranks (``global_norm``),
-and the multiplier is a pure function of the result (``clip_coefficient``).
+and the scale is a pure function of the result (``gradient_divisor``, ``clip_coefficient``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ __all__ = [
     "clip_coefficient",
     "clip_coefficient_tensor",
     "global_norm",
+    "gradient_divisor",
     "scale_",
     "squared_norm",
 ]
@@ -99,8 +104,8 @@ def global_norm(local_sq_sum: Tensor, group: object | Sequence[object] | None = 
     return total.sqrt()
 
 
-def clip_coefficient(total_norm: float | Tensor, max_norm: float, loss_scale: float = 1.0) -> float:
-    """The gradient multiplier that unscales and clips in one go (spec §7.3).
+def gradient_divisor(total_norm: float | Tensor, max_norm: float, loss_scale: float = 1.0) -> float:
+    """The number to divide the gradients by to unscale and clip them in one go (spec §7.3).
 
     Args:
         total_norm: global L2 norm of the (scaled) gradients.
@@ -108,8 +113,29 @@ def clip_coefficient(total_norm: float | Tensor, max_norm: float, loss_scale: fl
         loss_scale: current loss scale; 1.0 without fp16.
 
     Returns:
-        ``1 / (loss_scale * max(1, clip))`` with ``clip = (total_norm / loss_scale + 1e-6) / max_norm``.
+        ``loss_scale * max(1, clip)`` with ``clip = (total_norm / loss_scale + 1e-6) / max_norm``.
         A non-finite norm is an overflow the caller must handle (skip the step) before asking.
+
+    Example:
+        >>> round(gradient_divisor(10.0, 1.0), 6)  # norm 10 clipped to 1
+        10.000001
+        >>> gradient_divisor(0.5, 1.0)  # under the limit: unchanged
+        1.0
+        >>> gradient_divisor(20.0, 0.0, loss_scale=4.0)  # clipping off: unscale only
+        4.0
+    """
+    if loss_scale <= 0.0:
+        raise ValueError(f"gradient_divisor: loss_scale must be > 0, got {loss_scale}.")
+    combined = float(loss_scale)
+    if max_norm > 0.0:
+        clip = (float(total_norm) / loss_scale + CLIP_EPS) / max_norm
+        if clip > 1.0:
+            combined = loss_scale * clip
+    return combined
+
+
+def clip_coefficient(total_norm: float | Tensor, max_norm: float, loss_scale: float = 1.0) -> float:
+    """The gradient multiplier that unscales and clips in one go: ``1 / gradient_divisor(...)``.
 
     Example:
         >>> round(clip_coefficient(10.0, 1.0), 6)  # norm 10 clipped to 1
@@ -121,12 +147,7 @@ def clip_coefficient(total_norm: float | Tensor, max_norm: float, loss_scale: fl
     """
     if loss_scale <= 0.0:
         raise ValueError(f"clip_coefficient: loss_scale must be > 0, got {loss_scale}.")
-    combined = float(loss_scale)
-    if max_norm > 0.0:
-        clip = (float(total_norm) / loss_scale + CLIP_EPS) / max_norm
-        if clip > 1.0:
-            combined = loss_scale * clip
-    return 1.0 / combined
+    return 1.0 / gradient_divisor(total_norm, max_norm, loss_scale)
 
 
 def clip_coefficient_tensor(total_norm: Tensor, max_norm: float, loss_scale: float | Tensor = 1.0) -> Tensor:

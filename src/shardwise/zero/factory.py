@@ -69,7 +69,7 @@ def reduction_factors(
 
     Gradients are summed by the collective; the mean is ``sum / W``. Prescaling multiplies
     by ``1/W`` before; a predivide factor ``f`` multiplies by ``1/f`` before and leaves
-    ``W/f`` for after. The post divisor is folded into the unscale/clip multiply of the step,
+    ``W/f`` for after. The post divisor is folded into the unscale/clip division of the step,
     so averaging costs no extra pass over the gradients. The keywords are the config's
     ``gradient_allreduce_op``, ``prescale_gradients`` and ``gradient_predivide_factor``.
 

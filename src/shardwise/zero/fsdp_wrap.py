@@ -18,7 +18,7 @@
    communication_data_type)`` and ``CPUOffloadPolicy`` for ``offload_param``; parameters
    built under ``zero.Init`` are materialised one unit at a time, straight into their shard;
 5. :func:`_configure_reduction`: reduction is a plain sum (FSDP2's divide factor 1): the
-   average, the loss scale and clipping are one multiply in the optimizer step, as at
+   average, the loss scale and clipping are one division in the optimizer step, as at
    stages 0-2; on CPU, gathers are issued asynchronously;
 6. :func:`_apply_prefetch`: explicit prefetch lists from ``stage3_prefetch_bucket_size``;
 7. :func:`_record_parameters`: the :class:`~shardwise.zero.sharded_model.ShardedModel`

@@ -1,26 +1,25 @@
-"""The step's gradient multiplier folded into torch's fused Adam/AdamW, where that is exact.
+"""The step's gradient divisor folded into torch's fused Adam/AdamW, bit for bit.
 
-Every stage multiplies the reduced gradients by one number before the inner optimizer step
-(:func:`shardwise.zero.step_math.plan_step`: average over ranks, unscale, clip). That multiply is
-a pass over the gradients (read and write) before AdamW reads them again. torch's fused
-Adam/AdamW kernels can take the scaling themselves: with ``optimizer.grad_scale`` set (the
-attribute ``torch.amp.GradScaler`` uses) they compute ``grad / grad_scale`` in the same pass
-that updates the parameters, and store that quotient back into the gradient.
+Every stage divides the reduced gradients by one number before the inner optimizer step
+(:func:`shardwise.zero.step_math.plan_step`: average over ranks, unscale, clip). That division
+is a pass over the gradients (read and write) before AdamW reads them again. torch's fused
+Adam/AdamW kernels can take it themselves: with ``optimizer.grad_scale`` set (the attribute
+``torch.amp.GradScaler`` uses) they compute ``grad / grad_scale`` in the same pass that updates
+the parameters, and store that quotient back into the gradient.
 
-``g / (1/m)`` equals ``g * m`` bit for bit when ``m`` is a power of two: ``1/m`` is then
-exact, and both IEEE operations round the same real number ``g * m`` (subnormal results
-included). So the multiplier is folded only when it is a power of two, which is the case on
-every step that does not clip (``1 / (ranks x loss scale)`` with power-of-two world sizes and
-loss scales); a clipping step keeps the separate multiply. Gradients, masters, optimizer
-state and parameters are then identical to the separate multiply's, not merely close.
+The plan's divisor is an fp32 number, so the kernel's fp32 division and the separate
+``torch._foreach_div_`` both round the same real quotient once, on every CPU kernel level
+(``default``, AVX2, AVX-512; ``tests/unit/zero/test_grad_fold.py`` checks the two bitwise,
+subnormal and huge gradients included). Gradients, masters, optimizer state and parameters
+are then identical whichever path ran, on clipping steps as on the others.
 
-Folding also needs the optimizer to read exactly the gradients the multiply would touch (all
+Folding also needs the optimizer to read exactly the gradients the division would touch (all
 fp32), to be a plain ``torch.optim.Adam``/``AdamW`` with ``fused=True`` in every group, and no
 ``grad_scale``/``found_inf`` of someone else's set on it; otherwise nothing is folded.
 
 Example:
-    >>> power_of_two_reciprocal(0.25), power_of_two_reciprocal(0.3), power_of_two_reciprocal(1.0)
-    (4.0, None, None)
+    >>> foldable_divisor(4.0), foldable_divisor(1.0), foldable_divisor(0.1)
+    (True, False, False)
 """
 
 from __future__ import annotations
@@ -31,22 +30,22 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["folded_multiplier", "power_of_two_reciprocal", "scaled_step"]
+from shardwise.zero.step_math import fp32
+
+__all__ = ["divide_", "foldable_divisor", "folded_divisor", "scaled_step"]
 
 _FUSED_TYPES = (torch.optim.Adam, torch.optim.AdamW)
-_FP32_MIN_EXPONENT = -125  # 2**-126 (frexp exponent -125) is the smallest normal fp32 power of two
-_FP32_MAX_EXPONENT = 128  # 2**127 (frexp exponent 128) is the largest
 
 
-def power_of_two_reciprocal(multiplier: float) -> float | None:
-    """``1 / multiplier`` when ``multiplier`` is a power of two other than 1 whose reciprocal is a
-    normal fp32 number (so dividing by it equals multiplying by ``multiplier`` exactly), else None."""
-    if not (math.isfinite(multiplier) and multiplier > 0.0) or multiplier == 1.0:
-        return None
-    mantissa, exponent = math.frexp(multiplier)
-    if mantissa != 0.5 or not (_FP32_MIN_EXPONENT <= 2 - exponent <= _FP32_MAX_EXPONENT):
-        return None
-    return 1.0 / multiplier
+def foldable_divisor(divisor: float) -> bool:
+    """``divisor`` is a finite positive fp32 number other than 1 (1 needs no pass at all)."""
+    return math.isfinite(divisor) and divisor > 0.0 and divisor != 1.0 and fp32(divisor) == divisor
+
+
+def divide_(grads: Sequence[torch.Tensor], divisor: float) -> None:
+    """The separate pass: ``grads /= divisor`` in place (nothing when ``divisor`` is 1)."""
+    if divisor != 1.0 and grads:
+        torch._foreach_div_(list(grads), divisor)
 
 
 def _fused_optimizer(optimizer: torch.optim.Optimizer) -> bool:
@@ -71,24 +70,24 @@ def _reads_exactly(optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tenso
 
 
 @contextmanager
-def folded_multiplier(
-    optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tensor], multiplier: float
+def folded_divisor(
+    optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tensor], divisor: float
 ) -> Iterator[bool]:
-    """Around the inner optimizer's step: yields True when that step applies ``multiplier`` to
-    ``grads`` itself (exactly, see the module docstring), False when the caller must multiply.
+    """Around the inner optimizer's step: yields True when that step divides ``grads`` by
+    ``divisor`` itself (bitwise as :func:`divide_`, see the module docstring), False when the
+    caller must divide.
 
     Example:
-        >>> # with folded_multiplier(opt, grads, plan.multiplier) as folded:
+        >>> # with folded_divisor(opt, grads, plan.divisor) as folded:
         >>> #     if not folded:
-        >>> #         torch._foreach_mul_(grads, plan.multiplier)
+        >>> #         divide_(grads, plan.divisor)
         >>> #     opt.step()
     """
-    reciprocal = power_of_two_reciprocal(multiplier)
-    foldable = reciprocal is not None and bool(grads) and _fused_optimizer(optimizer)
-    if reciprocal is None or not foldable or not _reads_exactly(optimizer, grads):
+    foldable = foldable_divisor(divisor) and bool(grads) and _fused_optimizer(optimizer)
+    if not foldable or not _reads_exactly(optimizer, grads):
         yield False
         return
-    optimizer.grad_scale = torch.tensor(reciprocal, dtype=torch.float32, device=grads[0].device)  # type: ignore[attr-defined]
+    optimizer.grad_scale = torch.tensor(divisor, dtype=torch.float32, device=grads[0].device)  # type: ignore[attr-defined]
     try:
         yield True
     finally:
@@ -98,12 +97,12 @@ def folded_multiplier(
 def scaled_step(
     optimizer: torch.optim.Optimizer,
     grads: Sequence[torch.Tensor],
-    multiplier: float,
+    divisor: float,
     scale: Callable[[], None],
 ) -> bool:
-    """The inner step on ``grads`` times ``multiplier``: folded into the step where exact, else
-    ``scale()`` (the caller's multiply) first. Returns whether it was folded."""
-    with folded_multiplier(optimizer, grads, multiplier) as folded:
+    """The inner step on ``grads / divisor``: folded into the step where it can be, else
+    ``scale()`` (the caller's division) first. Returns whether it was folded."""
+    with folded_divisor(optimizer, grads, divisor) as folded:
         if not folded:
             scale()
         optimizer.step()

@@ -4,8 +4,8 @@
 optimizer (which sees only the fp32 tensors this rank updates). Its ``step`` is, in
 order: finish reductions; one all-reduce of the squared gradient norm (which also
 detects inf/NaN: no separate flag collective); the shared step maths
-(:func:`shardwise.zero.step_math.plan_step`: skip a non-finite step, else one multiply that
-averages over ranks, unscales and clips, folded into torch's fused AdamW where that is exact:
+(:func:`shardwise.zero.step_math.plan_step`: skip a non-finite step, else one division that
+averages over ranks, unscales and clips, folded into torch's fused AdamW where it can be:
 :mod:`shardwise.zero.grad_fold`); the inner optimizer step; copy fp32 masters into
 16-bit parameters; all-gather updated shards. It implements
 :class:`~shardwise.zero.strategy.ZeroStrategy`.
@@ -38,7 +38,7 @@ from shardwise.utils.logging import logger
 from shardwise.zero.async_gather import BucketKey, PendingGathers
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
-from shardwise.zero.grad_fold import scaled_step
+from shardwise.zero.grad_fold import divide_, scaled_step
 from shardwise.zero.offload import checkpoint_view
 from shardwise.zero.optimizer_subset import restricted, steps_per_tensor
 from shardwise.zero.param_owner import register_owner
@@ -278,7 +278,7 @@ class ZeroOptimizer(ZeroStrategy):
         elif local:
             # Un-reduced gradients (the optimizer averages its momentum itself): each rank's own
             # gradient is unscaled as it is, and clipped by the root mean square of the ranks' norms
-            # (an upper bound of the mean's norm), the same multiplier on every rank.
+            # (an upper bound of the mean's norm), the same divisor on every rank.
             squared = float(self._squared_norm(local_gradients=True)) / self.policy.world_size
         else:
             squared = float(self._squared_norm())
@@ -293,48 +293,46 @@ class ZeroOptimizer(ZeroStrategy):
         if not plan.apply:
             self.zero_grad()
             return plan.result()
-        self._update(plan.multiplier)
+        self._update(plan.divisor)
         self.zero_grad()
         return plan.result()
 
-    def _update(self, multiplier: float) -> None:
-        """The inner step on the gradients times ``multiplier``, then the parameters published:
+    def _update(self, divisor: float) -> None:
+        """The inner step on the gradients over ``divisor``, then the parameters published:
         all at once with a waited gather, or (``overlap_comm``) bucket by bucket in the forward's
         order, each bucket's gather started as soon as it is updated and left in flight."""
         if self.gathers is None:
             grads = [g for flat in self.groups for g in flat.grad]
-            scaled_step(self.optimizer, grads, multiplier, lambda: self._scale_gradients(multiplier))
+            scaled_step(self.optimizer, grads, divisor, lambda: self._scale_gradients(divisor))
             self._publish_parameters()
             return
         order = self.gathers.step_order()
         per_bucket = steps_per_tensor(self.optimizer)  # else its step couples tensors: one step
         if not per_bucket:
             grads = [g for flat in self.groups for g in flat.grad]
-            scaled_step(self.optimizer, grads, multiplier, lambda: self._scale_gradients(multiplier))
+            scaled_step(self.optimizer, grads, divisor, lambda: self._scale_gradients(divisor))
         for key in order:
             if per_bucket:
-                self._step_bucket(key, multiplier)
+                self._step_bucket(key, divisor)
             self._cast_masters_to_params([key])
             self._gather_shards([key])
 
-    def _step_bucket(self, key: BucketKey, multiplier: float) -> None:
+    def _step_bucket(self, key: BucketKey, divisor: float) -> None:
         """The inner step on one bucket's master only (exact for per-tensor optimizers)."""
         gi, b = key
         flat = self.groups[gi]
         with restricted(self.optimizer, {id(flat.master[b])}):
-            scale = functools.partial(self._scale_gradients, multiplier, (key,))
-            scaled_step(self.optimizer, [flat.grad[b]], multiplier, scale)
+            scale = functools.partial(self._scale_gradients, divisor, (key,))
+            scaled_step(self.optimizer, [flat.grad[b]], divisor, scale)
 
-    def _scale_gradients(self, multiplier: float, keys: Sequence[BucketKey] | None = None) -> None:
-        """Average, unscale and clip: one multiply of the reduced gradients (of the buckets
+    def _scale_gradients(self, divisor: float, keys: Sequence[BucketKey] | None = None) -> None:
+        """Average, unscale and clip: one division of the reduced gradients (of the buckets
         ``keys``, default all), then fp32 copies for masters of another dtype."""
         chosen = [(flat, range(len(flat.grad))) for flat in self.groups]
         if keys is not None:
             chosen = [(self.groups[gi], range(b, b + 1)) for gi, b in keys]
         for flat, buckets in chosen:
-            grads = [flat.grad[b] for b in buckets]
-            if multiplier != 1.0:
-                torch._foreach_mul_(grads, multiplier)
+            divide_([flat.grad[b] for b in buckets], divisor)
             for b in buckets:
                 if flat.grad[b].dtype != flat.master[b].dtype:
                     flat.master[b].grad = flat.grad[b].to(flat.master[b].dtype)

@@ -11,7 +11,8 @@ accumulation across micro steps adds into the shard). ``Stage3Optimizer`` then d
   the fp32 masters of the unsharded small parameters;
 - one all-reduce of the squared norm of the local shards, then the shared step maths
   (:func:`shardwise.zero.step_math.plan_step`: a non-finite norm skips the step, else one
-  multiply averages over ranks, unscales and clips);
+  division averages over ranks, unscales and clips, folded into torch's fused AdamW where it
+  can be: :mod:`shardwise.zero.grad_fold`);
 - the step (through an :class:`~shardwise.zero.offload.OffloadStore` with
   ``offload_optimizer``), then the unsharded parameters are refreshed from their masters.
 
@@ -43,7 +44,7 @@ from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
 from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
 from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
-from shardwise.zero.grad_fold import scaled_step
+from shardwise.zero.grad_fold import divide_, scaled_step
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
 from shardwise.zero.param_owner import register_owner
 from shardwise.zero.param_swap import SwappedMasters
@@ -342,17 +343,16 @@ class Stage3Optimizer(ZeroStrategy):
         if not plan.apply:
             self.zero_grad()
             return plan.result()
-        grads, mult = sharded_grads + self.replicated.grads(), plan.multiplier  # folded where exact
-        scaled_step(self.optimizer, grads, mult, lambda: self._scale_gradients(grads, mult))
+        grads, divisor = sharded_grads + self.replicated.grads(), plan.divisor  # folded where it can be
+        scaled_step(self.optimizer, grads, divisor, lambda: self._scale_gradients(grads, divisor))
         self.replicated.publish()
         self.zero_grad()
         self.record.evict()
         return plan.result()
 
-    def _scale_gradients(self, grads: list[torch.Tensor], multiplier: float) -> None:
-        """Average, unscale and clip: one multiply of every gradient the optimizer reads."""
-        if multiplier != 1.0 and grads:
-            torch._foreach_mul_(grads, multiplier)
+    def _scale_gradients(self, grads: list[torch.Tensor], divisor: float) -> None:
+        """Average, unscale and clip: one division of every gradient the optimizer reads."""
+        divide_(grads, divisor)
 
     # ------------------------------------------------------------------ checkpoints
     def state_layout(self) -> StateLayout:

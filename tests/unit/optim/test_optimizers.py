@@ -25,6 +25,7 @@ from shardwise.optim import (
     clip_coefficient,
     clip_coefficient_tensor,
     global_norm,
+    gradient_divisor,
     is_zero_supported,
     resolve_client_optimizer,
     scale_,
@@ -589,6 +590,17 @@ def test_clip_coefficient_spec_formula():
     assert clip_coefficient(torch.tensor(10.0), 1.0) == pytest.approx(1.0 / (10.0 + 1e-6), rel=1e-7)
     with pytest.raises(ValueError, match="loss_scale"):
         clip_coefficient(1.0, 1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("norm", "max_norm", "scale"), [(2.6435 * 1024.0, 1.0, 1024.0), (0.5, 1.0, 1.0), (1e6, 0.0, 8.0)]
+)
+def test_gradient_divisor_is_deepspeeds_combined_scale(norm, max_norm, scale):
+    clip = (norm / scale + 1e-6) / max_norm if max_norm > 0 else 0.0
+    assert gradient_divisor(norm, max_norm, scale) == (scale * clip if clip > 1 else scale)
+    assert clip_coefficient(norm, max_norm, scale) == 1.0 / gradient_divisor(norm, max_norm, scale)
+    with pytest.raises(ValueError, match="loss_scale"):
+        gradient_divisor(1.0, 1.0, 0.0)
 
 
 @pytest.mark.parametrize("norm", [0.0, 0.3, 0.999999, 1.0, 1.5, 42.0])
