@@ -1,5 +1,5 @@
 """Per-rank scenarios for test_shared_memory_transport.py: the shared-memory collectives of one
-host (:mod:`shardwise.comm.shared_memory`) and the ZeRO stages 0-2 that use them."""
+host (:mod:`shardwise.comm.shared_memory`) and the ZeRO stages that use them."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from zero_reference import config, make_model, train_step
 import shardwise
 from shardwise.comm import shared_memory as shm
 from shardwise.comm import shm_barrier
+from shardwise.zero.stage3_shared_comm import SharedAllGather, SharedReduceScatter
 
 CPU = torch.device("cpu")
 
@@ -76,6 +77,38 @@ def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     buffers.mine.copy_(values[rank])
     buffers.all_reduce(ranges)
     out["all_reduce"] = torch.equal(buffers.mine, expected)
+    out.update(_staged(group, rank, world, shard, values, expected))
+    return out
+
+
+def _staged(
+    group: Any, rank: int, world: int, shard: int, values: list[torch.Tensor], expected: torch.Tensor
+) -> dict[str, bool]:
+    """Stage 3's pair (:meth:`SharedBuffers.gather_shards`, :meth:`SharedBuffers.sum_shards`) on a
+    byte buffer: into private tensors, in fp32 and bf16, the input staged by copy or in place."""
+    numel = shard * world
+    staging = group.allocate(numel * 4, torch.uint8)
+    out: dict[str, bool] = {}
+    lo, hi = rank * shard, (rank + 1) * shard
+    for dtype in (torch.float32, torch.bfloat16):
+        full = torch.empty(numel, dtype=dtype)
+        mine = values[rank][lo:hi].to(dtype)
+        full[lo:hi] = mine
+        staging.gather_shards(full, full[lo:hi])  # the shard is a view of the output, as in FSDP2
+        want = torch.cat([values[r][r * shard : (r + 1) * shard].to(dtype) for r in range(world)])
+        out[f"gather_shards_{dtype}"] = torch.equal(full, want)
+        separate = torch.empty(numel, dtype=dtype)
+        staging.gather_shards(separate, mine.clone())  # a shard of its own
+        out[f"gather_shards_separate_{dtype}"] = torch.equal(separate, want)
+    for in_place in (False, True):
+        output = torch.empty(shard)
+        if in_place:  # packed straight into the staging buffer (FSDP2's allocate hook): no copy
+            staged = staging.staging(numel, torch.float32)
+            staged.copy_(values[rank])
+            staging.sum_shards(output, staged)
+        else:
+            staging.sum_shards(output, values[rank].clone())
+        out[f"sum_shards_in_place_{in_place}"] = torch.equal(output, expected[lo:hi])
     return out
 
 
@@ -114,6 +147,31 @@ def refusals(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
             os.environ[shm.ENV_SWITCH] = saved[2]
 
 
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter (stage 3's are sharded DTensors)."""
+    data = param.detach()
+    return (data.full_tensor() if hasattr(data, "full_tensor") else data).clone()
+
+
+def _transport(strategy: Any) -> dict[str, Any]:
+    """Which buffers (stages 0-2) or FSDP2 hooks (stage 3) go through shared memory."""
+    if hasattr(strategy, "groups"):
+        return {
+            "shared_params": [g.shared_params is not None for g in strategy.groups],
+            "shared_grads": [g.shared_grads is not None for g in strategy.groups],
+        }
+    hooks = [
+        (group._all_gather_comm, group._reduce_scatter_comm)
+        for module in strategy.record.fsdp_modules()
+        for group in module._get_fsdp_state()._fsdp_param_groups
+    ]
+    return {
+        "shared_params": [isinstance(g, SharedAllGather) for g, _ in hooks],
+        "shared_grads": [isinstance(r, SharedReduceScatter) for _, r in hooks],
+        "reduce_fp32": strategy.record.policy.reduce_dtype == torch.float32,
+    }
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -144,16 +202,15 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         log.addHandler(records)
         try:
             torch.manual_seed(0)
-            bucket = {"reduce_bucket_size": case["bucket"]} if "bucket" in case else {}
-            cfg = config(case["stage"], case["precision"], case["gas"], 2, world, clip=0.05, **bucket)
+            zero = {"reduce_bucket_size": case["bucket"]} if "bucket" in case else {}
+            zero.update(case.get("zero", {}))
+            cfg = config(case["stage"], case["precision"], case["gas"], 2, world, clip=0.05, **zero)
             engine, *_ = shardwise.initialize(model=make_model(), config=cfg)
             losses = [loss for step in range(3) for loss in train_step(engine, step, rank, case["gas"])]
-            groups = engine.optimizer.groups
             out[mode] = {
                 "losses": losses,
-                "params": [p.detach().clone() for p in engine.module.parameters()],
-                "shared_params": [g.shared_params is not None for g in groups],
-                "shared_grads": [g.shared_grads is not None for g in groups],
+                "params": [_full(p) for p in engine.module.parameters()],
+                **_transport(engine.optimizer),
                 "logged": records.messages,
             }
             engine.destroy()

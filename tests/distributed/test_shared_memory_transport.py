@@ -5,7 +5,8 @@
 - Every rank agrees when one cannot share (no space, another host, the switch off, a /dev/shm of
   its own): no hang, no half-shared group, nothing left behind.
 - ZeRO stages 0-2 put their buffers there by default (stage 2: its parameters; its gradient
-  buckets stay private) and train bit-identically to gloo
+  buckets stay private), stage 3 its FSDP2 all-gathers and (fp32) reduce-scatters, through a
+  staging buffer per rank; all train bit-identically to gloo
   (``SHARDWISE_SHM_COLLECTIVES=0``); when a rank cannot reserve its buffers the engine warns,
   naming the fix, and trains through gloo. (Parity with the single-process reference under both
   transports: test_zero_parity.py.)
@@ -36,6 +37,12 @@ def test_collectives_are_rank_order_sums(world: int) -> None:
                 "all_gather",
                 "all_gather_pieces",
                 "all_reduce",
+                "gather_shards_torch.float32",
+                "gather_shards_torch.bfloat16",
+                "gather_shards_separate_torch.float32",
+                "gather_shards_separate_torch.bfloat16",
+                "sum_shards_in_place_False",
+                "sum_shards_in_place_True",
             ):
                 assert rank[key], key
 
@@ -63,6 +70,9 @@ TRAIN_CASES = [
     {"stage": 1, "precision": "bf16", "gas": 2},
     {"stage": 2, "precision": "fp32", "gas": 2},
     {"stage": 2, "precision": "bf16", "gas": 1, "bucket": 10**8},  # one reduce bucket
+    # every parameter sharded (the tiny model's would all stay whole under the default threshold)
+    {"stage": 3, "precision": "fp32", "gas": 2, "zero": {"stage3_param_persistence_threshold": 0}},
+    {"stage": 3, "precision": "bf16", "gas": 1, "zero": {"stage3_param_persistence_threshold": 0}},
 ]
 
 
@@ -72,13 +82,17 @@ def trained():
 
 
 @pytest.mark.parametrize("index", range(len(TRAIN_CASES)))
-def test_stages_0_to_2_train_bit_identically_through_shared_memory(trained, index: int) -> None:
+def test_every_stage_trains_bit_identically_through_shared_memory(trained, index: int) -> None:
     case = TRAIN_CASES[index]
     for rank in trained[index]:
         shared, gloo, refused = rank["shared"], rank["gloo"], rank["no_space"]
+        assert shared["shared_params"] and shared["shared_grads"]  # buffers or FSDP2 units to look at
         assert all(shared["shared_params"]) == (case["stage"] >= 1)  # stage 0 publishes nothing
-        # stage 2 keeps no full gradient buffer: its buckets stay private (its memory saving)
-        assert all(shared["shared_grads"]) == (case["stage"] < 2)
+        # stage 2 keeps no full gradient buffer: its buckets stay private (its memory saving);
+        # stage 3 reduces through shared memory when FSDP2 reduces in fp32
+        assert all(shared["shared_grads"]) == (case["stage"] < 2 or shared.get("reduce_fp32", False))
+        if case["stage"] == 3 and case["precision"] == "fp32":
+            assert shared["reduce_fp32"]
         for other in (gloo, refused):
             assert not any(other["shared_params"]) and not any(other["shared_grads"])
         for other in (gloo, refused):

@@ -196,6 +196,28 @@ def test_stage3_matches_single_process_reference(results, case):
         assert ranks[0]["units"] == [] and ranks[0]["n_sharded"] == 0
 
 
+@pytest.fixture(scope="module")
+def results_through_gloo():
+    """The plain grid with shared memory switched off: FSDP2's collectives through gloo (the
+    multi-host path: asynchronous reduce-scatters, :class:`DeferredReduceScatter`)."""
+    cases = GRID + CLIP
+    env = {"SHARDWISE_SHM_COLLECTIVES": "0"}
+    out = run_distributed_cases(run_case, cases, world_size=WORLD, timeout=900, env=env)
+    return dict(zip(map(_id, cases), out))
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: f"{c['precision']}-gas{c['gas']}")
+def test_stage3_through_gloo_matches_the_reference_and_shared_memory(results, results_through_gloo, case):
+    ref = reference_run(case["precision"], case["gas"], MICRO, WORLD, STEPS, reduce_every_micro=True)
+    ranks = results_through_gloo[_id(case)]
+    _assert_matches(ranks, ref)
+    for ours, shared in zip(ranks[0]["params"], results[_id(case)][0]["params"]):
+        assert torch.equal(ours, shared)  # two ranks: a + b either way
+    clipped = results_through_gloo[_id(CLIP[0])][0]
+    assert clipped["norms"] == results[_id(CLIP[0])][0]["norms"]
+    assert all(torch.equal(a, b) for a, b in zip(clipped["params"], results[_id(CLIP[0])][0]["params"]))
+
+
 def test_offload_really_moved_state(results):
     half = results[_id(OFFLOAD[0])][0]  # offload_optimizer cpu, ratio 0.5
     assert half["inner"] == "OffloadedOptimizer"

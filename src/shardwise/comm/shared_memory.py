@@ -168,6 +168,51 @@ class SharedBuffers:
         if record is not None:
             record.complete()
 
+    def staging(self, numel: int, dtype: torch.dtype, rank: int | None = None) -> torch.Tensor:
+        """The first ``numel`` elements of rank ``rank``'s buffer (default: this rank's) viewed
+        as ``dtype``: the staging area of :meth:`gather_shards` and :meth:`sum_shards`, whose
+        buffers are allocated as bytes (``torch.uint8``)."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.tensors[self.rank if rank is None else rank][:nbytes].view(dtype)
+
+    def gather_shards(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+        """All-gather into private memory: ``output`` (``world x shard.numel()`` contiguous
+        elements) gets every rank's ``shard`` in rank order. Each rank stages its shard in its own
+        byte buffer, which must hold ``shard``; ``shard`` may be a view of ``output``."""
+        n = shard.numel()
+        record = self._record("all_gather_into_tensor", (0, n * shard.element_size()))
+        self.staging(n, shard.dtype).copy_(shard.reshape(-1))
+        self.barrier()
+        rows = output.view(len(self.tensors), n)
+        for r in range(len(self.tensors)):
+            if r != self.rank:
+                rows[r].copy_(self.staging(n, shard.dtype, r))
+            elif rows[r].data_ptr() != shard.data_ptr():
+                rows[r].copy_(shard.reshape(-1))
+        self.barrier()
+        if record is not None:
+            record.complete()
+
+    def sum_shards(self, output: torch.Tensor, full: torch.Tensor) -> None:
+        """Reduce-scatter into private memory: ``output`` (``n`` elements) = the sum over ranks, in
+        rank order, of elements ``[rank * n, (rank + 1) * n)`` of every rank's ``full``. ``full`` is
+        staged in this rank's byte buffer unless it already is :meth:`staging` (no copy then)."""
+        n, dtype = output.numel(), full.dtype
+        record = self._record("reduce_scatter_tensor", (0, n * output.element_size()))
+        mine = self.staging(full.numel(), dtype)
+        if full.data_ptr() != mine.data_ptr():
+            mine.copy_(full.reshape(-1))
+        self.barrier()
+        lo, hi = self.rank * n, (self.rank + 1) * n
+        parts = [self.staging(full.numel(), dtype, r)[lo:hi] for r in range(len(self.tensors))]
+        out = output.view(-1)
+        torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out.add_(part)
+        self.barrier()
+        if record is not None:
+            record.complete()
+
     def _record(self, op: str, span: tuple[int, int]) -> Any:
         """Time the collective for the comms logger (under the name and size of the torch
         collective it replaces: the output shard, the input shard, the whole span), when it is on."""

@@ -25,10 +25,12 @@ Two things FSDP2 does not do by itself, measured on the benchmark GPT (2 gloo ra
 - inside an accumulation window, units that stay gathered between forward and backward
   also stay gathered until the next micro step (``set_reshard_after_backward``): the
   weights cannot change before the step, so the next forward needs no all-gather;
-- on CPU, reduce-scatters are issued asynchronously during backward and waited when it
-  ends (:class:`DeferredReduceScatter`), so they overlap the rest of backward (~12% per
-  step at GAS 4); gradients are then moved out of ``param.grad`` into accumulators, in
-  the order FSDP2 would have added them.
+- on CPU, when all ranks share a host, FSDP2's all-gathers and reduce-scatters go through
+  shared memory (:mod:`shardwise.zero.stage3_shared_comm`); otherwise reduce-scatters are
+  issued asynchronously during backward and waited when it ends
+  (:class:`DeferredReduceScatter`), so they overlap the rest of backward (~12% per step at
+  GAS 4); gradients are then moved out of ``param.grad`` into accumulators, in the order
+  FSDP2 would have added them.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_model import ShardedModel
 from shardwise.zero.sharded_optimizer import OptimizerFactory
 from shardwise.zero.stage3_memory import breakdown
+from shardwise.zero.stage3_shared_comm import open_unit_comms
 from shardwise.zero.state_layout import (
     GRADIENTS_UNAVAILABLE,
     GradientLayout,
@@ -182,18 +185,25 @@ class Stage3Optimizer(ZeroStrategy):
         self._acc: dict[int, torch.Tensor] = {}
         self._arrived: set[int] = set()  # id of each sharded parameter a gradient reached this window
         self._deferred: DeferredReduceScatter | None = None
+        cpu_fp32 = record.policy.device.type == "cpu" and record.policy.reduce_dtype == torch.float32
+        shared = None  # ranks on one host: FSDP2's collectives through shared memory
+        if cpu_fp32 and not policy.quantized_gradients and policy.world_size > 1:
+            shared = open_unit_comms(record.fsdp_modules(), policy.rank)
         if policy.quantized_gradients:
             for module in record.fsdp_modules():
                 module.set_custom_reduce_scatter(QuantizedReduceScatter())  # type: ignore[operator]
+        elif shared is not None:
+            for module in record.fsdp_modules():
+                module.set_custom_reduce_scatter(shared[1])  # type: ignore[operator]
         elif (
-            record.policy.device.type == "cpu"
-            and record.policy.reduce_dtype == torch.float32
-            and record.swapper is None  # deferring holds every unit's full gradients until backward ends
-        ):
+            cpu_fp32 and record.swapper is None
+        ):  # deferring holds every unit's full gradients until backward ends
             self._deferred = DeferredReduceScatter()
             for module in record.fsdp_modules():
                 module.set_custom_reduce_scatter(self._deferred)  # type: ignore[operator]
-        gather = all_gather_hook(policy.quantized_weights)  # qwZ, or a logged plain one, or FSDP2's own
+        gather: Any = all_gather_hook(policy.quantized_weights)  # qwZ, or a logged plain one, or FSDP2's own
+        if shared is not None and not policy.quantized_weights:
+            gather = shared[0]
         if gather is not None:
             for module in record.fsdp_modules():
                 module.set_custom_all_gather(gather)  # type: ignore[operator]

@@ -1,0 +1,172 @@
+"""Stage 3 on one host: FSDP2's all-gathers and reduce-scatters through shared memory.
+
+Stages 0-2 keep their flat buffers in shared memory (:mod:`shardwise.zero.shared_buffers`).
+Stage 3's buffers belong to FSDP2, which allocates them per unit and per collective, so here
+the collectives themselves are replaced through FSDP2's hooks (``set_custom_all_gather`` and
+``set_custom_reduce_scatter``), with a small staging buffer per rank in ``/dev/shm``:
+
+* all-gather: each rank stages its shard of the unit (one copy of ``1/world`` of the unit),
+  then copies the other ranks' shards out of their staging buffers; gloo would have sent the
+  unit over loopback TCP, at a CPU cost of several times that copy on each rank;
+* reduce-scatter: FSDP2 asks the hook for the buffer it packs the unit's gradients into; the
+  hook hands it the staging buffer itself, so each rank then sums its slice over the ranks'
+  buffers, in rank order, straight into its shard gradient: no copy at all, one summing pass.
+
+Both are synchronous (fenced by the shared barrier on entry and exit, like every collective of
+:mod:`shardwise.comm.shared_memory`): the work is a memory copy, which FSDP2's asynchronous
+path would only have moved to gloo's thread on the same cores. The staging buffers are sized
+for the largest unit (its shard for the gather, the whole unit for the reduction, at 4 bytes an
+element); a call the buffers cannot take (a larger dtype, another group such as hpZ's secondary
+one) goes through gloo as before, decided from numbers every rank shares. Sums in rank order
+make every rank's result identical and the same as gloo's with two ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise import comm
+from shardwise.comm import collectives
+from shardwise.comm.quantized_collectives import LoggedAllGather
+from shardwise.comm.shared_memory import ENV_SWITCH, SHM_DIR, SharedBuffers, open_shared_memory
+from shardwise.utils.logging import logger
+
+__all__ = ["SharedAllGather", "SharedReduceScatter", "open_unit_comms"]
+
+_STAGING_ITEMSIZE = 4  # fp32 and narrower dtypes fit
+
+
+class SharedAllGather:
+    """FSDP2 all-gather hook through :meth:`SharedBuffers.gather_shards` (gloo outside its group)."""
+
+    def __init__(self, buffers: SharedBuffers, group: Any, capacity: int) -> None:
+        self.buffers, self.group, self.capacity = buffers, group, capacity
+        self._fallback = LoggedAllGather()
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+    ) -> None:
+        if group is not self.group or input_tensor.numel() * input_tensor.element_size() > self.capacity:
+            self._fallback(output_tensor, input_tensor, group, async_op)
+            return
+        self.buffers.gather_shards(output_tensor, input_tensor)
+
+
+class SharedReduceScatter:
+    """FSDP2 reduce-scatter hook through :meth:`SharedBuffers.sum_shards` (gloo outside its group).
+
+    FSDP2 allocates the packed gradient (the reduce-scatter's input) first, then the output
+    shard; the first allocation after each reduction that fits is the staging buffer itself.
+    """
+
+    def __init__(self, buffers: SharedBuffers, group: Any, capacity: int) -> None:
+        self.buffers, self.group, self.capacity = buffers, group, capacity
+        self._input_next = True
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(size)
+        if self._input_next and numel * torch.empty((), dtype=dtype).element_size() <= self.capacity:
+            self._input_next = False
+            return self.buffers.staging(numel, dtype).view(*size)
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        self._input_next = True
+        if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
+            raise ValueError(
+                f"stage 3 reduce-scatter hook: FSDP2 asked for {op!r}; only SUM and AVG occur on CPU"
+            )
+        staging = self.buffers.staging(1, output_tensor.dtype)
+        lo, hi = staging.data_ptr(), staging.data_ptr() + self.capacity
+        if lo <= output_tensor.data_ptr() < hi:  # FSDP2 changed its allocation order: never alias
+            raise RuntimeError(
+                "stage 3 reduce-scatter hook: the output shard was allocated in the staging buffer"
+            )
+        nbytes = input_tensor.numel() * input_tensor.element_size()
+        if group is not self.group or nbytes > self.capacity:
+            op_name = "sum" if op == comm.ReduceOp.SUM else "avg"
+            collectives.reduce_scatter_flat(output_tensor, input_tensor, group, op=op_name)
+            return
+        self.buffers.sum_shards(output_tensor, input_tensor)
+        if op == comm.ReduceOp.AVG:
+            output_tensor.div_(dist.get_world_size(group))
+
+
+def _largest_unit_shard(fsdp_modules: Sequence[Any]) -> int:
+    """Elements in the largest unit's padded shard (what one rank contributes to its all-gather)."""
+    largest = 0
+    for module in fsdp_modules:
+        for param_group in module._get_fsdp_state()._fsdp_param_groups:
+            numel = sum(p.padded_sharded_param_size.numel() for p in param_group.fsdp_params)
+            largest = max(largest, numel)
+    return largest
+
+
+def _unit_group(fsdp_modules: Sequence[Any]) -> Any:
+    """The process group FSDP2 gathers and reduces the units over (one for all units), or None."""
+    groups = {
+        id(pg.mesh_info.shard_process_group): pg.mesh_info.shard_process_group
+        for module in fsdp_modules
+        for pg in module._get_fsdp_state()._fsdp_param_groups
+    }
+    return next(iter(groups.values())) if len(groups) == 1 else None
+
+
+def open_unit_comms(
+    fsdp_modules: Sequence[Any], rank: int
+) -> tuple[SharedAllGather, SharedReduceScatter] | None:
+    """The two hooks when every rank of the units' group runs on this host over gloo on CPU;
+    None otherwise (saying why on rank 0 where it is a rank's failure). Collective."""
+    group = _unit_group(fsdp_modules)
+    if group is None:
+        return None
+    opened = open_shared_memory(group, torch.device("cpu"))
+    reason = opened if isinstance(opened, str) else ""
+    if not reason:
+        assert not isinstance(opened, str)
+        shard_bytes = _largest_unit_shard(fsdp_modules) * _STAGING_ITEMSIZE
+        world = dist.get_world_size(group)
+        gather = opened.allocate(shard_bytes, torch.uint8)
+        reduce = opened.allocate(shard_bytes * world, torch.uint8) if not isinstance(gather, str) else gather
+        if isinstance(reduce, str):
+            reason = reduce
+        else:
+            assert not isinstance(gather, str)
+            if rank == 0:
+                logger.info(
+                    "ZeRO stage 3: the %d ranks share this host: FSDP2's all-gathers and reduce-scatters go "
+                    "through shared memory (%.1f MiB of staging per rank; %s=0: through gloo)",
+                    world,
+                    shard_bytes * (world + 1) / 2**20,
+                    ENV_SWITCH,
+                )
+            return SharedAllGather(gather, group, shard_bytes), SharedReduceScatter(
+                reduce, group, shard_bytes * world
+            )
+    if rank == 0 and not (reason.startswith("rank ") and "could not" in reason):
+        if not reason.endswith(f"{ENV_SWITCH}=0"):
+            logger.info("ZeRO stage 3: collectives through gloo, not shared memory: %s", reason)
+    elif rank == 0:
+        logger.warning(
+            "ZeRO stage 3: FSDP2's collectives travel through gloo, not shared memory, because %s; give %s more "
+            "room (docker: --shm-size) or set %s=0 to choose gloo and silence this",
+            reason,
+            SHM_DIR,
+            ENV_SWITCH,
+        )
+    return None
