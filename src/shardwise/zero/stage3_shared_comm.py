@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardwise import comm
 from shardwise.comm import collectives
@@ -104,7 +103,7 @@ class SharedReduceScatter:
             return
         self.buffers.sum_shards(output_tensor, input_tensor)
         if op == comm.ReduceOp.AVG:
-            output_tensor.div_(dist.get_world_size(group))
+            output_tensor.div_(comm.get_world_size(group))
 
 
 def _largest_unit_shard(fsdp_modules: Sequence[Any]) -> int:
@@ -140,7 +139,7 @@ def open_unit_comms(
     if not reason:
         assert not isinstance(opened, str)
         shard_bytes = _largest_unit_shard(fsdp_modules) * _STAGING_ITEMSIZE
-        world = dist.get_world_size(group)
+        world = comm.get_world_size(group)
         gather = opened.allocate(shard_bytes, torch.uint8)
         reduce = opened.allocate(shard_bytes * world, torch.uint8) if not isinstance(gather, str) else gather
         if isinstance(reduce, str):
