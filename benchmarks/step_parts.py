@@ -5,7 +5,8 @@ At the accumulation boundary ``engine.step()`` runs the strategy's step
 :class:`shardwise.zero.stage3.Stage3Optimizer` at stage 3). Its parts, in order:
 
 * ``norm``: the squared gradient norm and its all-reduce (``_squared_norm``);
-* ``scale``: the one multiply that averages, unscales and clips (``_scale_gradients``);
+* ``scale``: the one division that averages, unscales and clips (``_scale_gradients``; nothing
+  when fused AdamW does it in its own pass, :mod:`shardwise.zero.grad_fold`);
 * ``adamw``: the inner torch optimizer's step (timed by the worker's ``OptimizerStepTimer``);
 * ``cast``: fp32 masters back into 16-bit parameters (``_cast_masters_to_params``, stages 0-2;
   nothing to do in fp32, where masters are views of the parameters);
@@ -18,7 +19,7 @@ At the accumulation boundary ``engine.step()`` runs the strategy's step
 
 The *local step* (the issue's "unscale, clip, AdamW, cast back") is ``scale + adamw + cast``; its
 bandwidth counts the bytes one fused pass would have to move: AdamW's 7 arrays (read p, g, m, v;
-write p, m, v) and the cast's 16-bit write. A separate multiply pass adds time, no counted bytes.
+write p, m, v) and the cast's 16-bit write. A separate division pass adds time, no counted bytes.
 
 The worker wraps those methods on the engine's strategy instance (the library is not changed for
 the benchmark); nothing is wrapped for other frameworks.
