@@ -119,7 +119,9 @@ def model_state_bytes(roots: list[Any]) -> int:
     (hooks often keep their buffers only there). Storages are de-duplicated by address, so
     views of one flat buffer count once; storages freed by resizing to zero (FSDP2's unsharded
     parameters between steps) count nothing. Of shardwise's shared-memory buffers
-    (``SharedBuffers``, every rank's buffer mapped in every rank) only this rank's own counts.
+    (``SharedBuffers``, every rank's buffer mapped in every rank) only this rank's own counts, and
+    only while it holds memory (``resident``: stage 2's gradient staging gives it back after each
+    reduction).
     """
     import torch
 
@@ -151,8 +153,10 @@ def model_state_bytes(roots: list[Any]) -> int:
         if depth >= _WALK_MAX_DEPTH:
             continue
         if type(obj).__name__ == "SharedBuffers":
-            # shardwise's shared-memory buffers map every rank's buffer; the others' are their memory
-            stack.append((obj.mine, depth + 1))
+            # shardwise's shared-memory buffers map every rank's buffer; the others' are their memory;
+            # a released one (stage 2's gradient staging between reductions) holds none
+            if getattr(obj, "resident", True):
+                stack.append((obj.mine, depth + 1))
             continue
         children: list[Any] = []
         if isinstance(obj, dict):

@@ -78,6 +78,47 @@ def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     buffers.all_reduce(ranges)
     out["all_reduce"] = torch.equal(buffers.mine, expected)
     out.update(_staged(group, rank, world, shard, values, expected))
+    out.update(_released(group, rank, world))
+    return out
+
+
+def _released(group: Any, rank: int, world: int) -> dict[str, bool]:
+    """A releasable buffer gives its pages back (its file holds no blocks; every rank reads zeros),
+    takes them again, and says what to do when /dev/shm has no room left for that."""
+    buffers = group.allocate(5000, torch.float32, releasable=True)
+    assert buffers.own_fd is not None
+    blocks = lambda: os.fstat(buffers.own_fd).st_blocks  # noqa: E731
+    buffers.mine.fill_(rank + 1.0)
+    buffers.barrier()
+    out = {"release_before": blocks() > 0}
+    buffers.release()
+    buffers.barrier()
+    out["released"] = blocks() == 0 and not buffers.resident
+    buffers.barrier()  # (tmpfs: reading a hole maps a page in again; nobody reads before every check)
+    out["released_reads_zeros"] = all(bool((t == 0).all()) for t in buffers.tensors)
+    buffers.barrier()
+    buffers.reserve()
+    buffers.mine.fill_(rank + 2.0)
+    buffers.barrier()
+    out["reserved"] = blocks() * 512 >= 5000 * 4 and buffers.resident
+    out["reserved_reads_values"] = all(bool((t == r + 2.0).all()) for r, t in enumerate(buffers.tensors))
+    buffers.barrier()
+    buffers.release()
+    saved = os.posix_fallocate
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    os.posix_fallocate = full
+    try:
+        buffers.reserve()
+        out["full_is_an_error"] = False
+    except RuntimeError as exc:
+        out["full_is_an_error"] = (
+            "--shm-size" in str(exc) and shm.ENV_SWITCH in str(exc) and not buffers.resident
+        )
+    finally:
+        os.posix_fallocate = saved
     return out
 
 
@@ -159,6 +200,13 @@ def _transport(strategy: Any) -> dict[str, Any]:
         return {
             "shared_params": [g.shared_params is not None for g in strategy.groups],
             "shared_grads": [g.shared_grads is not None for g in strategy.groups],
+            "staged": [g.shared_staging is not None for g in strategy.groups],
+            # the staging buffer holds no memory between steps (its file's allocated blocks)
+            "staging_blocks": [
+                os.fstat(g.shared_staging.own_fd).st_blocks if g.shared_staging is not None else 0
+                for g in strategy.groups
+                if g.shared_staging is not None and g.shared_staging.own_fd is not None
+            ],
         }
     hooks = [
         (group._all_gather_comm, group._reduce_scatter_comm)

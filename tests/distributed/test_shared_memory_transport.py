@@ -2,6 +2,7 @@
 
 - The collectives give exactly the sums taken in rank order (bitwise, at 2 and 3 ranks: rank 2
   sums through its scratch block), leave the other ranges alone, and leave nothing in /dev/shm.
+  A releasable buffer gives its pages back and takes them again (a full /dev/shm: a clear error).
 - Every rank agrees when one cannot share (no space, another host, the switch off, a /dev/shm of
   its own): no hang, no half-shared group, nothing left behind.
 - ZeRO stages 0-2 put their buffers there by default (stage 2: its parameters; its gradient
@@ -43,6 +44,12 @@ def test_collectives_are_rank_order_sums(world: int) -> None:
                 "gather_shards_separate_torch.bfloat16",
                 "sum_shards_in_place_False",
                 "sum_shards_in_place_True",
+                "release_before",
+                "released",
+                "released_reads_zeros",
+                "reserved",
+                "reserved_reads_values",
+                "full_is_an_error",
             ):
                 assert rank[key], key
 
@@ -88,9 +95,15 @@ def test_every_stage_trains_bit_identically_through_shared_memory(trained, index
         shared, gloo, refused = rank["shared"], rank["gloo"], rank["no_space"]
         assert shared["shared_params"] and shared["shared_grads"]  # buffers or FSDP2 units to look at
         assert all(shared["shared_params"]) == (case["stage"] >= 1)  # stage 0 publishes nothing
-        # stage 2 keeps no full gradient buffer: its buckets stay private (its memory saving);
+        # stage 2 keeps no full gradient buffer (its memory saving): it stages one bucket instead;
         # stage 3 reduces through shared memory when FSDP2 reduces in fp32
         assert all(shared["shared_grads"]) == (case["stage"] < 2 or shared.get("reduce_fp32", False))
+        if case["stage"] == 2:
+            # staged only when the model fits in one reduce bucket; released between steps (the
+            # file holds no blocks after the step)
+            assert all(shared["staged"]) == ("bucket" in case)
+            assert shared["staging_blocks"] == [0] * sum(shared["staged"])
+            assert not any(gloo["staged"]) and not any(refused["staged"])
         if case["stage"] == 3 and case["precision"] == "fp32":
             assert shared["reduce_fp32"]
         for other in (gloo, refused):

@@ -30,10 +30,13 @@ Opt out with ``SHARDWISE_SHM_COLLECTIVES=0`` (gloo then carries everything, as b
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
 import socket
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +100,37 @@ class SharedBuffers:
     tensors: list[torch.Tensor]
     rank: int
     fence: Callable[[], None]  # the group's barrier
+    own_fd: int | None = None  # this rank's file, kept open by ``allocate(releasable=True)``
+    nbytes: int = 0
+    resident: bool = True
+
+    def __post_init__(self) -> None:
+        if self.own_fd is not None:
+            weakref.finalize(self, os.close, self.own_fd)
+
+    def release(self) -> None:
+        """Give this rank's buffer's memory back to the system (its contents become zeros).
+        Only between collectives: every rank must be done reading it (the exit barrier)."""
+        if self.own_fd is None or not self.resident:
+            return
+        if _punch_hole(self.own_fd, self.nbytes):
+            self.resident = False
+
+    def reserve(self) -> None:
+        """Take this rank's buffer's memory again before writing it (after :meth:`release`), so a
+        full ``/dev/shm`` is an error here, never a ``SIGBUS`` on a later write."""
+        if self.resident or self.own_fd is None:
+            return
+        try:
+            os.posix_fallocate(self.own_fd, 0, self.nbytes)
+        except OSError as exc:
+            raise RuntimeError(
+                f"rank {self.rank}: {SHM_DIR} has no room for this rank's {self.nbytes / 2**20:.1f} MiB "
+                f"gradient staging buffer any more ({exc.strerror}); it had room when training started. Free "
+                f"space in {SHM_DIR} or give it more (docker: --shm-size), or set {ENV_SWITCH}=0 to train "
+                "through gloo"
+            ) from exc
+        self.resident = True
 
     @property
     def mine(self) -> torch.Tensor:
@@ -107,15 +141,16 @@ class SharedBuffers:
         """Wait until every rank of the group gets here."""
         self.fence()
 
-    def _sum_into_mine(self, lo: int, hi: int) -> None:
-        """``mine[lo:hi]`` = the sum over ranks of ``tensors[r][lo:hi]``, added in rank order."""
+    def _sum(self, lo: int, hi: int, out: torch.Tensor | None = None, accumulate: bool = False) -> None:
+        """The sum over ranks of ``tensors[r][lo:hi]``, added in rank order, written to ``out``
+        (default: this rank's own ``mine[lo:hi]``), or added to it with ``accumulate``."""
         if hi <= lo:
             return
-        out = self.mine[lo:hi]
+        out = self.mine[lo:hi] if out is None else out
         parts = [t[lo:hi] for t in self.tensors]
-        if self.rank <= 1:
-            # out is parts[0] or parts[1]: b0 + b1 written in place reads each element before
-            # writing it, then the later ranks are added in order
+        if not accumulate and (self.rank <= 1 or not _overlaps(out, self.mine)):
+            # out is parts[0], parts[1] or apart from every part: b0 + b1 written in place reads
+            # each element before writing it, then the later ranks are added in order
             torch.add(parts[0], parts[1], out=out)
             for part in parts[2:]:
                 out.add_(part)
@@ -127,14 +162,21 @@ class SharedBuffers:
             torch.add(parts[0][a:b], parts[1][a:b], out=block)
             for part in parts[2:]:
                 block.add_(part[a:b])
-            out[a:b].copy_(block)
+            if accumulate:
+                out[a:b].add_(block)
+            else:
+                out[a:b].copy_(block)
 
-    def reduce_scatter(self, ranges: Sequence[tuple[int, int]]) -> None:
+    def reduce_scatter(
+        self, ranges: Sequence[tuple[int, int]], out: torch.Tensor | None = None, accumulate: bool = False
+    ) -> None:
         """Each rank's range ``ranges[r]`` (absolute, in the flat buffer) of its own buffer
-        becomes the sum of that range over all ranks' buffers; the rest is left as it was."""
+        becomes the sum of that range over all ranks' buffers; the rest is left as it was. With
+        ``out`` (a tensor of that range's size) the sums go there instead, or are added to it
+        with ``accumulate``."""
         record = self._record("reduce_scatter_tensor", ranges[self.rank])
         self.barrier()
-        self._sum_into_mine(*ranges[self.rank])
+        self._sum(*ranges[self.rank], out=out, accumulate=accumulate)
         self.barrier()
         if record is not None:
             record.complete()
@@ -161,7 +203,7 @@ class SharedBuffers:
         copies the others'."""
         record = self._record("all_reduce", (min(a for a, _ in ranges), max(b for _, b in ranges)))
         self.barrier()
-        self._sum_into_mine(*ranges[self.rank])
+        self._sum(*ranges[self.rank])
         self.barrier()
         self._copy_others(ranges)
         self.barrier()
@@ -228,6 +270,26 @@ class SharedBuffers:
                 mine[lo:hi].copy_(self.tensors[r][lo:hi])
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' storages are the same memory."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def _punch_hole(fd: int, nbytes: int) -> bool:
+    """Free the pages of the file ``fd`` (tmpfs: back to the system; every mapping then reads
+    zeros). The standard library has no ``fallocate`` with a mode, so libc's is called."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    whole_pages = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE  # the last partial page too
+    done = libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, whole_pages) == 0
+    if not done:
+        logger.debug("could not release a shared-memory buffer: %s", os.strerror(ctypes.get_errno()))
+    return done
+
+
 def _everyones(reason: str, group: Any) -> str:
     """Every rank's reason (empty: none), joined; the same string on every rank."""
     reasons: list[Any] = [None] * dist.get_world_size(group)
@@ -254,20 +316,25 @@ class SharedMemoryGroup:
     def _gloo_barrier(self) -> None:
         dist.barrier(group=self.group)
 
-    def allocate(self, numel: int, dtype: torch.dtype) -> SharedBuffers | str:
+    def allocate(self, numel: int, dtype: torch.dtype, releasable: bool = False) -> SharedBuffers | str:
         """Zero-filled flat buffers of ``numel`` elements, one per rank, all mapped in every rank.
         Collective: every rank calls it with the same arguments. Returns the reason instead when
-        any rank could not get its buffer or map another's (no rank keeps any then)."""
+        any rank could not get its buffer or map another's (no rank keeps any then).
+        ``releasable`` keeps this rank's file open, for :meth:`SharedBuffers.release` and
+        :meth:`SharedBuffers.reserve`."""
         self._count += 1
         paths = [SHM_DIR / f"{self._prefix}-{self._count}-{r}" for r in range(self.world)]
         nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
         reason = ""
+        kept: int | None = None
         try:
             fd = os.open(paths[self.rank], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.posix_fallocate(fd, 0, nbytes)
+                kept, fd = (fd, -1) if releasable else (None, fd)
             finally:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
         except OSError as exc:
             reason = (
                 f"rank {self.rank} could not reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: {exc.strerror}"
@@ -290,8 +357,10 @@ class SharedMemoryGroup:
         dist.barrier(group=self.group)
         paths[self.rank].unlink(missing_ok=True)
         if reason:
+            if kept is not None:
+                os.close(kept)
             return reason
-        return SharedBuffers([t[:numel] for t in tensors], self.rank, lambda: self.barrier())
+        return SharedBuffers([t[:numel] for t in tensors], self.rank, lambda: self.barrier(), kept, nbytes)
 
 
 def open_shared_memory(group: Any, device: torch.device) -> SharedMemoryGroup | str:

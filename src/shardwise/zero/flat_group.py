@@ -15,7 +15,10 @@ between reductions; stage 2 keeps only the shard gradients (the memory saving).
 With a :class:`~shardwise.comm.shared_memory.SharedMemoryGroup` (all ranks on one host, CPU,
 gloo) the (sharded) parameter buffer and the full gradient buffer live in shared memory, every rank's
 mapped in every rank (``shared_params``, ``shared_grads``), so reductions and gathers are reads
-of the other ranks' buffers instead of gloo transfers.
+of the other ranks' buffers instead of gloo transfers. At stage 2 (no full gradient buffer) a group
+that fits in one reduce bucket stages each micro step's gradients in a shared buffer of that
+bucket's size instead (``shared_staging``), whose memory is given back after each reduction and
+taken again by the next backward, so between steps stage 2 holds no full-size gradient buffer.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class FlatGroup:
         grad_dtype: torch.dtype,
         align: int = 1,
         shared: SharedMemoryGroup | None = None,
+        shared_staging: bool = False,
     ) -> None:
         if not params:
             raise ValueError("a FlatGroup needs at least one parameter")
@@ -63,6 +67,7 @@ class FlatGroup:
         # (stages 1-2), the full gradient buffer (stages 0-1); why not, if the group could not
         self.not_shared: str | None = None
         self.shared_grads: SharedBuffers | None = None
+        self.shared_staging: SharedBuffers | None = None
         self.shared_params: SharedBuffers | None = self._allocate_shared(
             shared if shard else None, total, self.dtype
         )
@@ -84,6 +89,13 @@ class FlatGroup:
                 if self.shared_grads is not None
                 else torch.zeros(total, dtype=grad_dtype, device=self.device)
             )
+        elif shared_staging and len(self.layout.buckets) == 1:
+            # stage 2 with the whole group in one reduce bucket: the bucket's micro-step gradients
+            # are staged in shared memory, each rank summing its shard from every rank's staging
+            # buffer; released between reductions (the reducer calls release/reserve)
+            self.shared_staging = self._allocate_shared(shared, total, grad_dtype, releasable=True)
+            if self.shared_staging is not None:
+                self.shared_staging.release()
         self.owned = [self.owned_range(b) for b in range(len(self.layout.buckets))]
         self.master: list[torch.Tensor] = []
         self.grad: list[torch.Tensor] = []
@@ -122,13 +134,13 @@ class FlatGroup:
         self._written = [False] * len(self.params)
 
     def _allocate_shared(
-        self, shared: SharedMemoryGroup | None, numel: int, dtype: torch.dtype
+        self, shared: SharedMemoryGroup | None, numel: int, dtype: torch.dtype, releasable: bool = False
     ) -> SharedBuffers | None:
         """Zero-filled shared buffers from ``shared`` (collective), or None (then ``not_shared``
         says why, if ``shared`` was given)."""
         if shared is None:
             return None
-        got = shared.allocate(numel, dtype)
+        got = shared.allocate(numel, dtype, releasable=releasable)
         if isinstance(got, str):
             self.not_shared = got
             return None

@@ -19,8 +19,9 @@ gradients for ``cpu``) off the device: ``offloaded_host`` for ``cpu``, ``offload
 for files (``nvme`` keeps no state in memory between steps). Stage 3's ``offload_param``
 moves parameters and gradients to the host (``cpu``) or parameters to files (``nvme``,
 read back for forward, backward and the step: the plan counts them in both places, as
-the step sees them). Transient buffers (gathered units, reduction buckets) are not
-model state and are not counted.
+the step sees them). Transient buffers (gathered units, reduction buckets, stage 2's
+shared-memory gradient staging, which is given back after each reduction) are not model
+state and are not counted.
 
 Pure Python: a model is only asked for ``parameters()``.
 """

@@ -11,6 +11,13 @@ done.
 Progressive (see :mod:`shardwise.zero.launch_order`) where the reduce-scatter is an exchange
 between the shard owners: a piece may cut across shards and each rank receives the sums of
 its own part of it. Otherwise whole buckets go, in sequence.
+
+When every group is one bucket staged in shared memory (``FlatGroup.shared_staging``: all ranks
+on one host), the bucket buffer is that staging buffer, and at the end of backward each rank sums
+its shard from every rank's staging buffer straight into (or onto) its shard accumulator. The
+staging buffer's memory is taken before the micro step writes it and given back once every rank
+has summed (:meth:`~shardwise.comm.shared_memory.SharedBuffers.reserve` / ``release``), as the
+private bucket buffer is allocated and freed.
 """
 
 from __future__ import annotations
@@ -33,10 +40,13 @@ class ShardAccumulatorReducer(GradientReducer):
         self._fresh = [[True] * len(g.layout.buckets) for g in groups]  # per bucket: no sums yet this window
         self._bucket_buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._bucket_written: dict[tuple[int, int], set[int]] = {}  # parameters written per bucket buffer
+        self.shared = all(
+            g.shared_staging is not None and policy.comm_dtype in (None, g.grad_dtype) for g in groups
+        )
         super().__init__(groups, policy, process_group)
 
     def _reduces_in_pieces(self, algorithm: str) -> bool:
-        return self._piece_exchange
+        return self._piece_exchange and not self.shared
 
     def new_accumulation(self) -> None:
         """Called after the optimizer step: shard accumulators start fresh."""
@@ -69,7 +79,13 @@ class ShardAccumulatorReducer(GradientReducer):
         buf = self._bucket_buffers.get(key)
         if buf is None:
             group = self.groups[gi]
-            buf = torch.empty(group.layout.buckets[bucket].numel, dtype=group.grad_dtype, device=group.device)
+            plan = group.layout.buckets[bucket]
+            if self.shared:
+                assert group.shared_staging is not None
+                group.shared_staging.reserve()
+                buf = group.shared_staging.mine[plan.start : plan.end]
+            else:
+                buf = torch.empty(plan.numel, dtype=group.grad_dtype, device=group.device)
             self._bucket_buffers[key] = buf
             self._bucket_written[key] = set()
         return buf
@@ -138,6 +154,9 @@ class ShardAccumulatorReducer(GradientReducer):
 
     def _launch_bucket(self, gi: int, bucket: int) -> None:
         """Reduce-scatter one whole bucket buffer into (or onto) this rank's shard accumulator."""
+        if self.shared:
+            self._reduce_shared(gi, bucket)
+            return
         group = self.groups[gi]
         plan = group.layout.buckets[bucket]
         source = self._bucket_buffer(gi, bucket)
@@ -168,3 +187,29 @@ class ShardAccumulatorReducer(GradientReducer):
             self._bucket_buffers.pop((gi, bucket), None)
 
         self._in_flight(work, after)
+
+    def _reduce_shared(self, gi: int, bucket: int) -> None:
+        """Sum this rank's shard of a staged bucket over every rank's staging buffer, into (or
+        onto) its shard accumulator, at once (the ranks' barriers inside), then give the staging
+        buffer's memory back."""
+        group = self.groups[gi]
+        staging = group.shared_staging
+        assert staging is not None
+        plan = group.layout.buckets[bucket]
+        source = self._bucket_buffer(gi, bucket)
+        written = self._bucket_written.pop((gi, bucket), set())
+        self._zero_unwritten(gi, bucket, source, (plan.start, plan.end), plan.param_indices, written)
+        self._wire(source)  # the pre-multiplier, in place
+        ranges = [plan.shard_range(r) for r in range(group.world_size)]
+        accumulate = not self._fresh[gi][bucket]
+        target = group.grad[bucket]
+        if self.policy.all_reduce_gradients:  # reduce_scatter: false: all-reduce, then this rank's slice
+            staging.all_reduce(ranges)
+            lo, hi = group.owned[bucket]
+            mine = source[lo - plan.start : hi - plan.start]
+            target.add_(mine) if accumulate else target.copy_(mine)
+        else:
+            staging.reduce_scatter(ranges, out=target, accumulate=accumulate)
+        self._fresh[gi][bucket] = False
+        self._bucket_buffers.pop((gi, bucket), None)
+        staging.release()  # every rank has summed: the exit barrier of the collective above

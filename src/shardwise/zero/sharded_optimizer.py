@@ -129,6 +129,7 @@ class ZeroOptimizer(ZeroStrategy):
                     full_grad_buffer=policy.stage < 2,
                     grad_dtype=policy.grad_dtype,
                     shared=shared if key[1].type == "cpu" else None,
+                    shared_staging=policy.stage == 2,
                 )
                 self.groups.append(flat)
                 self.group_index.append(gi)

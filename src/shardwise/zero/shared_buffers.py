@@ -56,7 +56,12 @@ def log_transport(groups: Sequence[FlatGroup], stage: int, rank: int, world_size
             stage,
             world_size,
             {0: "gradients are all-reduced", 1: "gradients are reduced and parameters gathered"}.get(
-                stage, "parameters are gathered (stage 2 reduces its gradient buckets through gloo)"
+                stage,
+                "gradients are reduced (staged in a buffer of one bucket, given back after each reduction) "
+                "and parameters gathered"
+                if all(flat.shared_staging is not None for flat in groups)
+                else "parameters are gathered (stage 2 reduces its gradient buckets through gloo: the model "
+                "does not fit in one reduce_bucket_size)",
             ),
             ENV_SWITCH,
         )
