@@ -151,17 +151,13 @@ class SharedBuffers:
         if not accumulate and (self.rank <= 1 or not _overlaps(out, self.mine)):
             # out is parts[0], parts[1] or apart from every part: b0 + b1 written in place reads
             # each element before writing it, then the later ranks are added in order
-            torch.add(parts[0], parts[1], out=out)
-            for part in parts[2:]:
-                out.add_(part)
+            _add_in_rank_order(parts, out)
             return
         scratch = torch.empty(min(_SCRATCH_NUMEL, hi - lo), dtype=out.dtype)
         for a in range(0, hi - lo, _SCRATCH_NUMEL):
             b = min(a + _SCRATCH_NUMEL, hi - lo)
             block = scratch[: b - a]
-            torch.add(parts[0][a:b], parts[1][a:b], out=block)
-            for part in parts[2:]:
-                block.add_(part[a:b])
+            _add_in_rank_order([part[a:b] for part in parts], block)
             if accumulate:
                 out[a:b].add_(block)
             else:
@@ -247,10 +243,7 @@ class SharedBuffers:
         self.barrier()
         lo, hi = self.rank * n, (self.rank + 1) * n
         parts = [self.staging(full.numel(), dtype, r)[lo:hi] for r in range(len(self.tensors))]
-        out = output.view(-1)
-        torch.add(parts[0], parts[1], out=out)
-        for part in parts[2:]:
-            out.add_(part)
+        _add_in_rank_order(parts, output.view(-1))
         self.barrier()
         if record is not None:
             record.complete()
@@ -268,6 +261,14 @@ class SharedBuffers:
         for r, (lo, hi) in enumerate(ranges):
             if r != self.rank and hi > lo:
                 mine[lo:hi].copy_(self.tensors[r][lo:hi])
+
+
+def _add_in_rank_order(parts: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """``out = parts[0] + parts[1] + parts[2] + ...``, added left to right (``out`` may be
+    ``parts[0]`` or ``parts[1]``: each element is read before it is written)."""
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
