@@ -145,8 +145,6 @@ def clip_coefficient(total_norm: float | Tensor, max_norm: float, loss_scale: fl
         >>> clip_coefficient(20.0, 0.0, loss_scale=4.0)  # clipping off: unscale only
         0.25
     """
-    if loss_scale <= 0.0:
-        raise ValueError(f"clip_coefficient: loss_scale must be > 0, got {loss_scale}.")
     return 1.0 / gradient_divisor(total_norm, max_norm, loss_scale)
 
 
