@@ -22,7 +22,7 @@ gathered exactly.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -91,14 +91,25 @@ def quantized_reduce_scatter(
     out.copy_(total)
 
 
-class _FsdpHook:
-    """What FSDP2's custom-collective hooks share: a plain buffer allocator."""
+class FsdpHook:
+    """What FSDP2's custom-collective hooks (``set_custom_all_gather``/``set_custom_reduce_scatter``)
+    share: a plain buffer allocator, and the reduce-op check of the reduce-scatter hooks."""
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
+    @staticmethod
+    def reduce_op_name(op: Any, hook: str) -> Literal["sum", "avg"]:
+        """``"sum"`` or ``"avg"`` for FSDP2's ``ReduceOp``; anything else (NCCL-only ops such as
+        PREMUL_SUM, which never reach these CPU hooks) is an error naming ``hook``."""
+        if op == dist.ReduceOp.SUM:
+            return "sum"
+        if op == dist.ReduceOp.AVG:
+            return "avg"
+        raise ValueError(f"{hook}: FSDP2 asked for {op!r}; only SUM and AVG are supported")
 
-class QuantizedAllGather(_FsdpHook):
+
+class QuantizedAllGather(FsdpHook):
     """FSDP2 all-gather hook (``set_custom_all_gather``) running :func:`quantized_all_gather`."""
 
     def __init__(self, block: int = q.DEFAULT_BLOCK) -> None:
@@ -110,7 +121,7 @@ class QuantizedAllGather(_FsdpHook):
         quantized_all_gather(output_tensor, input_tensor, group, self.block)
 
 
-class LoggedAllGather(_FsdpHook):
+class LoggedAllGather(FsdpHook):
     """FSDP2's plain all-gather, recorded by the comms logger (bit-identical: a copy of every shard)."""
 
     def __call__(
@@ -122,7 +133,7 @@ class LoggedAllGather(_FsdpHook):
         _finish(record)
 
 
-class QuantizedReduceScatter(_FsdpHook):
+class QuantizedReduceScatter(FsdpHook):
     """FSDP2 reduce-scatter hook (``set_custom_reduce_scatter``) running :func:`quantized_reduce_scatter`."""
 
     def __init__(self, block: int = q.DEFAULT_BLOCK) -> None:
@@ -136,11 +147,8 @@ class QuantizedReduceScatter(_FsdpHook):
         op: Any,
         async_op: bool = False,
     ) -> None:
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise ValueError(
-                f"quantized reduce-scatter (qgZ): FSDP2 asked for {op!r}; only SUM and AVG are supported"
-            )
-        quantized_reduce_scatter(output_tensor, input_tensor, group, op == dist.ReduceOp.AVG, self.block)
+        average = self.reduce_op_name(op, "quantized reduce-scatter (qgZ)") == "avg"
+        quantized_reduce_scatter(output_tensor, input_tensor, group, average, self.block)
 
 
 def all_gather_hook(quantized: bool) -> QuantizedAllGather | LoggedAllGather | None:

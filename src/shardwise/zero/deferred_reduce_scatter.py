@@ -6,16 +6,15 @@ are reduced in fp32 on CPU (see that module's docstring for the measurement).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from shardwise import comm
 from shardwise.comm import collectives
+from shardwise.comm.quantized_collectives import FsdpHook
 
 
-class DeferredReduceScatter:
+class DeferredReduceScatter(FsdpHook):
     """FSDP2's reduce-scatter, issued asynchronously while armed (CPU/gloo only).
 
     Without streams, FSDP2 runs each unit's reduce-scatter synchronously inside backward,
@@ -34,9 +33,6 @@ class DeferredReduceScatter:
         self.armed = False
         self._pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -45,16 +41,11 @@ class DeferredReduceScatter:
         op: Any,
         async_op: bool = False,
     ) -> Any:
-        # ``op`` is a torch ``ReduceOp`` (FSDP2's hook signature); shard_model forces SUM with a divide
-        # factor of 1; NCCL-only ops (PREMUL_SUM) never reach this CPU-only hook.
-        if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
-            raise ValueError(
-                f"stage 3 reduce-scatter hook: FSDP2 asked for {op!r}; only SUM and AVG occur on CPU"
-            )
+        # shard_model forces SUM with a divide factor of 1
+        op_name = self.reduce_op_name(op, "stage 3 reduce-scatter hook")
         work: Any = collectives.reduce_scatter_flat(
-            output_tensor, input_tensor, group, True, op="sum" if op == comm.ReduceOp.SUM else "avg",
-            input_is_scratch=True,
-        )  # fmt: skip
+            output_tensor, input_tensor, group, True, op=op_name, input_is_scratch=True
+        )
         if self.armed:
             self._pending.append((work, input_tensor, output_tensor))
         else:

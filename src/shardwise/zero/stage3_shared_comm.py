@@ -31,7 +31,7 @@ import torch
 
 from shardwise import comm
 from shardwise.comm import collectives
-from shardwise.comm.quantized_collectives import LoggedAllGather
+from shardwise.comm.quantized_collectives import FsdpHook, LoggedAllGather
 from shardwise.comm.shared_memory import ENV_SWITCH, SHM_DIR, SharedBuffers, open_shared_memory
 from shardwise.utils.logging import logger
 
@@ -40,15 +40,12 @@ __all__ = ["SharedAllGather", "SharedReduceScatter", "open_unit_comms"]
 _STAGING_ITEMSIZE = 4  # fp32 and narrower dtypes fit
 
 
-class SharedAllGather:
+class SharedAllGather(FsdpHook):
     """FSDP2 all-gather hook through :meth:`SharedBuffers.gather_shards` (gloo outside its group)."""
 
     def __init__(self, buffers: SharedBuffers, group: Any, capacity: int) -> None:
         self.buffers, self.group, self.capacity = buffers, group, capacity
         self._fallback = LoggedAllGather()
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
@@ -59,7 +56,7 @@ class SharedAllGather:
         self.buffers.gather_shards(output_tensor, input_tensor)
 
 
-class SharedReduceScatter:
+class SharedReduceScatter(FsdpHook):
     """FSDP2 reduce-scatter hook through :meth:`SharedBuffers.sum_shards` (gloo outside its group).
 
     FSDP2 allocates the packed gradient (the reduce-scatter's input) first, then the output
@@ -86,10 +83,7 @@ class SharedReduceScatter:
         async_op: bool = False,
     ) -> None:
         self._input_next = True
-        if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
-            raise ValueError(
-                f"stage 3 reduce-scatter hook: FSDP2 asked for {op!r}; only SUM and AVG occur on CPU"
-            )
+        op_name = self.reduce_op_name(op, "stage 3 reduce-scatter hook")
         staging = self.buffers.staging(1, output_tensor.dtype)
         lo, hi = staging.data_ptr(), staging.data_ptr() + self.capacity
         if lo <= output_tensor.data_ptr() < hi:  # FSDP2 changed its allocation order: never alias
@@ -98,11 +92,10 @@ class SharedReduceScatter:
             )
         nbytes = input_tensor.numel() * input_tensor.element_size()
         if group is not self.group or nbytes > self.capacity:
-            op_name = "sum" if op == comm.ReduceOp.SUM else "avg"
             collectives.reduce_scatter_flat(output_tensor, input_tensor, group, op=op_name)
             return
         self.buffers.sum_shards(output_tensor, input_tensor)
-        if op == comm.ReduceOp.AVG:
+        if op_name == "avg":
             output_tensor.div_(comm.get_world_size(group))
 
 
