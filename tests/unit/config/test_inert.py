@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -258,18 +257,17 @@ def test_config_check_lists_ignored_settings_under_a_heading_and_strict_fails(
     assert code == 0 and "ignored" not in text
 
 
-def _shared_dir() -> Path:
-    env = os.environ.get("SHARDWISE_SHARED")
-    return Path(env) if env else Path(__file__).resolve().parents[3].parent / "shared"
+#: one example of each seed feature section (the wave-2 sections of DeepSpeed's config reference),
+#: the repository's own copy of the project's seed-sections check
+SEED_SECTIONS = Path(__file__).resolve().parents[2] / "data" / "configs" / "seed_sections.json"
 
 
 def test_seed_sections_file_names_every_section_that_does_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """../shared/hooks/seed-sections.json enables one example of each wave-2 section; with
+    """tests/data/configs/seed_sections.json enables one example of each wave-2 section; with
     activation_checkpointing (issue 14) the last of them acts, so none is listed any more."""
-    seeds = _shared_dir() / "hooks" / "seed-sections.json"
-    assert seeds.is_file(), f"{seeds} not found; set SHARDWISE_SHARED to the shared folder"
+    seeds = SEED_SECTIONS
     code = main(["config", "check", str(seeds), "--world-size", "2"])
     text = capsys.readouterr().out
     assert code == 0 and "accepted but ignored" not in text

@@ -1,4 +1,4 @@
-"""Where the shared corpus lives and how one record is run through shardwise."""
+"""Where the corpus lives and how one record is run through shardwise."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ from typing import Any
 
 from shardwise.config import ConfigError, ResolvedConfig, load_config
 
+#: the corpus the repository carries: the configs and DeepSpeed 0.19.8's verdicts (trimmed to what the
+#: tests read, see ``trim_ground_truth.py`` there)
+BUNDLED = Path(__file__).resolve().parents[2] / "data" / "corpus"
+
 
 def corpus_dir() -> Path:
-    """``$SHARDWISE_CORPUS`` or ``../shared/corpus`` beside the repository."""
+    """``$SHARDWISE_CORPUS`` (another copy, e.g. the full measurement) or the repository's own copy."""
     env = os.environ.get("SHARDWISE_CORPUS")
-    path = Path(env) if env else Path(__file__).resolve().parents[3].parent / "shared" / "corpus"
+    path = Path(env) if env else BUNDLED
     if not (path / "ds_ground_truth.jsonl").is_file():
         raise FileNotFoundError(
             f"corpus not found at {path}; set SHARDWISE_CORPUS to the folder holding ds_ground_truth.jsonl"
