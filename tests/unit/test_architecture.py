@@ -13,6 +13,7 @@ entry that no longer exists (delete it when the code is fixed), so they cannot g
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,12 +69,7 @@ DIST_EXEMPT = frozenset({"testing"})
 # Each entry is removed by the lead when the branch that fixes it is merged.
 KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
 KNOWN_ZERO_IMPORTS_CHECKPOINT: frozenset[tuple[str, str]] = frozenset()
-KNOWN_DIST_CALLS: frozenset[tuple[str, str]] = frozenset(
-    {
-        # B (checkpoint seam): the checkpointer asks the process group for its ranks
-        ("shardwise.checkpoint.checkpointer", "torch.distributed.get_process_group_ranks"),
-    }
-)
+KNOWN_DIST_CALLS: frozenset[tuple[str, str]] = frozenset()
 # Layer violations are only allowed inside zero/ and checkpoint/ (zero -> checkpoint, listed above).
 KNOWN_LAYER_VIOLATIONS: frozenset[tuple[str, str]] = KNOWN_ZERO_IMPORTS_CHECKPOINT
 
@@ -381,7 +377,14 @@ def test_the_checks_see_what_they_check() -> None:
 
 TESTS = Path(__file__).resolve().parents[1]
 PROJECT_CHECKS = frozenset(
-    {"test_architecture.py", "test_corpus.py", "test_package.py", "test_docstring_examples.py"}
+    {
+        "test_architecture.py",
+        "test_corpus.py",
+        "test_package.py",
+        "test_docstring_examples.py",
+        "test_self_contained.py",  # no test reads outside the repository
+        "test_step_order.py",  # the map's step order is the engine's
+    }
 )
 
 
@@ -420,3 +423,21 @@ def test_every_package_and_top_level_module_is_on_the_map() -> None:
     names += [f"`{p.name}`" for p in SRC.glob("*.py") if p.name != "__init__.py"]
     missing = sorted(name for name in names if name not in text)
     assert not missing, f"add these to docs/architecture.md: {missing}"
+
+
+def test_the_map_names_the_packages_that_hold_step_hooks() -> None:
+    """The packages ``step_hook_factory.py`` imports its ``build_*_hook`` functions from are the ones
+    docs/architecture.md lists under "Where a new feature plugs in"."""
+    tree = ast.parse((SRC / "step_hook_factory.py").read_text())
+    builders = {
+        node.module.split(".")[1]
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and any(alias.name.startswith("build_") and alias.name.endswith("_hook") for alias in node.names)
+    }
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    listed = re.search(r"feature's own package \(today ([^)]*)", text)
+    assert listed, "docs/architecture.md no longer lists the step-hook packages"
+    named = set(re.findall(r"`(\w+)/`", listed.group(1)))
+    assert named == builders, f"the map lists {sorted(named)}; step_hook_factory.py builds from {sorted(builders)}"

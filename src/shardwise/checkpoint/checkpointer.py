@@ -86,8 +86,7 @@ class Checkpointer:
         # A background thread must not issue collectives on the group training uses (gloo and
         # nccl both require one issuing order per group), so async saves get their own gloo group.
         if self._async_group is None and comm.get_world_size(base) > 1:
-            ranks = None if base is None else torch.distributed.get_process_group_ranks(base)
-            self._async_group = comm.new_group(ranks, backend="gloo")
+            self._async_group = comm.new_group(comm.group_ranks(base), backend="gloo")
         return self._async_group
 
     # ------------------------------------------------------------------ save

@@ -30,6 +30,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "get_world_size": ("shardwise.comm.init", "get_world_size"),
     "get_local_rank": ("shardwise.comm.init", "get_local_rank"),
     "get_global_rank": ("shardwise.comm.init", "get_global_rank"),
+    "group_ranks": ("shardwise.comm.init", "group_ranks"),
     "get_backend": ("shardwise.comm.init", "get_backend"),
     "get_world_group": ("shardwise.comm.init", "get_world_group"),
     "group_source_rank": ("shardwise.comm.init", "group_source_rank"),

@@ -288,6 +288,12 @@ def get_global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
+def group_ranks(group: dist.ProcessGroup | None) -> list[int] | None:
+    """The world ranks of ``group``'s members in group order (None: the world, returned as None,
+    which is how ``new_group`` spells "every rank")."""
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
 def group_source_rank(group: dist.ProcessGroup | None) -> int:
     """The world rank of ``group``'s first member (None: the world, so 0).
 
