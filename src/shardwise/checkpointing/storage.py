@@ -16,7 +16,7 @@ slice (a copy, so the full tensor can be freed) and all-gathers the slices throu
 
 Example:
     >>> import torch
-    >>> from shardwise.checkpointing.settings import CheckpointingSettings, current_settings, missing_slot_count
+    >>> from shardwise.checkpointing.settings import CheckpointingSettings, current_settings
     >>> store = ActivationStorage(CheckpointingSettings(cpu_checkpointing=True))
     >>> x = torch.arange(6.0).view(2, 3)
     >>> torch.equal(store.unpack(store.pack(x)), x)

@@ -230,8 +230,8 @@ class Stage3Optimizer(ZeroStrategy):
         total = sum(t.numel() for group in self.optimizer.param_groups for t in group["params"])
         if total > requested:
             logger.warning(
-                "'zero_optimization.sub_group_size' = %d has no effect: %s is not one of torch's element-wise "
-                "optimizers, so its step cannot be split into sub-groups without changing the update; the "
+                "'zero_optimization.sub_group_size' = %d has no effect: %s is not one of torch's "
+                "element-wise optimizers, so its step cannot be split into sub-groups without changing the update; the "
                 "%d-element local shard steps at once",
                 requested,
                 type(self.optimizer).__name__,

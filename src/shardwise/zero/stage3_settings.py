@@ -84,7 +84,8 @@ KEY_NOTES: dict[str, tuple[str, str]] = {
     "sub_group_size": (
         _MAPPED,
         "elements per optimizer step call: the local shard steps sub-group by sub-group (streamed from NVMe "
-        "with offload); in one call, with a warning, for an optimizer that is not one of torch's element-wise ones",
+        "with offload); in one call, with a warning, for an optimizer that is not one of torch's "
+        "element-wise ones",
     ),
     "offload_param": (_MAPPED, "stage 3: sharded params and grads on the host (cpu) or in files (nvme)"),
     "offload_optimizer": (
