@@ -114,7 +114,7 @@ def step_in_sub_groups(optimizer: torch.optim.Optimizer, sub_group_size: int) ->
         >>> a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
         >>> opt = torch.optim.SGD([a, b], lr=1.0)
         >>> a.grad, b.grad = torch.ones(3), torch.ones(2)
-        >>> step_in_sub_groups(opt, 3), float(a.sum()), float(b.sum())
+        >>> step_in_sub_groups(opt, 3), float(a.detach().sum()), float(b.detach().sum())
         (2, 0.0, 0.0)
     """
     tensors = [t for group in optimizer.param_groups for t in group["params"]]
