@@ -19,7 +19,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.checkpoint.engine_io import build_checkpointer
-from shardwise.checkpointing.settings import configure_for_engine, describe
+from shardwise.checkpointing.settings import configure_for_engine, describe, missing_slot_count
 from shardwise.comm.comms_logger import configure_comms_logger
 from shardwise.comm.topology import Topology, build_topology
 from shardwise.config import ConfigError, ResolutionContext
@@ -28,7 +28,7 @@ from shardwise.config.sections.training import OptimizerConfig, SchedulerConfig
 from shardwise.engine import ShardwiseEngine
 from shardwise.optim.client import adopt_client_optimizer, client_param_groups
 from shardwise.precision.policy import PrecisionPolicy, build_precision
-from shardwise.preflight import load_checked_config, zero_optimizer_error
+from shardwise.preflight import SLOT_COUNT_NOTE, load_checked_config, zero_optimizer_error
 from shardwise.profiling.telemetry import build_telemetry
 from shardwise.step_hook_factory import build_step_hooks
 from shardwise.utils.logging import logger, set_log_level
@@ -254,6 +254,8 @@ def initialize(
     if root.comms_logger is not None:  # before the first broadcast, so start-up traffic is recorded too
         configure_comms_logger(root.comms_logger)
     activation_checkpointing = configure_for_engine(root.activation_checkpointing, mpu)
+    if activation_checkpointing is not None and missing_slot_count(activation_checkpointing) is not None:
+        logger.warning(SLOT_COUNT_NOTE)  # no configure(num_checkpoints=N) yet: a later one may give it
     precision = build_precision(
         root.fp16, root.bf16, amp=root.amp, torch_autocast=root.torch_autocast, data_types=root.data_types
     )

@@ -157,7 +157,9 @@ def compression_problem(cfg: ShardwiseConfig) -> ConfigError | None:
 
 def activation_checkpointing_problems(cfg: ShardwiseConfig) -> list[ConfigError]:
     """The ``activation_checkpointing`` combinations ``initialize`` would refuse (contiguous buffers
-    need ``partition_activations`` and ``number_checkpoints``).
+    need ``partition_activations``; a ``number_checkpoints`` given must be positive). A missing
+    ``number_checkpoints`` is not one of them: it may come from ``checkpointing.configure``
+    (:data:`SLOT_COUNT_NOTE`).
 
     Example:
         >>> cfg = load_config({"train_batch_size": 2, "activation_checkpointing": {"contiguous_memory_optimization": True}})
@@ -172,6 +174,31 @@ def activation_checkpointing_problems(cfg: ShardwiseConfig) -> list[ConfigError]
         check_section(cfg.activation_checkpointing)
     except ConfigError as exc:
         return [exc]
+    return []
+
+
+SLOT_COUNT_NOTE = (
+    "'activation_checkpointing.contiguous_memory_optimization' = True without number_checkpoints: the "
+    "slot count must come from deepspeed.checkpointing.configure(..., num_checkpoints=N) (or set_num_layers) "
+    "before the first checkpoint(), which raises without it; set activation_checkpointing.number_checkpoints "
+    "to give it in the file"
+)
+"""The note for contiguous buffers whose slot count the config leaves to ``configure`` (as DeepSpeed's
+Megatron-LM configs do); ``config check`` shows it and ``initialize`` logs it when no count is known."""
+
+
+def activation_checkpointing_notes(cfg: ShardwiseConfig) -> list[str]:
+    """:data:`SLOT_COUNT_NOTE` when ``cfg`` enables contiguous buffers without ``number_checkpoints``.
+
+    Example:
+        >>> cfg = load_config({"train_batch_size": 2, "activation_checkpointing": {
+        ...     "partition_activations": True, "contiguous_memory_optimization": True}})
+        >>> activation_checkpointing_notes(cfg.config) == [SLOT_COUNT_NOTE]
+        True
+    """
+    section = cfg.activation_checkpointing
+    if section.contiguous_memory_optimization and section.number_checkpoints is None:
+        return [SLOT_COUNT_NOTE]
     return []
 
 
@@ -201,6 +228,7 @@ def load_checked_config(
     compression = compression_problem(resolved.config)
     errors.extend([compression] if compression is not None else [])
     errors += activation_checkpointing_problems(resolved.config)
+    warnings += activation_checkpointing_notes(resolved.config)
     if errors:
         raise errors[0] if len(errors) == 1 else ConfigErrors(errors)
     # The builders log these themselves when initialize builds the real optimizer and scheduler;

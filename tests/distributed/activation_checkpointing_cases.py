@@ -96,6 +96,8 @@ def _train(case: dict[str, Any], mode: str | None, rank: int, world: int, mpu: A
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
     if mode is not None:
         cfg["activation_checkpointing"] = dict(case.get("section", {}))
+        if case.get("num_checkpoints"):  # Megatron-LM: the slot count from configure, before initialize
+            checkpointing.configure(mpu, deepspeed_config=cfg, num_checkpoints=case["num_checkpoints"])
     model, calls = _model(mode, case.get("frozen", False))
     params = [p for p in model.parameters() if p.requires_grad]
     handler = _Infos()

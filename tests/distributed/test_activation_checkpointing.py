@@ -2,8 +2,10 @@
 block, losses and parameters equal those of plain training bit for bit (dropout on) at every
 ZeRO stage, reentrant and non-reentrant, with gradient accumulation, bf16/fp16 and frozen
 parameters at stage 3; the recompute runs; saved-activation bytes drop; partition_activations
-over a 2-rank model-parallel group leaves each rank half of every saved input; profile times
-reach the wall-clock breakdown and the start-up report names what is active. One spawn."""
+over a 2-rank model-parallel group leaves each rank half of every saved input (the contiguous
+buffer's slot count from the config, or from configure() before initialize as Megatron-LM
+does); profile times reach the wall-clock breakdown and the start-up report names what is
+active. One spawn."""
 
 from __future__ import annotations
 
@@ -56,6 +58,20 @@ MP_ENGINE = [
     }
     for s in (0, 2)  # stage 3 with an mpu is refused by ZeRO (FSDP2 has no tensor parallelism here)
 ]
+# Megatron-LM's order (DeepSpeedExamples' ds_zero-offload_config.json): the config has no
+# number_checkpoints, the script's configure(..., num_checkpoints=2) before initialize gives it
+MP_ENGINE.append(
+    {
+        "kind": "engine",
+        "stage": 2,
+        "precision": "fp32",
+        "gas": 1,
+        "mode": "reentrant",
+        "mpu": True,
+        "num_checkpoints": 2,
+        "section": {k: v for k, v in SPLIT.items() if k != "number_checkpoints"},
+    }
+)
 PARTITION = [
     {"kind": "partition", "mode": m, "settings": {"partition_activations": True, **extra}}
     for m in ("reentrant", "non_reentrant")

@@ -7,7 +7,10 @@
 - ignore_unused_parameters: false (stages 0-3): the step raises naming the unused parameters;
 - load_from_fp32_weights: false: the masters restart from the loaded bf16 weights;
 - dump_state: true logs the resolved config at start-up;
-- zero_quantized_weights (ZeRO++ qwZ) at stage 2: the updated shards travel as int8 blocks.
+- zero_quantized_weights (ZeRO++ qwZ) at stage 2: the updated shards travel as int8 blocks;
+- sub_group_size at stage 3 without an offload store: the step runs sub-group by sub-group (each
+  call sees at most sub_group_size elements, or one larger tensor), bitwise one step; with an
+  optimizer shardwise cannot split, one call and a warning naming the key.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from shardwise.testing import run_distributed_cases
 pytestmark = pytest.mark.distributed
 
 SMALL_GATHER = {"allgather_bucket_size": 500}
+SUB_GROUP = 2000
+HOST = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
 CASES = [
     {"kind": "count", "name": "s1", "stage": 1},
     {"kind": "count", "name": "s1_allreduce", "stage": 1, "zero": {"reduce_scatter": False}},
@@ -39,6 +44,13 @@ CASES = [
     {"kind": "fp32", "name": "fp32_false", "stage": 1, "fp32": False},
     {"kind": "dump", "name": "dump_on", "dump": True},
     {"kind": "dump", "name": "dump_off", "dump": False},
+    {"kind": "sub_groups", "name": "sg_default"},
+    {"kind": "sub_groups", "name": "sg_small", "zero": {"sub_group_size": SUB_GROUP}},
+    {"kind": "sub_groups", "name": "sg_custom", "zero": {"sub_group_size": SUB_GROUP}, "custom": True},
+    {"kind": "sub_groups", "name": "sg_custom_default", "custom": True},
+    # parameters and optimizer on the host: the masters are host tensors, no offload store
+    {"kind": "sub_groups", "name": "sg_host_default", "zero": HOST},
+    {"kind": "sub_groups", "name": "sg_host_small", "zero": {**HOST, "sub_group_size": SUB_GROUP}},
 ]
 
 
@@ -126,3 +138,29 @@ def test_quantized_weights_at_stage_2(runs) -> None:
     for rank in (0, 1):  # trains within 1% of the exact run's loss, step by step
         pairs = zip(runs["s2"][rank]["losses"], runs["s2_qwz"][rank]["losses"])
         assert all(abs(a - b) <= 0.01 * a for a, b in pairs)
+
+
+@pytest.mark.parametrize("small, default", [("sg_small", "sg_default"), ("sg_host_small", "sg_host_default")])
+def test_sub_group_size_splits_the_stage3_step_bitwise(runs, small: str, default: str) -> None:
+    from shardwise.zero.optimizer_subset import split_sub_groups
+
+    for split, whole in zip(runs[small], runs[default]):
+        groups = split_sub_groups(split["numels"], SUB_GROUP)
+        assert len(groups) > 1 and len(whole["calls"]) == 3  # one call per step by default
+        assert len(split["calls"]) == 3 * len(groups)
+        assert all(sum(call) <= SUB_GROUP or len(call) == 1 for call in split["calls"])
+        assert sorted(n for call in split["calls"][: len(groups)] for n in call) == sorted(split["numels"])
+        assert all(torch.equal(a, b) for a, b in zip(split["shards"], whole["shards"], strict=True))
+        assert not [w for w in split["warnings"] if "sub_group_size" in w]
+
+
+def test_sub_group_size_with_an_optimizer_that_cannot_be_split_warns_and_steps_once(runs) -> None:
+    for custom, whole in zip(runs["sg_custom"], runs["sg_custom_default"]):
+        assert len(custom["calls"]) == 3
+        (warning,) = [w for w in custom["warnings"] if "sub_group_size" in w]
+        assert warning.startswith(
+            f"'zero_optimization.sub_group_size' = {SUB_GROUP} has no effect: _CustomAdamW is not one of "
+            "torch's element-wise optimizers"
+        )
+        assert not [w for w in whole["warnings"] if "sub_group_size" in w]
+        assert all(torch.equal(a, b) for a, b in zip(custom["shards"], whole["shards"], strict=True))

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from zero_reference import batch, config, make_model
+from zero_reference import BETAS, EPS, LR, WD, batch, config, make_model
 
 import shardwise
 from shardwise.comm.comms_logger import COMMS_LOGGER
@@ -113,8 +113,55 @@ def dump_state(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     return {"dumps": [line for line in lines if "dump_state" in line]}
 
 
+class _CustomAdamW(torch.optim.AdamW):
+    """AdamW's maths under another class: shardwise cannot know it steps tensor by tensor."""
+
+
+def _logged_warnings() -> tuple[logging.Handler, list[str]]:
+    lines: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    return _Keep(level=logging.WARNING), lines
+
+
+def sub_groups(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Stage 3, everything sharded: what each inner optimizer step() call sees over 3 steps, this
+    rank's shards after them, and the warnings of initialize."""
+    cfg = config(3, "fp32", 1, 2, world, stage3_param_persistence_threshold=0, **case.get("zero", {}))
+    kwargs: dict[str, Any] = {}
+    if case.get("custom"):
+        cfg.pop("optimizer")
+        cfg["zero_allow_untested_optimizer"] = True
+        kwargs["optimizer"] = lambda ps: _CustomAdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    handler, warnings = _logged_warnings()
+    logger.addHandler(handler)
+    try:
+        engine, *_ = shardwise.initialize(model=make_model(), config=cfg, **kwargs)
+    finally:
+        logger.removeHandler(handler)
+    inner = engine.optimizer.optimizer
+    calls: list[list[int]] = []
+    inner.register_step_pre_hook(
+        lambda o, args, kw: calls.append([t.numel() for g in o.param_groups for t in g["params"]])
+    )
+    for step in range(3):
+        engine.backward(_loss(engine, step, rank))
+        engine.step()
+    shards = [
+        (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in engine.module.parameters()
+    ]
+    numels = [t.numel() for g in inner.param_groups for t in g["params"]]
+    engine.destroy()
+    return {"calls": calls, "numels": numels, "shards": shards, "warnings": warnings}
+
+
 def run_case(rank: int, world: int, case: dict[str, Any], tmp: str) -> dict[str, Any]:
     kind = case["kind"]
+    if kind == "sub_groups":
+        return sub_groups(rank, world, case)
     if kind == "count":
         return train_counting(rank, world, case)
     if kind == "unused":

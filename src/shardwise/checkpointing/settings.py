@@ -127,7 +127,7 @@ def _model_parallel(mpu: Any) -> tuple[Any, int, int]:
     )
 
 
-def _check(settings: CheckpointingSettings) -> None:
+def _check_partitioning(settings: CheckpointingSettings) -> None:
     if settings.contiguous_memory_optimization and not settings.partition_activations:
         raise ConfigError(
             f"{_SECTION}.contiguous_memory_optimization",
@@ -135,29 +135,46 @@ def _check(settings: CheckpointingSettings) -> None:
             f"set {_SECTION}.partition_activations to true, or contiguous_memory_optimization to false",
             value=True,
         )
+
+
+def missing_slot_count(settings: CheckpointingSettings) -> ConfigError | None:
+    """The error for contiguous memory with no usable slot count (None when there is one, or
+    no contiguous buffer): the count comes from ``number_checkpoints`` or from ``configure``'s
+    ``num_checkpoints`` (or ``set_num_layers``), as in DeepSpeed."""
     n = settings.number_checkpoints
-    if settings.contiguous_memory_optimization and (n is None or n < 1):
-        raise ConfigError(
-            f"{_SECTION}.number_checkpoints",
-            "contiguous_memory_optimization preallocates one slot per checkpoint, so it needs the number "
-            "of checkpoints per forward (a positive integer)",
-            f"set {_SECTION}.number_checkpoints to the number of checkpoint() calls in one forward "
-            "(usually the number of layers)",
-            value=n,
-        )
+    if not settings.contiguous_memory_optimization or (n is not None and n >= 1):
+        return None
+    return ConfigError(
+        f"{_SECTION}.number_checkpoints",
+        "contiguous_memory_optimization preallocates one slot per checkpoint, so it needs the number "
+        "of checkpoints per forward (a positive integer), from the config or from checkpointing.configure()",
+        "pass num_checkpoints=N to deepspeed.checkpointing.configure() (N: checkpoint() calls in one "
+        f"forward, usually the number of layers), or set {_SECTION}.number_checkpoints",
+        value=n,
+    )
+
+
+def _check(settings: CheckpointingSettings) -> None:
+    _check_partitioning(settings)
+    error = missing_slot_count(settings)
+    if error is not None:
+        raise error
 
 
 def check_section(section: ActivationCheckpointingConfig) -> None:
-    """DeepSpeed's ``configure`` assertions on a config section, as ConfigErrors (``config check`` runs it).
+    """The ``configure`` rule a config section alone can break, as a ConfigError (``config check``
+    runs it): contiguous memory needs ``partition_activations``. A missing ``number_checkpoints``
+    is not an error here: a script may give it to ``configure(..., num_checkpoints=N)``.
 
     Raises:
-        ConfigError: contiguous memory without partitioning or without ``number_checkpoints``.
+        ConfigError: contiguous memory without partitioning, or with a ``number_checkpoints`` < 1.
     """
-    _check(
-        CheckpointingSettings(
-            **{key: getattr(section, key) for key in ActivationCheckpointingConfig.model_fields}
-        )
+    settings = CheckpointingSettings(
+        **{key: getattr(section, key) for key in ActivationCheckpointingConfig.model_fields}
     )
+    _check_partitioning(settings)
+    if settings.number_checkpoints is not None:  # set, but not a positive count
+        _check(settings)
 
 
 def configure(
@@ -184,29 +201,42 @@ def configure(
         The settings now active.
 
     Raises:
-        ConfigError: contiguous memory without partitioning or without ``number_checkpoints``.
+        ConfigError: contiguous memory without partitioning, or without a slot count (neither
+            ``number_checkpoints`` nor ``num_checkpoints``).
     """
-    global _current, _configured
+    settings = _settings(
+        mpu_,
+        deepspeed_config,
+        overrides={
+            "partition_activations": partition_activations,
+            "contiguous_memory_optimization": contiguous_checkpointing,
+            "number_checkpoints": num_checkpoints,
+            "cpu_checkpointing": checkpoint_in_cpu,
+            "synchronize_checkpoint_boundary": synchronize,
+            "profile": profile,
+        },
+    )
+    _check(settings)
+    return _activate(settings)
+
+
+def _settings(mpu_: Any, deepspeed_config: Any, overrides: dict[str, Any]) -> CheckpointingSettings:
+    """The section's keys, overridden by the non-None ``overrides``, with the mpu's group."""
     section = _section(deepspeed_config)
     mpu = mpu_ if mpu_ is not None else _current.mpu
     group, rank, size = _model_parallel(mpu)
-    overrides: dict[str, Any] = {
-        "partition_activations": partition_activations,
-        "contiguous_memory_optimization": contiguous_checkpointing,
-        "number_checkpoints": num_checkpoints,
-        "cpu_checkpointing": checkpoint_in_cpu,
-        "synchronize_checkpoint_boundary": synchronize,
-        "profile": profile,
-    }
     settings = CheckpointingSettings(
-        **{key: getattr(section, key) for key in overrides},
+        **{key: getattr(section, key) for key in ActivationCheckpointingConfig.model_fields},
         mpu=mpu,
         mp_group=group,
         mp_rank=rank,
         mp_size=size,
     )
-    settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
-    _check(settings)
+    return replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _activate(settings: CheckpointingSettings) -> CheckpointingSettings:
+    global _current, _configured
     _current, _configured = settings, True
     return settings
 
@@ -222,7 +252,7 @@ def partition_activations_in_checkpoint(partition_activation: bool) -> None:
     """DeepSpeed's switch for ``partition_activations`` alone."""
     global _current
     _current = replace(_current, partition_activations=bool(partition_activation))
-    _check(_current)
+    _check_partitioning(_current)
 
 
 def describe(settings: CheckpointingSettings | None = None) -> str:
@@ -243,8 +273,13 @@ def describe(settings: CheckpointingSettings | None = None) -> str:
             )
     if s.cpu_checkpointing:
         parts.append("saved activations in host memory")
-    if s.contiguous_memory_optimization:
+    if s.contiguous_memory_optimization and missing_slot_count(s) is None:
         parts.append(f"stored in one contiguous buffer of {s.number_checkpoints} slots")
+    elif s.contiguous_memory_optimization:
+        parts.append(
+            "stored in one contiguous buffer whose slot count must still come from "
+            "checkpointing.configure(..., num_checkpoints=N) before the first checkpoint()"
+        )
     if s.synchronize_checkpoint_boundary:
         parts.append("device synchronized at each checkpoint boundary")
     if s.profile:
@@ -259,21 +294,24 @@ def configure_for_engine(section: ActivationCheckpointingConfig, mpu: Any) -> Ch
     config would); a section left at its defaults keeps an earlier ``configure`` call's settings
     and only fills in the mpu, or configures the defaults when nothing was configured yet.
 
+    ``contiguous_memory_optimization`` without ``number_checkpoints`` is not refused here: the
+    slot count of an earlier ``configure(..., num_checkpoints=N)`` (or ``set_num_layers``) is
+    kept, and without one it stays missing until a later ``configure`` gives it; the first
+    ``checkpoint()`` still without it raises (:func:`missing_slot_count`).
+
     Returns:
         The settings when the section sets something (for the start-up report), else None.
     """
     if section != ActivationCheckpointingConfig():
-        return configure(mpu, deepspeed_config=section)
+        earlier = _current.number_checkpoints if _configured else None
+        settings = _settings(mpu, section, overrides={})
+        if settings.number_checkpoints is None and earlier is not None:
+            settings = replace(settings, number_checkpoints=earlier)
+        _check_partitioning(settings)
+        return _activate(settings)
     if not _configured:
         configure(mpu)
     elif mpu is not None and _current.mpu is None:
-        configure(
-            mpu,
-            partition_activations=_current.partition_activations,
-            contiguous_checkpointing=_current.contiguous_memory_optimization,
-            num_checkpoints=_current.number_checkpoints,
-            checkpoint_in_cpu=_current.cpu_checkpointing,
-            synchronize=_current.synchronize_checkpoint_boundary,
-            profile=_current.profile,
-        )
+        group, rank, size = _model_parallel(mpu)
+        _activate(replace(_current, mpu=mpu, mp_group=group, mp_rank=rank, mp_size=size))
     return None

@@ -32,7 +32,7 @@ import torch
 
 from shardwise.checkpointing.contiguous import ContiguousPool, Slot
 from shardwise.checkpointing.meter import record_stored
-from shardwise.checkpointing.settings import CheckpointingSettings, current_settings
+from shardwise.checkpointing.settings import CheckpointingSettings, current_settings, missing_slot_count
 
 __all__ = ["ActivationStorage", "Stored", "active_storage", "reset"]
 
@@ -64,16 +64,23 @@ class Stored:
 
 
 class ActivationStorage:
-    """Packs and unpacks saved activations according to one set of settings."""
+    """Packs and unpacks saved activations according to one set of settings.
+
+    Raises:
+        ConfigError: contiguous memory with no slot count yet (``missing_slot_count``).
+    """
 
     def __init__(self, settings: CheckpointingSettings) -> None:
         self.settings = settings
         self.split = settings.partition_activations and settings.mp_size > 1
         self.pin = settings.cpu_checkpointing and torch.cuda.is_available()
         self.host = torch.device("cpu") if settings.cpu_checkpointing else None
+        missing = missing_slot_count(settings)  # initialize left it for a later configure() to give
+        if missing is not None:
+            raise missing
         self.pool = (
-            ContiguousPool(settings.number_checkpoints or 1, self.host, self.pin)
-            if settings.contiguous_memory_optimization
+            ContiguousPool(settings.number_checkpoints, self.host, self.pin)
+            if settings.contiguous_memory_optimization and settings.number_checkpoints is not None
             else None
         )
 

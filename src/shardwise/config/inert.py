@@ -134,6 +134,11 @@ def _param_offload_below_stage3(cfg: ShardwiseConfig, value: Any, world: int) ->
     return cfg.zero_optimization.offload_param_device != "none"
 
 
+def _set_without_optimizer_offload(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
+    default = _default_at("zero_optimization.sub_group_size")
+    return value != default and cfg.zero_optimization.offload_optimizer_device == "none"
+
+
 _BELOW_3 = frozenset({0, 1, 2})
 _AT_3 = frozenset({3})
 
@@ -291,6 +296,22 @@ INERT_KEYS: tuple[InertKey, ...] = (
     InertKey("zero_optimization.pipeline_loading_checkpoint", "checkpoints load shard-wise", None, _AT_3),
     InertKey("zero_optimization.log_trace_cache_warnings", "there is no trace cache", None, _AT_3),
     InertKey("zero_optimization.enable_sanity_checks", "there are no DeepSpeed sanity checks", None, _AT_3),
+    InertKey(
+        "zero_optimization.reduce_bucket_size",
+        "at stage 3 it sizes only the all-reduce buckets of the unsharded parameters (those below "
+        "stage3_param_persistence_threshold); FSDP2 reduce-scatters the sharded parameters' gradients one "
+        "shard unit per collective, whatever this value",
+        None,
+        _AT_3,
+        "acts only on unsharded parameters",
+    ),
+    InertKey(
+        "zero_optimization.sub_group_size",
+        "below stage 3 it splits only the offloaded optimizer step (offload_optimizer); without optimizer "
+        "offload the local shard steps in one call (at stage 3 the step runs sub-group by sub-group)",
+        _set_without_optimizer_offload,
+        _BELOW_3,
+    ),
     # feature sections
     InertKey(
         "data_efficiency.data_sampling.dynamic_batching",

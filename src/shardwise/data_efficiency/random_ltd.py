@@ -10,11 +10,17 @@ evaluation, the layer runs on every token. The kept count is set by the engine e
 
 **Wrapping a model** (DeepSpeed's ``convert_to_random_ltd`` is the reference): call
 :func:`convert_to_random_ltd` on the model before ``initialize``, naming the class of its
-transformer layers. Layers of that class are numbered in module order; those listed in
-``random_ltd_layer_id`` are wrapped. The layer's forward must take the hidden states as its first
-positional argument (``[batch, seq, hidden]`` for ``hidden_state_order: batch_seq_dim``,
-``[seq, batch, hidden]`` for ``seq_batch_dim``) and return them first (alone or as the first
-item of a tuple). The attention mask named by ``model_mask_name`` (a keyword argument, or the
+transformer layers. Layers of that class are numbered in module order (each wrapper keeps its
+number as ``layer_id``). Without ``layer_ids`` every layer is wrapped, as DeepSpeed does, and
+``initialize`` lets only the layers listed in ``random_ltd_layer_id`` drop tokens (the others run
+on every token); with ``layer_ids`` only those are wrapped, and they must be the ones the config
+lists (:mod:`shardwise.data_efficiency.random_ltd_hook` checks both and names the mismatch).
+DeepSpeed matches an id to a layer by finding the number in the layer's module name; here it is
+the layer's position among the layers of that class.
+
+The layer's forward must take the hidden states as its first positional argument
+(``[batch, seq, hidden]`` for ``hidden_state_order: batch_seq_dim``, ``[seq, batch, hidden]``
+for ``seq_batch_dim``) and return them first (alone or as the first item of a tuple). The attention mask named by ``model_mask_name`` (a keyword argument, or the
 second positional one) is gathered to the kept tokens: ``[batch, ..., seq, seq]`` masks on their
 last two dimensions for ``model_type: "decoder"``, ``[batch, ..., seq]`` key masks on their last
 dimension for ``"encoder"``.
@@ -94,6 +100,11 @@ class RandomLTDLayer(nn.Module):
         model_type: ``"decoder"`` or ``"encoder"`` (how the mask is gathered).
         mask_name: the mask's keyword (``model_mask_name``); None: no mask is gathered.
 
+        layer_id: the layer's number among the layers of its class, in module order (what
+            ``random_ltd_layer_id`` lists); :func:`convert_to_random_ltd` sets it.
+        chosen: True when the caller picked this layer (``convert_to_random_ltd``'s
+            ``layer_ids``), so the config must list it too.
+
     Attributes:
         kept_tokens: tokens to keep (None: all); set by the random-LTD step hook.
     """
@@ -104,12 +115,16 @@ class RandomLTDLayer(nn.Module):
         hidden_state_order: str = "batch_seq_dim",
         model_type: str = "decoder",
         mask_name: str | None = None,
+        layer_id: int | None = None,
+        chosen: bool = False,
     ) -> None:
         super().__init__()
         self.layer = layer
         self.seq_dim = 0 if hidden_state_order == "seq_batch_dim" else 1
         self.model_type = model_type
         self.mask_name = mask_name
+        self.layer_id = layer_id
+        self.chosen = chosen
         self.kept_tokens: int | None = None
 
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -141,13 +156,15 @@ def _parent_and_name(model: nn.Module, qualified: str) -> tuple[nn.Module, str]:
 def convert_to_random_ltd(
     model: nn.Module,
     layer_class: type[nn.Module],
-    layer_ids: list[int],
+    layer_ids: list[int] | None = None,
     *,
     hidden_state_order: str = "batch_seq_dim",
     model_type: str = "decoder",
     mask_name: str | None = None,
 ) -> nn.Module:
-    """Wrap the layers of ``layer_class`` whose index (in module order) is in ``layer_ids``, in place.
+    """Wrap the layers of ``layer_class`` whose index (in module order) is in ``layer_ids``, in place;
+    every layer of the class when ``layer_ids`` is None (DeepSpeed's form: the config's
+    ``random_ltd_layer_id`` then picks the layers that drop tokens).
 
     Returns:
         the model (its wrapped layers' parameters keep their objects; names gain ``.layer``).
@@ -160,18 +177,25 @@ def convert_to_random_ltd(
         >>> m = convert_to_random_ltd(TinyGPT(GPTConfig(n_layer=3, n_embd=16)), Block, [1, 2])
         >>> [type(b).__name__ for b in m.blocks]
         ['Block', 'RandomLTDLayer', 'RandomLTDLayer']
+        >>> every = convert_to_random_ltd(TinyGPT(GPTConfig(n_layer=3, n_embd=16)), Block)
+        >>> [b.layer_id for b in every.blocks]
+        [0, 1, 2]
     """
     names = [name for name, module in model.named_modules() if type(module) is layer_class]
     if not names:
         raise ValueError(f"convert_to_random_ltd: the model has no {layer_class.__name__} layer to wrap")
-    if len(set(layer_ids)) != len(layer_ids) or any(not 0 <= i < len(names) for i in layer_ids):
+    chosen = layer_ids is not None
+    ids = list(range(len(names))) if layer_ids is None else list(layer_ids)
+    if len(set(ids)) != len(ids) or any(not 0 <= i < len(names) for i in ids):
         raise ValueError(
-            f"convert_to_random_ltd: layer ids {layer_ids} must be distinct and in [0, {len(names)}) "
+            f"convert_to_random_ltd: layer ids {ids} must be distinct and in [0, {len(names)}) "
             f"(the model has {len(names)} {layer_class.__name__} layers)"
         )
-    for i in layer_ids:
+    for i in ids:
         parent, child = _parent_and_name(model, names[i])
-        wrapped = RandomLTDLayer(getattr(parent, child), hidden_state_order, model_type, mask_name)
+        wrapped = RandomLTDLayer(
+            getattr(parent, child), hidden_state_order, model_type, mask_name, layer_id=i, chosen=chosen
+        )
         setattr(parent, child, wrapped)
     return model
 

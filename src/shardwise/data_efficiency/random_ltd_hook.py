@@ -7,6 +7,11 @@ that many tokens. The hook's state (DeepSpeed's ``random_ltd`` checkpoint entry:
 ``consumed_layer_tokens``, ``current_steps``, ``current_value``, ``min_value``, ``max_value``) is
 saved in checkpoints. The model must have been converted with
 :func:`~shardwise.data_efficiency.random_ltd.convert_to_random_ltd` before ``initialize``.
+
+``random_ltd_layer_id`` decides which wrapped layers drop tokens (:func:`active_layers`): every
+id it lists must be a wrapped layer, a layer the caller chose to wrap (``layer_ids``) must be
+listed, and wrappers of every layer (no ``layer_ids``, DeepSpeed's form) that are not listed run
+on every token. A mismatch is a ConfigError naming the ids on both sides.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from shardwise.data_efficiency.random_ltd import RandomLTDLayer, random_ltd_laye
 from shardwise.data_efficiency.schedule import RandomLTDSchedule
 from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
 
-__all__ = ["RandomLTDHook", "build_random_ltd_hook"]
+__all__ = ["RandomLTDHook", "active_layers", "build_random_ltd_hook"]
 
 _PATH = "data_efficiency.data_routing.random_ltd"
 
@@ -64,7 +69,7 @@ class RandomLTDHook:
             layer.kept_tokens = self.schedule.current_value
 
 
-def _check(section: Any, layers: list[RandomLTDLayer]) -> None:
+def _check(section: Any) -> None:
     ids = list(section.random_ltd_layer_id)
     total = section.total_layer_num
     if total is None or total < 1:
@@ -131,21 +136,71 @@ def _check(section: Any, layers: list[RandomLTDLayer]) -> None:
                 f'add "{key}" to schedule_config',
                 value=value,
             )
-    if len(layers) != len(ids):
+
+
+_CONVERT = "shardwise.data_efficiency.convert_to_random_ltd(model, LayerClass)"
+
+
+def active_layers(ids: list[int], layers: list[RandomLTDLayer]) -> list[RandomLTDLayer]:
+    """The wrapped layers that drop tokens: those whose ``layer_id`` is in ``ids``
+    (``random_ltd_layer_id``), in module order.
+
+    Raises:
+        ConfigError: (key ``random_ltd_layer_id``) no wrapper, a wrapper without a layer id, an id
+            that is not wrapped, or a layer the caller chose to wrap that the config does not list.
+
+    Example:
+        >>> from torch import nn
+        >>> wrapped = [RandomLTDLayer(nn.Identity(), layer_id=i) for i in range(3)]
+        >>> [layer.layer_id for layer in active_layers([2, 0], wrapped)]
+        [0, 2]
+    """
+    key = f"{_PATH}.random_ltd_layer_id"
+    if not layers:
         raise ConfigError(
-            f"{_PATH}.random_ltd_layer_num",
-            f"says {len(ids)} layers drop tokens, but the model has {len(layers)} RandomLTDLayer wrappers",
-            "call shardwise.data_efficiency.convert_to_random_ltd(model, LayerClass, random_ltd_layer_id) "
-            "before initialize",
-            value=section.random_ltd_layer_num,
+            key,
+            "lists the layers that drop tokens, but the model has no RandomLTDLayer wrapper",
+            f"call {_CONVERT} before initialize",
+            value=ids,
         )
+    unnumbered = [layer for layer in layers if layer.layer_id is None]
+    if unnumbered:
+        raise ConfigError(
+            key,
+            f"{len(unnumbered)} RandomLTDLayer wrapper(s) carry no layer_id, so they cannot be matched to "
+            "the ids",
+            f"wrap the layers with {_CONVERT}, or pass layer_id= to RandomLTDLayer",
+            value=ids,
+        )
+    wrapped = sorted(int(layer.layer_id) for layer in layers)  # type: ignore[arg-type]
+    missing = [i for i in ids if i not in wrapped]
+    if missing:
+        raise ConfigError(
+            key,
+            f"layers {missing} are listed but not wrapped (the model's RandomLTDLayer wrappers are layers "
+            f"{wrapped})",
+            f"call {_CONVERT} without layer_ids to wrap every layer (the config then picks), or pass "
+            "layer_ids=random_ltd_layer_id",
+            value=ids,
+        )
+    chosen = sorted(int(layer.layer_id) for layer in layers if layer.chosen)  # type: ignore[arg-type]
+    unlisted = [i for i in chosen if i not in ids]
+    if unlisted:
+        raise ConfigError(
+            key,
+            f"convert_to_random_ltd was given layer_ids {chosen}, but the config does not list {unlisted}",
+            "list the same layers in random_ltd_layer_id as in convert_to_random_ltd's layer_ids, or call it "
+            "without layer_ids to let the config pick",
+            value=ids,
+        )
+    return [layer for layer in layers if layer.layer_id in ids]
 
 
 def build_random_ltd_hook(config: Any, model: nn.Module) -> RandomLTDHook | None:
     """The hook for an enabled ``data_routing.random_ltd``, else None.
 
-    The wrapped layers take ``hidden_state_order``, ``model_type`` and ``model_mask_name`` from
-    the section.
+    The wrapped layers listed in ``random_ltd_layer_id`` drop tokens (:func:`active_layers`) and
+    take ``hidden_state_order``, ``model_type`` and ``model_mask_name`` from the section.
 
     Raises:
         ConfigError: an inconsistent section, or a model whose wrapped layers do not match it.
@@ -154,8 +209,8 @@ def build_random_ltd_hook(config: Any, model: nn.Module) -> RandomLTDHook | None
     section = efficiency.data_routing.random_ltd
     if not (efficiency.enabled and efficiency.data_routing.enabled and section.enabled):
         return None
-    layers = random_ltd_layers(model)
-    _check(section, layers)
+    _check(section)
+    layers = active_layers(list(section.random_ltd_layer_id), random_ltd_layers(model))
     for layer in layers:
         layer.seq_dim = 0 if section.hidden_state_order == "seq_batch_dim" else 1
         layer.model_type = section.model_type

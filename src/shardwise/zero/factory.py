@@ -245,6 +245,7 @@ def build_zero_optimizer(
             quantized_gradients=bool(zero.zero_quantized_gradients),
             fail_on_unused=not zero.ignore_unused_parameters,
             param_names=param_names,
+            sub_group_size=max(1, int(zero.sub_group_size)),
         )
         return Stage3Optimizer(record, param_groups, optimizer_factory, stage3_policy)
     spec = optimizer_offload_spec(zero, aio)

@@ -99,11 +99,17 @@ def scaled_step(
     grads: Sequence[torch.Tensor],
     divisor: float,
     scale: Callable[[], None],
+    step: Callable[[], object] | None = None,
 ) -> bool:
     """The inner step on ``grads / divisor``: folded into the step where it can be, else
-    ``scale()`` (the caller's division) first. Returns whether it was folded."""
+    ``scale()`` (the caller's division) first. ``step`` runs the step (default
+    ``optimizer.step()``; stage 3 steps sub-groups, each call keeps the folded divisor).
+    Returns whether it was folded."""
     with folded_divisor(optimizer, grads, divisor) as folded:
         if not folded:
             scale()
-        optimizer.step()
+        if step is None:
+            optimizer.step()
+        else:
+            step()
     return folded

@@ -38,7 +38,7 @@ import torch
 
 from shardwise.zero.memory_plan import offloaded_prefix
 from shardwise.zero.nvme import AioSettings, IoHandle, SwapFile, remove_directory, swap_directory
-from shardwise.zero.optimizer_subset import restricted
+from shardwise.zero.optimizer_subset import restricted, split_sub_groups
 
 __all__ = [
     "OffloadSpec",
@@ -129,28 +129,6 @@ def param_offload_spec(zero: Any, aio: Any) -> OffloadSpec | None:
         aio=_aio(aio),
         buffer_size=max(1, int(block.buffer_size)),
     )
-
-
-def split_sub_groups(numels: Sequence[int], sub_group_size: int) -> list[list[int]]:
-    """Consecutive tensor indices grouped so each group holds at most ``sub_group_size``
-    elements (a larger tensor is a group of its own).
-
-    Example:
-        >>> split_sub_groups([3, 3, 5, 1], 6)
-        [[0, 1], [2, 3]]
-    """
-    groups: list[list[int]] = []
-    current: list[int] = []
-    total = 0
-    for index, numel in enumerate(numels):
-        if current and total + numel > sub_group_size:
-            groups.append(current)
-            current, total = [], 0
-        current.append(index)
-        total += numel
-    if current:
-        groups.append(current)
-    return groups
 
 
 class Waitable(Protocol):

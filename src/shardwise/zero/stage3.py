@@ -14,7 +14,10 @@ accumulation across micro steps adds into the shard). ``Stage3Optimizer`` then d
   division averages over ranks, unscales and clips, folded into torch's fused AdamW where it
   can be: :mod:`shardwise.zero.grad_fold`);
 - the step (through an :class:`~shardwise.zero.offload.OffloadStore` with
-  ``offload_optimizer``), then the unsharded parameters are refreshed from their masters.
+  ``offload_optimizer``; without one, over sub-groups of at most ``sub_group_size`` elements
+  of the local shard in turn, bitwise one step for torch's element-wise optimizers:
+  :func:`~shardwise.zero.optimizer_subset.step_in_sub_groups`), then the unsharded parameters
+  are refreshed from their masters.
 
 There is no all-gather after the step: FSDP2 gathers the updated shards at the next
 forward. It implements :class:`~shardwise.zero.strategy.ZeroStrategy` and declares no
@@ -45,9 +48,11 @@ from torch import nn
 from shardwise.comm import collectives
 from shardwise.comm.init import group_source_rank
 from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
+from shardwise.utils.logging import logger
 from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
 from shardwise.zero.grad_fold import divide_, scaled_step
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
+from shardwise.zero.optimizer_subset import step_in_sub_groups, steps_per_tensor
 from shardwise.zero.param_owner import register_owner
 from shardwise.zero.param_swap import SwappedMasters
 from shardwise.zero.replicated import ReplicatedParams
@@ -85,6 +90,7 @@ class Stage3Policy:
     quantized_gradients: bool = False
     fail_on_unused: bool = False  # ignore_unused_parameters: false
     param_names: Mapping[int, str] | None = None
+    sub_group_size: int = 1_000_000_000  # elements per optimizer step call (no offload store)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -173,6 +179,7 @@ class Stage3Optimizer(ZeroStrategy):
             )
         else:
             self.optimizer = optimizer_factory(inner_groups)
+        self.sub_group_size = self._sub_group_size(policy.sub_group_size)
         # NVMe parameters with NVMe optimizer state: the step brings masters in a sub-group at a
         # time next to their state, instead of the whole model (a model larger than memory)
         self._swapped_masters: SwappedMasters | None = None
@@ -212,6 +219,25 @@ class Stage3Optimizer(ZeroStrategy):
         record.replicated_listener = self._on_replicated_edit
         self._grads_ready = False  # a backward reduced gradients that no step or zero_grad dropped yet
         register_owner(self, [*self.sharded, *self.replicated.params])
+
+    def _sub_group_size(self, requested: int) -> int | None:
+        """Elements per step call without an offload store (which splits its own steps); None:
+        one call (the optimizer couples its tensors, so splitting would change the update)."""
+        if self.store is not None:
+            return None
+        if steps_per_tensor(self.optimizer):
+            return requested
+        total = sum(t.numel() for group in self.optimizer.param_groups for t in group["params"])
+        if total > requested:
+            logger.warning(
+                "'zero_optimization.sub_group_size' = %d has no effect: %s is not one of torch's "
+                "element-wise optimizers, so its step cannot be split into sub-groups without changing the update; the "
+                "%d-element local shard steps at once",
+                requested,
+                type(self.optimizer).__name__,
+                total,
+            )
+        return None
 
     # ------------------------------------------------------------------ wiring
     @property
@@ -354,11 +380,18 @@ class Stage3Optimizer(ZeroStrategy):
             self.zero_grad()
             return plan.result()
         grads, divisor = sharded_grads + self.replicated.grads(), plan.divisor  # folded where it can be
-        scaled_step(self.optimizer, grads, divisor, lambda: self._scale_gradients(grads, divisor))
+        scaled_step(self.optimizer, grads, divisor, lambda: self._scale_gradients(grads, divisor), self._step)
         self.replicated.publish()
         self.zero_grad()
         self.record.evict()
         return plan.result()
+
+    def _step(self) -> None:
+        """The inner step: one call, or one per ``sub_group_size`` sub-group of the local shard."""
+        if self.sub_group_size is None:
+            self.optimizer.step()
+        else:
+            step_in_sub_groups(self.optimizer, self.sub_group_size)
 
     def _scale_gradients(self, grads: list[torch.Tensor], divisor: float) -> None:
         """Average, unscale and clip: one division of every gradient the optimizer reads."""

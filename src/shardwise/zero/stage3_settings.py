@@ -15,12 +15,13 @@ frozen policy the wrapping code reads (it never sees the config).
 | ``stage3_max_live_parameters`` / ``stage3_max_reuse_distance`` | per unit ``reshard_after_forward``: a unit stays gathered from forward to backward when its reuse distance and the live total allow |
 | ``stage3_module_granularity_threshold`` | modules with fewer elements per descendant are one unit (not split) |
 | ``leaf_module`` | matching modules are one unit each |
-| ``reduce_bucket_size`` | bucket size of the unsharded parameters' all-reduce (sharded gradients are reduce-scattered once per unit) |
+| ``reduce_bucket_size`` | bucket size of the unsharded parameters' all-reduce (sharded gradients are reduce-scattered once per unit; ``config.inert`` reports the key at stage 3) |
+| ``sub_group_size`` | the optimizer step runs over sub-groups of at most this many local-shard elements in turn (:func:`~shardwise.zero.optimizer_subset.step_in_sub_groups`; offload splits its own step) |
 | ``zero_quantized_weights`` / ``zero_quantized_gradients`` | ZeRO++ qwZ / qgZ: FSDP2's custom all-gather / reduce-scatter hooks move int8 blocks (:mod:`shardwise.comm.quantized_collectives`) |
 | ``zero_hpz_partition_size`` | > 1: units reshard after forward to groups of this size (FSDP2's ``reshard_after_forward=int``, ZeRO++ hpZ) |
 | mixed precision | bf16/fp16 compute (``MixedPrecisionPolicy.param_dtype``), fp32 sharded masters, fp32 reduction (or ``communication_data_type``) |
 | ``stage3_gather_16bit_weights_on_model_save`` | ``engine.save_16bit_model`` gathers full weights one tensor at a time only when true (else it saves a sharded checkpoint and says how to export it) |
-| ``offload_param`` / ``offload_optimizer`` / ``sub_group_size`` / ``aio`` | see :mod:`shardwise.zero.offload` |
+| ``offload_param`` / ``offload_optimizer`` / ``aio`` | see :mod:`shardwise.zero.offload` |
 
 No torch import here: the mapping is tested in milliseconds.
 """
@@ -80,7 +81,12 @@ KEY_NOTES: dict[str, tuple[str, str]] = {
         _MAPPED,
         "16-bit model saves gather full weights only when true",
     ),
-    "sub_group_size": (_MAPPED, "offload: elements stepped (and streamed from NVMe) per optimizer sub-group"),
+    "sub_group_size": (
+        _MAPPED,
+        "elements per optimizer step call: the local shard steps sub-group by sub-group (streamed from NVMe "
+        "with offload); in one call, with a warning, for an optimizer that is not one of torch's "
+        "element-wise ones",
+    ),
     "offload_param": (_MAPPED, "stage 3: sharded params and grads on the host (cpu) or in files (nvme)"),
     "offload_optimizer": (
         _MAPPED,

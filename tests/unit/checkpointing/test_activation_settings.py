@@ -105,7 +105,17 @@ def test_contiguous_without_partition_names_the_key_and_the_fix() -> None:
 def test_contiguous_without_number_checkpoints_names_the_key_and_the_fix() -> None:
     with pytest.raises(ConfigError) as info:
         checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True)
-    assert info.value.key == "activation_checkpointing.number_checkpoints" and "layers" in info.value.fix
+    assert info.value.key == "activation_checkpointing.number_checkpoints" and info.value.value is None
+    assert "num_checkpoints=N to deepspeed.checkpointing.configure()" in info.value.fix
+    assert "set activation_checkpointing.number_checkpoints" in info.value.fix
+
+
+def test_configure_takes_the_slot_count_from_num_checkpoints_when_the_config_has_none() -> None:
+    section = {"partition_activations": True, "contiguous_memory_optimization": True}
+    got = checkpointing.configure(
+        None, deepspeed_config={"activation_checkpointing": section}, num_checkpoints=5
+    )
+    assert got.contiguous_memory_optimization and got.number_checkpoints == 5
 
 
 def test_a_bad_value_in_the_section_names_its_key() -> None:
@@ -144,7 +154,20 @@ def test_describe_names_what_is_active() -> None:
     assert "1 rank: nothing is split" in alone
 
 
-def test_config_check_refuses_what_initialize_would_refuse() -> None:
+def test_config_check_accepts_a_slot_count_left_to_configure_and_says_so() -> None:
+    from shardwise.preflight import SLOT_COUNT_NOTE, load_checked_config
+
+    section = {"partition_activations": True, "contiguous_memory_optimization": True}
+    resolved = load_checked_config({"train_batch_size": 2, "activation_checkpointing": section})
+    assert resolved.config.activation_checkpointing.number_checkpoints is None
+    assert SLOT_COUNT_NOTE in resolved.warnings and "num_checkpoints=N" in SLOT_COUNT_NOTE
+    ok = {**section, "number_checkpoints": 8}
+    resolved = load_checked_config({"train_batch_size": 2, "activation_checkpointing": ok})
+    assert resolved.config.activation_checkpointing.number_checkpoints == 8
+    assert SLOT_COUNT_NOTE not in resolved.warnings
+
+
+def test_config_check_still_refuses_a_slot_count_below_one_and_contiguous_without_partitioning() -> None:
     from shardwise.preflight import load_checked_config
 
     with pytest.raises(ConfigError) as info:
@@ -154,14 +177,69 @@ def test_config_check_refuses_what_initialize_would_refuse() -> None:
                 "activation_checkpointing": {
                     "partition_activations": True,
                     "contiguous_memory_optimization": True,
+                    "number_checkpoints": 0,
                 },
             }
         )
-    assert info.value.key == "activation_checkpointing.number_checkpoints"
-    ok = {"partition_activations": True, "contiguous_memory_optimization": True, "number_checkpoints": 8}
-    assert (
+    assert info.value.key == "activation_checkpointing.number_checkpoints" and info.value.value == 0
+    with pytest.raises(ConfigError) as info:
         load_checked_config(
-            {"train_batch_size": 2, "activation_checkpointing": ok}
-        ).config.activation_checkpointing.number_checkpoints
-        == 8
-    )
+            {"train_batch_size": 2, "activation_checkpointing": {"contiguous_memory_optimization": True}}
+        )
+    assert info.value.key == "activation_checkpointing.contiguous_memory_optimization"
+
+
+def test_megatron_offload_config_passes_config_check() -> None:
+    """DeepSpeedExamples' Megatron-LM ds_zero-offload_config.json: the slot count comes from the
+    script's checkpointing.configure(..., num_checkpoints=num_layers)."""
+    from shardwise.preflight import SLOT_COUNT_NOTE, load_checked_config
+
+    config = {
+        "train_batch_size": 8,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "activation_checkpointing": {
+            "partition_activations": True,
+            "contiguous_memory_optimization": True,
+            "cpu_checkpointing": True,
+        },
+    }
+    assert SLOT_COUNT_NOTE in load_checked_config(config).warnings
+
+
+INITIALIZE_SECTION = ActivationCheckpointingConfig(
+    partition_activations=True, contiguous_memory_optimization=True
+)
+
+
+def test_initialize_keeps_the_slot_count_of_an_earlier_configure() -> None:
+    from shardwise.checkpointing.settings import configure_for_engine
+
+    checkpointing.configure(None, num_checkpoints=6)  # Megatron's configure, before initialize
+    applied = configure_for_engine(INITIALIZE_SECTION, None)
+    assert applied is not None and applied.contiguous_memory_optimization
+    assert applied.number_checkpoints == 6 and checkpointing.current_settings() is applied
+    assert "6 slots" in checkpointing.describe(applied)
+
+
+def test_initialize_without_a_slot_count_defers_the_refusal_to_checkpoint_or_a_later_configure() -> None:
+    import torch
+
+    from shardwise.checkpointing.settings import configure_for_engine
+    from shardwise.checkpointing.storage import active_storage, reset
+
+    reset()
+    applied = configure_for_engine(INITIALIZE_SECTION, None)
+    assert applied is not None and applied.number_checkpoints is None
+    assert "must still come from checkpointing.configure" in checkpointing.describe(applied)
+    layer = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError) as info:
+        checkpointing.checkpoint(layer, torch.ones(1, 2, requires_grad=True))
+    assert info.value.key == "activation_checkpointing.number_checkpoints"
+    assert "num_checkpoints=N" in info.value.fix
+    settings = checkpointing.configure(None, deepspeed_config=INITIALIZE_SECTION, num_checkpoints=2)
+    assert settings.number_checkpoints == 2
+    storage = active_storage()
+    assert storage is not None and storage.pool is not None
+    out = checkpointing.checkpoint(layer, torch.ones(1, 2, requires_grad=True))
+    out.sum().backward()
+    reset()

@@ -123,6 +123,8 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "zero_optimization.enable_sanity_checks": {
         "zero_optimization": {"stage": 3, "enable_sanity_checks": True}
     },
+    "zero_optimization.reduce_bucket_size": {"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}},
+    "zero_optimization.sub_group_size": {"zero_optimization": {"stage": 2, "sub_group_size": 1000}},
     "data_efficiency.data_sampling.dynamic_batching": {
         "data_efficiency": {"enabled": True, "data_sampling": {"dynamic_batching": {"enabled": True}}}
     },
@@ -250,9 +252,7 @@ def test_config_check_lists_ignored_settings_under_a_heading_and_strict_fails(
     assert "section 'eigenvalue' has no effect" in second
     code, text = _check(tmp_path, capsys, config, "--strict")
     assert code == 1 and "2 problems in the config" in text
-    assert (
-        "'zero_optimization.round_robin_gradients' = True:" in text and "'eigenvalue': section" in text
-    )
+    assert "'zero_optimization.round_robin_gradients' = True:" in text and "'eigenvalue': section" in text
     code, text = _check(tmp_path, capsys, BASE, "--strict")
     assert code == 0 and "ignored" not in text
 
@@ -295,6 +295,10 @@ ACTING = {
     "zero_optimization.zero_quantized_gradients": ({"zero_quantized_gradients": True}, (3,), (0, 1, 2)),
     "zero_optimization.ignore_unused_parameters": ({"ignore_unused_parameters": False}, (0, 1, 2, 3), ()),
     "zero_optimization.load_from_fp32_weights": ({"load_from_fp32_weights": False}, (0, 1, 2, 3), ()),
+    # issue 38: all-reduce buckets at stages 0-2; at stage 3 only the unsharded parameters' ones
+    "zero_optimization.reduce_bucket_size": ({"reduce_bucket_size": 1000}, (0, 1, 2), (3,)),
+    # issue 38: stage 3 steps sub-group by sub-group; below it only an offloaded step is split
+    "zero_optimization.sub_group_size": ({"sub_group_size": 1000}, (3,), (0, 1, 2)),
 }
 
 
@@ -312,3 +316,27 @@ def test_dump_state_and_disable_allgather_act() -> None:
     for stage, reported in ((0, True), (1, False), (2, False), (3, True)):
         cfg = load_config({**BASE, "disable_allgather": True, "zero_optimization": {"stage": stage}})
         assert [s.path for s in cfg.ignored] == (["disable_allgather"] if reported else [])
+
+
+def test_reduce_bucket_size_at_stage_3_says_what_it_still_does(warnings_logged: list[str]) -> None:
+    zero = {"stage": 3, "reduce_bucket_size": 1000}
+    (setting,) = load_config({**BASE, "zero_optimization": zero}).ignored
+    assert setting.message == (
+        "'zero_optimization.reduce_bucket_size' = 1000 acts only on unsharded parameters: at stage 3 it "
+        "sizes only the all-reduce buckets of the unsharded parameters (those below "
+        "stage3_param_persistence_threshold); FSDP2 reduce-scatters the sharded parameters' gradients one "
+        "shard unit per collective, whatever this value"
+    )
+    assert warnings_logged == [setting.message]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sub_group_size_below_stage_3_is_reported_only_without_optimizer_offload(stage: int) -> None:
+    zero = {"stage": stage, "sub_group_size": 1000}
+    (setting,) = load_config({**BASE, "zero_optimization": zero}).ignored
+    assert setting.message.startswith(
+        "'zero_optimization.sub_group_size' = 1000 has no effect: below stage 3 it splits only the "
+        "offloaded optimizer step"
+    )
+    offloaded = {**zero, "offload_optimizer": {"device": "cpu"}}
+    assert load_config({**BASE, "zero_optimization": offloaded}).ignored == []

@@ -139,7 +139,7 @@ def test_the_hook_sets_the_scheduled_count_on_training_forwards() -> None:
         ({"random_ltd_layer_num": 3}, [0, 2], "random_ltd_layer_num"),
         ({"random_ltd_layer_id": [0, 3]}, [0, 2], "random_ltd_layer_id"),
         ({"random_ltd_layer_id": [1, 1]}, [0, 2], "random_ltd_layer_id"),
-        ({}, [0], "random_ltd_layer_num"),  # the model has one wrapper, the config says two
+        ({}, [0], "random_ltd_layer_id"),  # the model has one wrapper, the config lists two
         ({"model_type": "seq2seq"}, [0, 2], "model_type"),
         ({"layer_token_lr_schedule": {"enabled": True}}, [0, 2], "layer_token_lr_schedule.enabled"),
     ],
@@ -148,3 +148,69 @@ def test_inconsistent_sections_name_the_key(section: dict, ids: list[int], key: 
     with pytest.raises(ConfigError) as info:
         build_random_ltd_hook(_ltd_config(**section), _converted(ids))
     assert info.value.key == f"data_efficiency.data_routing.random_ltd.{key}" and info.value.fix
+
+
+def _hooked(ids: list[int] | None, config_ids: list[int]) -> tuple[TinyGPT, Any]:
+    model = convert_to_random_ltd(TinyGPT(GPTConfig(n_layer=3, n_embd=16, n_head=2)), Block, ids)
+    section = {"random_ltd_layer_id": config_ids, "random_ltd_layer_num": len(config_ids)}
+    return model, build_random_ltd_hook(_ltd_config(**section), model)
+
+
+def test_random_ltd_layer_id_picks_the_layers_that_drop_tokens_when_every_layer_is_wrapped() -> None:
+    """DeepSpeed's form: convert_to_random_ltd(model, LayerClass) wraps every layer and the config's
+    random_ltd_layer_id decides which drop tokens; the others run on every token."""
+    model, hook = _hooked(None, [1])
+    assert [layer.layer_id for layer in random_ltd_layers(model)] == [0, 1, 2]
+    assert [layer.layer_id for layer in hook.layers] == [1]
+    hook.adjust_forward((), {}, ForwardContext(0, True))
+    assert [layer.kept_tokens for layer in random_ltd_layers(model)] == [None, 2, None]
+    hook.load_state_dict(hook.state_dict())
+    assert [layer.kept_tokens for layer in random_ltd_layers(model)] == [None, 2, None]
+
+
+def test_only_the_listed_layer_changes_its_output() -> None:
+    torch.manual_seed(0)
+    model, hook = _hooked(None, [2])
+    hook.adjust_forward((), {}, ForwardContext(0, True))
+    seen: dict[int, torch.Tensor] = {}
+    for layer in random_ltd_layers(model):
+        layer.layer.register_forward_hook(
+            lambda module, args, out, i=layer.layer_id: seen.__setitem__(i, args[0])
+        )
+    idx = torch.randint(0, 64, (2, 8))
+    model(idx, idx)
+    assert seen[0].shape[1] == seen[1].shape[1] == 8  # every token
+    assert seen[2].shape[1] == 2  # the scheduled kept count
+
+
+@pytest.mark.parametrize(
+    ("ids", "config_ids", "rule"),
+    [
+        (
+            [0, 2],
+            [1, 2],
+            "layers [1] are listed but not wrapped (the model's RandomLTDLayer wrappers are layers [0, 2])",
+        ),
+        ([0, 2], [2], "convert_to_random_ltd was given layer_ids [0, 2], but the config does not list [0]"),
+    ],
+)
+def test_a_config_listing_other_layers_than_the_wrapped_ones_is_refused(
+    ids: list[int], config_ids: list[int], rule: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        _hooked(ids, config_ids)
+    assert info.value.key == "data_efficiency.data_routing.random_ltd.random_ltd_layer_id"
+    assert info.value.rule == rule and info.value.value == config_ids and "layer_ids" in info.value.fix
+
+
+def test_wrappers_without_a_layer_id_or_no_wrapper_at_all_are_refused() -> None:
+    model = TinyGPT(GPTConfig(n_layer=3, n_embd=16, n_head=2))
+    with pytest.raises(ConfigError, match="no RandomLTDLayer wrapper") as info:
+        build_random_ltd_hook(_ltd_config(), model)
+    assert "convert_to_random_ltd" in info.value.fix
+    model.blocks[0] = RandomLTDLayer(model.blocks[0])
+    model.blocks[2] = RandomLTDLayer(model.blocks[2])
+    with pytest.raises(ConfigError, match="carry no layer_id"):
+        build_random_ltd_hook(_ltd_config(), model)
+    model.blocks[0].layer_id, model.blocks[2].layer_id = 0, 2
+    assert build_random_ltd_hook(_ltd_config(), model) is not None
