@@ -1,8 +1,8 @@
 """Tests of the multi-process harness in ``shardwise.testing``.
 
-The functions the ranks run must be importable by the spawned children, so they live at
-module level here. Each spawn costs a few seconds (every rank imports torch), so the
-tests are few and the slow paths use short timeouts.
+The functions the ranks run must be importable by the rank processes, so they live at
+module level here. Each run costs the process group's set-up in every rank, so the tests are
+few and the slow paths use short timeouts.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 import pytest
 
 from shardwise.testing import DistributedTestError, find_free_port, run_distributed, run_distributed_cases
+from shardwise.testing.multiprocess import _available_cpus
 
 # --------------------------------------------------------------------------------------
 # Functions run on the ranks.
@@ -248,3 +249,29 @@ def test_grid_failure_names_the_failing_case() -> None:
     assert "rank 0 raised during the test function (case 1 of 3: {'name': 'second'})" in str(error)
     assert "AssertionError: mismatch in second" in str(error)
     assert "over 3 cases" in str(error)
+
+
+def _start_facts(rank: int, world_size: int) -> dict:
+    import torch
+
+    return {
+        "late_env": os.environ.get("SHARDWISE_HARNESS_LATE"),
+        "threads": torch.get_num_threads(),
+        "parent_pid": os.getppid(),
+    }
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_see_the_parents_current_environment_whatever_the_start_method(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forked rank gets the parent's environment as it is at the call (not the forkserver's, which
+    started earlier) and the harness's thread cap; ``spawn`` stays available and behaves the same."""
+    monkeypatch.setenv("SHARDWISE_HARNESS_START", method)
+    run_distributed(_start_facts, 2)  # the forkserver (if any) exists before the next variable
+    monkeypatch.setenv("SHARDWISE_HARNESS_LATE", "set after the server started")
+    facts = run_distributed(_start_facts, 2)
+    assert [f["late_env"] for f in facts] == ["set after the server started"] * 2
+    assert [f["threads"] for f in facts] == [max(1, _available_cpus() // 2)] * 2
+    forked_from_server = facts[0]["parent_pid"] != os.getpid()
+    assert forked_from_server == (method == "forkserver")

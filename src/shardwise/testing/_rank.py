@@ -1,9 +1,10 @@
 """The rank side of the test harness: what each spawned process runs.
 
 Kept apart from the parent side so the children import only this (plus the package
-``__init__``). Nothing here imports torch at the top: the rank's environment
-(``OMP_NUM_THREADS``, the launcher variables, the caller's extras) must be in place before
-torch loads, and unpickling the entry point should cost nothing.
+``__init__``). Nothing here imports torch at the top, so a ``spawn`` rank's environment
+(``OMP_NUM_THREADS``, the launcher variables, the caller's extras) is in place before torch loads
+(a rank forked from the harness's forkserver has torch loaded already: its thread count is set
+with ``torch.set_num_threads``), and unpickling the entry point costs nothing.
 
 Messages to the parent are pickled tuples on a one-way pipe:
 ``("progress", text)``, ``("ok", result_pickle)`` or ``("error", phase, case, traceback)``.
@@ -102,6 +103,7 @@ def worker_main(spec: RankSpec, conn: Connection) -> None:
         # On timeout the parent sends SIGUSR1 and reads this file: the Python stacks of
         # every thread, even while the main thread is blocked inside a C++ collective.
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    os.environ.clear()  # exactly the parent's environment plus the rank's variables
     os.environ.update(spec.env)
 
     phase = "start-up"

@@ -1,11 +1,20 @@
 """Run a function on several ``torch.distributed`` ranks on one machine, for tests.
 
-Each call spawns ``world_size`` fresh processes (the ``spawn`` start method, never
-``fork``: a forked child inherits the parent's torch thread pools and locks), pins them to
-loopback and a free port, sets the usual launcher variables (``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), initialises the
-process group, calls ``fn(rank, world_size, *args, **kwargs)`` and sends the return value
-back to the parent.
+Each call starts ``world_size`` fresh rank processes, pins them to loopback and a free port,
+sets the usual launcher variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``) over a copy of the parent's environment, initialises the process
+group, calls ``fn(rank, world_size, *args, **kwargs)`` and sends the return value back to the parent.
+
+Ranks are forked from a ``forkserver``: one clean, single-threaded server process per test session
+that imported torch once, so a rank starts in milliseconds instead of paying torch's import (about
+1.5 s of CPU per rank, which dominated the suite on a 2-core machine). Never plain ``fork``: a child
+forked from the parent would inherit its torch thread pools and locks. A forked rank is still a
+fresh process for everything the tests look at: it gets the parent's current environment and
+``sys.path`` (not the server's), its thread count is set with ``torch.set_num_threads``, and nothing
+runs in the server but the imports. Environment variables that torch reads while it is imported
+are the server's, which is the session's: the one such variable the suite changes,
+``ATEN_CPU_CAPABILITY``, is set per pytest run (``make test-numerics``), before the server starts.
+``SHARDWISE_HARNESS_START=spawn`` makes every rank a ``spawn`` process that imports torch itself.
 
 The harness never hangs a test session:
 
@@ -27,8 +36,8 @@ work. Functions in pytest test modules qualify under pytest's default ``prepend`
 mode (the children inherit ``sys.path``). Its arguments and return value must be picklable
 too; tensors come back by value.
 
-Spawning costs a few seconds per call (each child imports torch), so group many small
-checks into one spawn with :func:`run_distributed_cases`.
+Each call still costs the process group's set-up and the test module's imports in every rank,
+so group many small checks into one call with :func:`run_distributed_cases`.
 """
 
 from __future__ import annotations
@@ -309,9 +318,10 @@ def _format_failure(
 def _rank_env(
     rank: int, world_size: int, port: int, extra: dict[str, str] | None, threads: int
 ) -> dict[str, str]:
-    env = {
-        # Threads must be capped before torch creates its pools: world_size ranks share
-        # the cores, and oversubscription makes small CPU tests crawl.
+    env = dict(os.environ)  # the parent's, as it is now (a forked rank would get the server's)
+    env |= {
+        # world_size ranks share the cores, and oversubscription makes small CPU tests crawl
+        # (the rank also calls torch.set_num_threads: torch may be loaded before this is read).
         "OMP_NUM_THREADS": str(threads),
         "MASTER_ADDR": _LOOPBACK,
         "MASTER_PORT": str(port),
@@ -333,6 +343,20 @@ def _rank_env(
     return env
 
 
+#: what a forkserver loads once, so each rank forks with torch already imported
+_PRELOAD = ["torch", "torch.distributed", "shardwise.testing._rank"]
+
+
+def _start_context() -> multiprocessing.context.BaseContext:
+    """``forkserver`` (a clean server process that imported torch once forks each rank), or the start
+    method ``SHARDWISE_HARNESS_START`` names (``spawn``: every rank imports torch itself)."""
+    method = os.environ.get("SHARDWISE_HARNESS_START", "forkserver")
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _launch_once(
     payload: bytes,
     world_size: int,
@@ -344,7 +368,7 @@ def _launch_once(
     collective_timeout: float,
 ) -> tuple[list[bytes] | None, DistributedTestError | None, bool]:
     """One spawn. Returns (results, error, port_in_use)."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _start_context()
     port = find_free_port()
     threads = max(1, _available_cpus() // world_size)
     tmpdir = tempfile.mkdtemp(prefix="shardwise-ranks-")
@@ -507,7 +531,7 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks.
 
-    Each rank is a fresh ``spawn`` process with ``MASTER_ADDR=127.0.0.1``, a free
+    Each rank is a fresh process (see the module docstring) with ``MASTER_ADDR=127.0.0.1``, a free
     ``MASTER_PORT``, ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_WORLD_SIZE`` set, torch
     limited to ``max(1, cpus // world_size)`` threads and the default process group
     initialised; the group is destroyed after ``fn`` returns.
