@@ -8,8 +8,8 @@ and ``benchmarks/`` are links to the repository's, so a page can use the bundled
 the same relative path a reader uses from the repository root. An example asserts what it
 shows (the loss went down, the checkpoint reloads equal), so a broken feature fails here.
 
-The README is checked too: at most 150 lines, every relative link resolves, and every docs
-page is reachable from it.
+The README is checked too: its runnable examples run the same way, it has at most 150 lines,
+every relative link resolves, and every docs page is reachable from it.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_page_has_a_runnable_example(page: Path) -> None:
 
 def _example_cases() -> list:
     cases = []
-    for page in PAGES:
+    for page in [README, *PAGES]:
         for index, (nproc, code) in enumerate(runnable_examples(page.read_text())):
             cases.append(pytest.param(nproc, code, id=f"{page.stem}-{index}"))
     return cases
@@ -94,13 +94,20 @@ def test_docs_example_runs(nproc: int, code: str, tmp_path: Path) -> None:
     if nproc == 1:
         command = [sys.executable, str(script)]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={nproc}", str(script)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(script),
+        ]
     # as in an activated venv: its `shardwise` command on PATH
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src"), "PATH": path}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=EXAMPLE_TIMEOUT_S)
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT_S
+    )
     assert done.returncode == 0, (
         f"example failed (exit {done.returncode}):\n{code}\n--- stdout\n{done.stdout[-3000:]}\n"
         f"--- stderr\n{done.stderr[-6000:]}"
@@ -110,6 +117,12 @@ def test_docs_example_runs(nproc: int, code: str, tmp_path: Path) -> None:
 def test_readme_is_short():
     lines = README.read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines, at most {README_MAX_LINES}"
+
+
+def test_readme_has_a_runnable_example():
+    assert runnable_examples(README.read_text()), (
+        "README.md's short example should be marked <!-- test: run -->"
+    )
 
 
 def test_readme_links_resolve():
