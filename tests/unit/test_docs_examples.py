@@ -77,6 +77,15 @@ def test_page_has_a_runnable_example(page: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("page", [README, *PAGES], ids=lambda p: p.name)
+def test_every_marker_marks_a_python_block(page: Path) -> None:
+    text = page.read_text()
+    assert text.count("<!-- test:") == len(runnable_examples(text)), (
+        f"{page.name}: a '<!-- test: run -->' marker is not directly followed by a ```python block "
+        "(or is misspelt), so its example would not run"
+    )
+
+
 def _example_cases() -> list:
     cases = []
     for page in [README, *PAGES]:
@@ -85,6 +94,7 @@ def _example_cases() -> list:
     return cases
 
 
+@pytest.mark.integration  # each example is a fresh process (some launch ranks or the CLI)
 @pytest.mark.parametrize(("nproc", "code"), _example_cases())
 def test_docs_example_runs(nproc: int, code: str, tmp_path: Path) -> None:
     for shared in ("examples", "benchmarks"):
