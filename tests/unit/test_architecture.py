@@ -384,6 +384,7 @@ PROJECT_CHECKS = frozenset(
         "test_docstring_examples.py",
         "test_self_contained.py",  # no test reads outside the repository
         "test_step_order.py",  # the map's step order is the engine's
+        "test_docs_examples.py",  # every docs page's example runs
     }
 )
 
