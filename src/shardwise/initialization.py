@@ -21,6 +21,7 @@ from shardwise import comm
 from shardwise.checkpoint.engine_io import build_checkpointer
 from shardwise.checkpointing.settings import configure_for_engine, describe
 from shardwise.comm.comms_logger import configure_comms_logger
+from shardwise.comm.groups import set_topology
 from shardwise.comm.topology import Topology, build_topology
 from shardwise.config import ConfigError, ResolutionContext
 from shardwise.config.model import ShardwiseConfig
@@ -242,6 +243,7 @@ def initialize(
     source = _config_source(args, config, config_params)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     topology = build_topology(mpu)
+    set_topology(topology)  # utils.groups-style accessors (shardwise.comm.groups) read this layout
     context = ResolutionContext(
         world_size=topology.dp_size,
         optimizer_hparams=_client_hparams(optimizer),

@@ -164,6 +164,7 @@ def prepare_module(
         reduce_dtype=comm_dtype or precision.grad_accum_dtype,
         process_group=topology.dp_group,
         device=device,
+        mesh=topology.data_parallel_mesh(device.type),
         param_offload=param_offload_spec(zero, aio),
         rank=topology.dp_rank,
         world_size=topology.dp_size,

@@ -256,14 +256,12 @@ def _apply_fully_shard(
     record: ShardedModel, plan: _UnitPlan, persistent: list[nn.Parameter], tracker: _Tracker
 ) -> None:
     """Step 4: ``fully_shard`` every unit, then the root; placeholders land in their shards."""
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = record.policy
     compute = policy.compute_dtype
     model = record.module
-    group = policy.process_group if policy.process_group is not None else comm_init.get_world_group()
-    mesh = DeviceMesh.from_group(group, policy.device.type)
+    mesh = policy.mesh  # the topology's data-parallel mesh: nobody here makes groups of their own
     mp = MixedPrecisionPolicy(
         param_dtype=None if compute == torch.float32 else compute, reduce_dtype=policy.reduce_dtype
     )
@@ -418,7 +416,7 @@ def shard_model(model: nn.Module, policy: ShardPolicy) -> ShardedModel:
     Calling it again on the same model returns the first record.
 
     Example:
-        >>> # record = shard_model(model, ShardPolicy(settings, torch.bfloat16, torch.float32, None, cpu))
+        >>> # record = shard_model(model, ShardPolicy(settings, torch.bfloat16, torch.float32, None, cpu, mesh))
         >>> # record.units -> the blocks; model is now an FSDP2 root module
     """
     existing = sharded_record(model)

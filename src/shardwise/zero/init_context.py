@@ -51,7 +51,7 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from shardwise.comm import collectives
+from shardwise.comm import collectives, groups
 from shardwise.comm import init as comm_init
 from shardwise.zero.external_params import (
     is_external,
@@ -199,7 +199,7 @@ def _data_parallel_group(data_parallel_group: Any, mpu: Any) -> Any:
         return data_parallel_group
     if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
         return mpu.get_data_parallel_group()
-    return None
+    return groups.get_data_parallel_group()  # the registered layout's (the world's before initialize)
 
 
 class Init:

@@ -36,6 +36,7 @@ class ShardPolicy:
     reduce_dtype: torch.dtype
     process_group: Any
     device: torch.device
+    mesh: Any  # the topology's ``dp_shard`` DeviceMesh, which fully_shard shards over
     param_offload: OffloadSpec | None = None
     rank: int = 0
     world_size: int = 1
