@@ -38,6 +38,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.checkpoint import dcp_io, integrity_ranks, keys, layout, publish, rng
 from shardwise.checkpoint.training_state import LoadResult, TrainingState, param_names
+from shardwise.comm.group_type import Group
 from shardwise.utils.logging import logger
 
 
@@ -70,7 +71,7 @@ class Checkpointer:
         self.options = options
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._async_group: Any = None
+        self._async_group: Group = None
 
     # ------------------------------------------------------------------ async bookkeeping
     def wait(self) -> None:
@@ -149,7 +150,7 @@ class Checkpointer:
             *args, node_local=self.options.use_node_local_storage, thread_count=self.options.thread_count
         )
 
-    def _validate_tag(self, tag: str, group: Any) -> None:
+    def _validate_tag(self, tag: str, group: Group) -> None:
         mode = self.options.tag_validation.lower()
         if mode == "ignore" or comm.get_world_size(group) == 1:
             return

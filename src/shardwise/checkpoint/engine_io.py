@@ -22,10 +22,13 @@ from shardwise.checkpoint.module_state import copy_whole_state
 from shardwise.checkpoint.optimizer_state import OptimizerState
 from shardwise.checkpoint.param_state import ParamOptimizerState
 from shardwise.comm.diagnostics import check_all_ranks_arrive
+from shardwise.comm.fsdp_internals import full_tensor
+from shardwise.config.sections.features import CheckpointConfig
 from shardwise.utils.logging import logger
+from shardwise.zero.strategy import ZeroStrategy
 
 
-def build_checkpointer(section: Any) -> Checkpointer:
+def build_checkpointer(section: CheckpointConfig) -> Checkpointer:
     """The checkpointer for the config's ``checkpoint`` section (``initialize`` gives it to the engine).
 
     Example:
@@ -51,14 +54,14 @@ def optimizer_state(optimizer: Any) -> OptimizerState | None:
     """
     if optimizer is None:
         return None
-    describe = getattr(optimizer, "state_layout", None)
-    if callable(describe):
-        return OptimizerState(describe())
+    if isinstance(optimizer, ZeroStrategy):
+        return OptimizerState(optimizer.state_layout())
     if isinstance(optimizer, torch.optim.Optimizer):
         return ParamOptimizerState(optimizer)
     raise TypeError(
         f"cannot checkpoint an optimizer of type {type(optimizer).__name__}: it must describe its state "
-        "(a state_layout() method returning shardwise.zero.state_layout.StateLayout) or be a torch.optim.Optimizer"
+        "(a shardwise.zero.strategy.ZeroStrategy, whose state_layout() returns a StateLayout) or be a "
+        "torch.optim.Optimizer"
     )
 
 
@@ -205,7 +208,7 @@ def save_16bit_model(
 
     def tensors() -> Any:
         for key, value in state.items():
-            full = value.full_tensor() if type(value).__name__ == "DTensor" else value  # collective
+            full = full_tensor(value)  # collective
             if rank0:
                 yield key, full.detach().to(device="cpu", dtype=dtype_of(full))
 
@@ -237,7 +240,7 @@ def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool =
     rank0 = comm.get_rank() == 0
     out: dict[str, Any] = {}
     for key, value in state.items():
-        full = value.full_tensor() if type(value).__name__ == "DTensor" else value  # collective
+        full = full_tensor(value)  # collective
         if rank0:
             dtype = compute if compute is not None and full.is_floating_point() else full.dtype
             out[key] = full.detach().to(device="cpu", dtype=dtype).clone()

@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from shardwise.checkpoint.optimizer_state import OptimizerState
+from shardwise.comm.group_type import Group
 
 
 @dataclass
@@ -50,7 +51,7 @@ class TrainingState:
     gradient_accumulation_steps: int = 1
     pending_micro_batches: int = 0
     ds_config: dict[str, Any] = field(default_factory=dict)
-    process_group: Any = None
+    process_group: Group = None
 
 
 @dataclass

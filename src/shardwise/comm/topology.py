@@ -29,7 +29,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -85,7 +85,7 @@ class Topology:
     shard_group: dist.ProcessGroup | None = None
     shard_rank: int = 0
     shard_size: int = 1
-    dims: ParallelDims = ParallelDims()
+    dims: ParallelDims = field(default_factory=ParallelDims)
 
     def __post_init__(self) -> None:
         # Internal invariants: build_topology validated user-facing values already.

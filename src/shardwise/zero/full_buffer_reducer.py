@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from shardwise.comm import collectives
+from shardwise.comm.group_type import Group
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
 
@@ -26,7 +27,7 @@ class FullBufferReducer(GradientReducer):
     """Reduces the full gradient buffers of stages 0-1 in place (all-reduce, exchange or
     reduce-scatter), bucket by bucket or piece by piece."""
 
-    def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Any = None) -> None:
+    def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Group = None) -> None:
         assert all(g.grad_buffer is not None for g in groups), "stages 0-1 keep a full gradient buffer"
         # Every group's gradient buffer in shared memory (and the wire is the buffer itself):
         # whole buckets are reduced by reading the other ranks' buffers, once backward has

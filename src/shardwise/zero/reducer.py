@@ -41,6 +41,7 @@ import torch
 
 from shardwise.comm import collectives
 from shardwise.comm import init as comm_init
+from shardwise.comm.group_type import Group
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.launch_order import LaunchOrder, Unit, plan_units
 
@@ -73,7 +74,7 @@ class _Inflight:
     after: Callable[[], None]
 
 
-def _reduce_scatter_algorithm(groups: list[FlatGroup], process_group: Any) -> str:
+def _reduce_scatter_algorithm(groups: list[FlatGroup], process_group: Group) -> str:
     """How this group's in-place reduce-scatter runs (see ``collectives.choose_algorithm``)."""
     if not groups or not comm_init.is_initialized():
         return "native"
@@ -96,7 +97,7 @@ class GradientReducer(ABC):
     (``new_accumulation``).
     """
 
-    def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Any = None) -> None:
+    def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Group = None) -> None:
         self.groups = groups
         self.policy = policy
         self.process_group = process_group

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from shardwise.comm import collectives
+from shardwise.comm.group_type import Group
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.launch_order import Unit
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
@@ -35,7 +36,7 @@ from shardwise.zero.reducer import GradientReducer, ReducePolicy
 class ShardAccumulatorReducer(GradientReducer):
     """Reduces stage 2's per-micro-step bucket buffers into the shard accumulators."""
 
-    def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Any = None) -> None:
+    def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Group = None) -> None:
         assert all(g.grad_buffer is None for g in groups), "stage 2 keeps no full gradient buffer"
         self._fresh = [[True] * len(g.layout.buckets) for g in groups]  # per bucket: no sums yet this window
         self._bucket_buffers: dict[tuple[int, int], torch.Tensor] = {}

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import collectives
+from shardwise.comm.group_type import Group
 from shardwise.comm.init import group_source_rank
 from shardwise.optim.clipping import squared_norm
 from shardwise.optim.exchanging import GradientExchangingOptimizer
@@ -76,8 +77,8 @@ class ZeroPolicy:
     post_divisor: float
     check_overflow: bool
     gradient_clipping: float
-    process_group: Any = None
-    mp_group: Any = None
+    process_group: Group = None
+    mp_group: Group = None
     mp_rank: int = 0
     publish: PublishPolicy = field(default_factory=PublishPolicy)
     all_reduce_gradients: bool = False  # reduce_scatter: false (stages 1-2): all-reduce, then slice

@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
+from shardwise.comm.group_type import Group
 from shardwise.comm.shared_memory import ENV_SWITCH, SHM_DIR, SharedMemoryGroup, open_shared_memory
 from shardwise.utils.logging import logger
 from shardwise.zero.flat_group import FlatGroup
 
 
 def open_for_groups(
-    param_groups: Sequence[dict[str, Any]], process_group: Any, world_size: int, stage: int, rank: int
+    param_groups: Sequence[dict[str, Any]], process_group: Group, world_size: int, stage: int, rank: int
 ) -> SharedMemoryGroup | None:
     """Shared-memory buffers when every rank runs on this host with the (trainable) parameters
     on the CPU over gloo; None otherwise, saying why (rank 0, info) unless the switch is off."""

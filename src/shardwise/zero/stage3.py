@@ -43,6 +43,8 @@ import torch
 from torch import nn
 
 from shardwise.comm import collectives
+from shardwise.comm.fsdp_internals import is_dtensor, local_tensor
+from shardwise.comm.group_type import Group
 from shardwise.comm.init import group_source_rank
 from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
 from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
@@ -77,7 +79,7 @@ class Stage3Policy:
     post_divisor: float
     check_overflow: bool
     gradient_clipping: float
-    process_group: Any = None
+    process_group: Group = None
     comm_dtype: torch.dtype | None = None
     reduce_bucket_numel: int = 500_000_000
     optimizer_offload: OffloadSpec | None = None
@@ -85,11 +87,6 @@ class Stage3Policy:
     quantized_gradients: bool = False
     fail_on_unused: bool = False  # ignore_unused_parameters: false
     param_names: Mapping[int, str] | None = None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The plain local tensor of a DTensor (or the tensor itself)."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 class Stage3Optimizer(ZeroStrategy):
@@ -137,7 +134,7 @@ class Stage3Optimizer(ZeroStrategy):
                 if not current.requires_grad or id(current) in seen:
                     continue
                 seen.add(id(current))
-                kind = "sharded" if hasattr(current, "device_mesh") else "replicated"
+                kind = "sharded" if is_dtensor(current) else "replicated"
                 members.append((kind, current))
                 if kind == "replicated":
                     replicated_params.append(current)
@@ -155,7 +152,7 @@ class Stage3Optimizer(ZeroStrategy):
             tensors = []
             for kind, param in members:
                 if kind == "sharded":
-                    master = _local(param).detach()
+                    master = local_tensor(param).detach()
                     self.sharded.append(param)
                     self.masters.append(master)
                     tensors.append(master)
@@ -241,7 +238,7 @@ class Stage3Optimizer(ZeroStrategy):
     def _rebind_masters(self) -> None:
         """Follow FSDP2 if it replaced a shard's storage (``module.to``, ``load_state_dict(assign=True)``)."""
         for param, master in zip(self.sharded, self.masters):
-            local = _local(param)
+            local = local_tensor(param)
             if (
                 local.untyped_storage().data_ptr() != master.untyped_storage().data_ptr()
                 or local.shape != master.shape
@@ -282,7 +279,7 @@ class Stage3Optimizer(ZeroStrategy):
             grad = param.grad
             if grad is None:
                 continue
-            local = _local(grad)
+            local = local_tensor(grad)
             self._arrived.add(id(param))
             previous = self._acc.get(id(param))
             self._acc[id(param)] = local if previous is None else previous.add_(local)

@@ -31,6 +31,8 @@ import torch
 
 from shardwise import comm
 from shardwise.comm import collectives
+from shardwise.comm.fsdp_internals import unit_padded_shard_numel, unit_shard_groups
+from shardwise.comm.group_type import Group
 from shardwise.comm.quantized_collectives import FsdpHook, LoggedAllGather
 from shardwise.comm.shared_memory import ENV_SWITCH, SHM_DIR, SharedBuffers, open_shared_memory
 from shardwise.utils.logging import logger
@@ -43,12 +45,12 @@ _STAGING_ITEMSIZE = 4  # fp32 and narrower dtypes fit
 class SharedAllGather(FsdpHook):
     """FSDP2 all-gather hook through :meth:`SharedBuffers.gather_shards` (gloo outside its group)."""
 
-    def __init__(self, buffers: SharedBuffers, group: Any, capacity: int) -> None:
+    def __init__(self, buffers: SharedBuffers, group: Group, capacity: int) -> None:
         self.buffers, self.group, self.capacity = buffers, group, capacity
         self._fallback = LoggedAllGather()
 
     def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group, async_op: bool = False
     ) -> None:
         if group is not self.group or input_tensor.numel() * input_tensor.element_size() > self.capacity:
             self._fallback(output_tensor, input_tensor, group, async_op)
@@ -63,7 +65,7 @@ class SharedReduceScatter(FsdpHook):
     shard; the first allocation after each reduction that fits is the staging buffer itself.
     """
 
-    def __init__(self, buffers: SharedBuffers, group: Any, capacity: int) -> None:
+    def __init__(self, buffers: SharedBuffers, group: Group, capacity: int) -> None:
         self.buffers, self.group, self.capacity = buffers, group, capacity
         self._input_next = True
 
@@ -78,7 +80,7 @@ class SharedReduceScatter(FsdpHook):
         self,
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
-        group: Any,
+        group: Group,
         op: Any,
         async_op: bool = False,
     ) -> None:
@@ -103,8 +105,7 @@ def _largest_unit_shard(fsdp_modules: Sequence[Any]) -> int:
     """Elements in the largest unit's padded shard (what one rank contributes to its all-gather)."""
     largest = 0
     for module in fsdp_modules:
-        for param_group in module._get_fsdp_state()._fsdp_param_groups:
-            numel = sum(p.padded_sharded_param_size.numel() for p in param_group.fsdp_params)
+        for numel in unit_padded_shard_numel(module):
             largest = max(largest, numel)
     return largest
 
@@ -112,9 +113,7 @@ def _largest_unit_shard(fsdp_modules: Sequence[Any]) -> int:
 def _unit_group(fsdp_modules: Sequence[Any]) -> Any:
     """The process group FSDP2 gathers and reduces the units over (one for all units), or None."""
     groups = {
-        id(pg.mesh_info.shard_process_group): pg.mesh_info.shard_process_group
-        for module in fsdp_modules
-        for pg in module._get_fsdp_state()._fsdp_param_groups
+        id(group): group for module in fsdp_modules for group in unit_shard_groups(module)
     }
     return next(iter(groups.values())) if len(groups) == 1 else None
 

@@ -122,7 +122,8 @@ def _converted(ids: list[int]) -> TinyGPT:
 
 def test_the_hook_sets_the_scheduled_count_on_training_forwards() -> None:
     model = _converted([0, 2])
-    hook = build_random_ltd_hook(_ltd_config(), model)
+    cfg = _ltd_config()
+    hook = build_random_ltd_hook(cfg.data_efficiency, model, global_batch_size=cfg.train_batch_size)
     assert hook is not None
     counts = []
     for step in range(8):
@@ -146,5 +147,6 @@ def test_the_hook_sets_the_scheduled_count_on_training_forwards() -> None:
 )
 def test_inconsistent_sections_name_the_key(section: dict, ids: list[int], key: str) -> None:
     with pytest.raises(ConfigError) as info:
-        build_random_ltd_hook(_ltd_config(**section), _converted(ids))
+        cfg = _ltd_config(**section)
+        build_random_ltd_hook(cfg.data_efficiency, _converted(ids), global_batch_size=cfg.train_batch_size)
     assert info.value.key == f"data_efficiency.data_routing.random_ltd.{key}" and info.value.fix
