@@ -3,7 +3,8 @@
 Stages 0-2 keep their flat buffers in shared memory (:mod:`shardwise.zero.shared_buffers`).
 Stage 3's buffers belong to FSDP2, which allocates them per unit and per collective, so here
 the collectives themselves are replaced through FSDP2's hooks (``set_custom_all_gather`` and
-``set_custom_reduce_scatter``), with a small staging buffer per rank in ``/dev/shm``:
+``set_custom_reduce_scatter``), with a small staging buffer per rank in shared memory
+(:mod:`shardwise.comm.host_transport` opens it):
 
 * all-gather: each rank stages its shard of the unit (one copy of ``1/world`` of the unit),
   then copies the other ranks' shards out of their staging buffers; gloo would have sent the
@@ -33,13 +34,14 @@ from shardwise import comm
 from shardwise.comm import collectives
 from shardwise.comm.fsdp_internals import unit_padded_shard_numel, unit_shard_groups
 from shardwise.comm.group_type import Group
+from shardwise.comm.host_transport import open_host_transport, report_gloo, report_shared
 from shardwise.comm.quantized_collectives import FsdpHook, LoggedAllGather
-from shardwise.comm.shared_memory import ENV_SWITCH, SHM_DIR, SharedBuffers, open_shared_memory
-from shardwise.utils.logging import logger
+from shardwise.comm.shared_memory import SharedBuffers
 
 __all__ = ["SharedAllGather", "SharedReduceScatter", "open_unit_comms"]
 
 _STAGING_ITEMSIZE = 4  # fp32 and narrower dtypes fit
+_LABEL = "ZeRO stage 3"
 
 
 class SharedAllGather(FsdpHook):
@@ -122,42 +124,26 @@ def open_unit_comms(
     fsdp_modules: Sequence[Any], rank: int
 ) -> tuple[SharedAllGather, SharedReduceScatter] | None:
     """The two hooks when every rank of the units' group runs on this host over gloo on CPU;
-    None otherwise (saying why on rank 0 where it is a rank's failure). Collective."""
+    None otherwise (``comm.host_transport`` says why on rank 0). Collective."""
     group = _unit_group(fsdp_modules)
     if group is None:
         return None
-    opened = open_shared_memory(group, torch.device("cpu"))
-    reason = opened if isinstance(opened, str) else ""
-    if not reason:
-        assert not isinstance(opened, str)
-        shard_bytes = _largest_unit_shard(fsdp_modules) * _STAGING_ITEMSIZE
-        world = comm.get_world_size(group)
-        gather = opened.allocate(shard_bytes, torch.uint8)
-        reduce = opened.allocate(shard_bytes * world, torch.uint8) if not isinstance(gather, str) else gather
-        if isinstance(reduce, str):
-            reason = reduce
-        else:
-            assert not isinstance(gather, str)
-            if rank == 0:
-                logger.info(
-                    "ZeRO stage 3: the %d ranks share this host: FSDP2's all-gathers and reduce-scatters go "
-                    "through shared memory (%.1f MiB of staging per rank; %s=0: through gloo)",
-                    world,
-                    shard_bytes * (world + 1) / 2**20,
-                    ENV_SWITCH,
-                )
-            return SharedAllGather(gather, group, shard_bytes), SharedReduceScatter(
-                reduce, group, shard_bytes * world
-            )
-    if rank == 0 and not (reason.startswith("rank ") and "could not" in reason):
-        if not reason.endswith(f"{ENV_SWITCH}=0"):
-            logger.info("ZeRO stage 3: collectives through gloo, not shared memory: %s", reason)
-    elif rank == 0:
-        logger.warning(
-            "ZeRO stage 3: FSDP2's collectives travel through gloo, not shared memory, because %s; give %s more "
-            "room (docker: --shm-size) or set %s=0 to choose gloo and silence this",
-            reason,
-            SHM_DIR,
-            ENV_SWITCH,
-        )
-    return None
+    world = comm.get_world_size(group)
+    opened = open_host_transport(group, torch.device("cpu"), label=_LABEL, rank=rank, world_size=world)
+    if opened is None:
+        return None
+    shard_bytes = _largest_unit_shard(fsdp_modules) * _STAGING_ITEMSIZE
+    gather = opened.allocate(shard_bytes, torch.uint8)
+    reduce = opened.allocate(shard_bytes * world, torch.uint8) if not isinstance(gather, str) else gather
+    if isinstance(reduce, str):
+        report_gloo(_LABEL, "FSDP2's collectives", reduce, rank)
+        return None
+    assert not isinstance(gather, str)
+    report_shared(
+        _LABEL,
+        world,
+        "FSDP2's all-gathers and reduce-scatters go",
+        rank,
+        extra=f"{shard_bytes * (world + 1) / 2**20:.1f} MiB of staging per rank; ",
+    )
+    return SharedAllGather(gather, group, shard_bytes), SharedReduceScatter(reduce, group, shard_bytes * world)
