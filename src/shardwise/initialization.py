@@ -34,6 +34,7 @@ from shardwise.profiling.telemetry import build_telemetry
 from shardwise.step_hook_factory import build_step_hooks
 from shardwise.utils.logging import logger, set_log_level
 from shardwise.utils.report import report_logger
+from shardwise.zero.strategy import ZeroStrategy
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -157,7 +158,7 @@ def _place_and_build_zero(
     model: nn.Module,
     model_parameters: Any,
     client_optimizer: Any,
-) -> tuple[nn.Module, Any]:
+) -> tuple[nn.Module, ZeroStrategy | None]:
     """Place (stage 3: shard) the model and build the ZeRO optimizer, handing each builder the
     sections and values it reads. Returns the model and the optimizer (None without one)."""
     from shardwise.zero.factory import (
@@ -274,7 +275,7 @@ def initialize(
     return engine, zero_optimizer, loader, scheduler
 
 
-def _start_distributed(distributed_port: int, dist_init_required: bool | None, mpu: Any) -> Topology:
+def _start_distributed(distributed_port: int, dist_init_required: bool | None, mpu: object) -> Topology:
     """Join (or start) the process group and read the process layout, registered for
     :mod:`shardwise.comm.groups`' accessors."""
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
@@ -283,7 +284,7 @@ def _start_distributed(distributed_port: int, dist_init_required: bool | None, m
     return topology
 
 
-def _configure_process(root: ShardwiseConfig, mpu: Any) -> CheckpointingSettings | None:
+def _configure_process(root: ShardwiseConfig, mpu: object) -> CheckpointingSettings | None:
     """Process-wide settings from the config: log level, the comms logger (before the first
     broadcast, so start-up traffic is recorded too) and activation checkpointing."""
     if root.log_level:
@@ -315,7 +316,7 @@ def _build_engine(
     model: nn.Module,
     topology: Topology,
     precision: PrecisionPolicy,
-    zero_optimizer: Any,
+    zero_optimizer: ZeroStrategy | None,
     scheduler: Any,
     device: torch.device,
     collate_fn: Any,

@@ -115,7 +115,7 @@ def _call(mpu: Any, name: str, default: Any = None) -> Any:
     return method() if callable(method) else default
 
 
-def _require(mpu: Any, names: tuple[str, ...], why: str) -> None:
+def _require(mpu: object, names: tuple[str, ...], why: str) -> None:
     missing = [n for n in names if not callable(getattr(mpu, n, None))]
     if missing:
         raise ValueError(
@@ -125,13 +125,13 @@ def _require(mpu: Any, names: tuple[str, ...], why: str) -> None:
         )
 
 
-def _positive(value: Any, what: str, mpu: Any) -> int:
+def _positive(value: object, what: str, mpu: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"mpu {type(mpu).__name__}: {what} returned {value!r}; it must be an int >= 1")
     return value
 
 
-def _rank_in(value: Any, size: int, what: str, mpu: Any) -> int:
+def _rank_in(value: object, size: int, what: str, mpu: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
         raise ValueError(f"mpu {type(mpu).__name__}: {what} returned {value!r}; it must be in [0, {size})")
     return value
@@ -257,7 +257,7 @@ def build_topology(mpu: Any = None) -> Topology:
     )
 
 
-def _megatron_dims(dp: int, mp: int, world: int, mpu: Any) -> ParallelDims:
+def _megatron_dims(dp: int, mp: int, world: int, mpu: object) -> ParallelDims:
     """Megatron-style mpu: dp x tp ranks per pipeline stage; what is left of the world is ``pp``."""
     if world % (dp * mp):
         raise ValueError(
