@@ -15,13 +15,32 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
 
 from shardwise.comm.group_type import Group
 from shardwise.comm.shared_memory import ENV_SWITCH, SHM_DIR, SharedMemoryGroup, open_shared_memory
 from shardwise.utils.logging import logger
 
-__all__ = ["open_host_transport", "report_gloo", "report_shared"]
+__all__ = ["HostCollectives", "open_host_transport", "report_gloo", "report_shared"]
+
+
+class HostCollectives(Protocol):
+    """Synchronous collectives over flat buffers every rank of one host maps, taking absolute
+    ranges of them (:class:`~shardwise.comm.shared_memory.SharedBuffers` implements it): what a
+    gradient reducer needs of the shared-memory transport."""
+
+    def all_reduce(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """The union of ``ranges`` becomes the sum over the ranks' buffers in every rank's buffer."""
+        ...
+
+    def reduce_scatter(
+        self, ranges: Sequence[tuple[int, int]], out: torch.Tensor | None = None, accumulate: bool = False
+    ) -> None:
+        """This rank's range becomes (``out`` receives, or gains with ``accumulate``) its sum over the ranks."""
+        ...
 
 
 def open_host_transport(
