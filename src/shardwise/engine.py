@@ -25,7 +25,7 @@ from shardwise.config.resolve import ResolvedConfig
 from shardwise.monitor.master import MonitorMaster
 from shardwise.ops.sparse_attention.from_config import SparseAttentionBuilder
 from shardwise.precision.policy import PrecisionPolicy
-from shardwise.profiling.telemetry import Telemetry, build_telemetry
+from shardwise.profiling.telemetry import Telemetry
 from shardwise.profiling.timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, STEP
 from shardwise.runtime.counters import CounterAttribute, EngineCounters
 from shardwise.runtime.ds_accessors import DeepSpeedAccessors
@@ -59,9 +59,10 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         lr_scheduler: Any,
         device: torch.device,
         collate_fn: Any = None,
-        telemetry: Telemetry | None = None,
-        step_hooks: StepHooks | None = None,
-        checkpointer: Checkpointer | None = None,
+        *,
+        telemetry: Telemetry,
+        step_hooks: StepHooks,
+        checkpointer: Checkpointer,
     ) -> None:
         super().__init__()
         self.module = module
@@ -74,8 +75,8 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         self.collate_fn = collate_fn
         self.counters = EngineCounters()
         self._nonfinite = NonFiniteSteps(config.config.max_consecutive_nonfinite_steps)
-        self.step_hooks = step_hooks if step_hooks is not None else StepHooks()  # initialize builds them
-        self.checkpointer = checkpointer or engine_io.build_checkpointer(config.config.checkpoint)
+        self.step_hooks = step_hooks  # every part is built by initialize and injected
+        self.checkpointer = checkpointer
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._backward_pending = False  # a backward ran since the last step()
@@ -83,16 +84,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         self._last_step: StepResult | None = None
         self._step_applied = False
         self.training_dataloader: Any = None
-        # timers, progress lines, monitors, flops profiler: built by initialize (or here from the config)
-        self.telemetry = telemetry or build_telemetry(
-            config,
-            device,
-            topology.world_rank,
-            topology.world_size,
-            dp_size=topology.dp_size,
-            mp_size=topology.mp_size,
-            precision=precision,
-        )
+        self.telemetry = telemetry  # timers, progress lines, monitors, flops profiler
         self.telemetry.on_start(module, optimizer)
 
     # ------------------------------------------------------------------ config accessors
@@ -463,3 +455,8 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise
+
+
+def _as_checkpointed(engine: ShardwiseEngine) -> engine_io.CheckpointedEngine:
+    """Static check (mypy): the engine provides everything ``checkpoint/engine_io`` reads."""
+    return engine

@@ -19,10 +19,16 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.checkpoint.engine_io import build_checkpointer
-from shardwise.checkpointing.settings import configure_for_engine, describe, missing_slot_count
+from shardwise.checkpointing.settings import (
+    CheckpointingSettings,
+    configure_for_engine,
+    describe,
+    missing_slot_count,
+)
 from shardwise.comm.comms_logger import configure_comms_logger
+from shardwise.comm.groups import set_topology
 from shardwise.comm.topology import Topology, build_topology
-from shardwise.config import ConfigError, ResolutionContext
+from shardwise.config import ConfigError, ResolutionContext, ResolvedConfig
 from shardwise.config.model import ShardwiseConfig
 from shardwise.config.sections.training import OptimizerConfig, SchedulerConfig
 from shardwise.engine import ShardwiseEngine
@@ -33,6 +39,7 @@ from shardwise.profiling.telemetry import build_telemetry
 from shardwise.step_hook_factory import build_step_hooks
 from shardwise.utils.logging import logger, set_log_level
 from shardwise.utils.report import report_logger
+from shardwise.zero.strategy import ZeroStrategy
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -156,7 +163,7 @@ def _place_and_build_zero(
     model: nn.Module,
     model_parameters: Any,
     client_optimizer: Any,
-) -> tuple[nn.Module, Any]:
+) -> tuple[nn.Module, ZeroStrategy | None]:
     """Place (stage 3: shard) the model and build the ZeRO optimizer, handing each builder the
     sections and values it reads. Returns the model and the optimizer (None without one)."""
     from shardwise.zero.factory import (
@@ -240,22 +247,17 @@ def initialize(
     if mesh_param is not None:
         raise ValueError("mesh_param (sequence/data-parallel meshes) is not supported in this release")
     source = _config_source(args, config, config_params)
-    comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    topology = build_topology(mpu)
-    context = ResolutionContext(
-        world_size=topology.dp_size,
-        optimizer_hparams=_client_hparams(optimizer),
-        hidden_size=_hidden_size(model),
+    topology = _start_distributed(distributed_port, dist_init_required, mpu)
+    cfg = load_checked_config(
+        source,
+        context=ResolutionContext(
+            world_size=topology.dp_size,
+            optimizer_hparams=_client_hparams(optimizer),
+            hidden_size=_hidden_size(model),
+        ),
     )
-    cfg = load_checked_config(source, context=context)
     root = cfg.config
-    if root.log_level:
-        set_log_level(root.log_level)
-    if root.comms_logger is not None:  # before the first broadcast, so start-up traffic is recorded too
-        configure_comms_logger(root.comms_logger)
-    activation_checkpointing = configure_for_engine(root.activation_checkpointing, mpu)
-    if activation_checkpointing is not None and missing_slot_count(activation_checkpointing) is not None:
-        logger.warning(SLOT_COUNT_NOTE)  # no configure(num_checkpoints=N) yet: a later one may give it
+    activation_checkpointing = _configure_process(root, mpu)
     precision = build_precision(
         root.fp16, root.bf16, amp=root.amp, torch_autocast=root.torch_autocast, data_types=root.data_types
     )
@@ -267,6 +269,41 @@ def initialize(
     model, zero_optimizer = _place_and_build_zero(
         root, precision, topology, device, model, model_parameters, optimizer
     )
+    _synchronize_buffers(model, topology)
+    scheduler = _build_scheduler(root.scheduler, lr_scheduler, zero_optimizer)
+    engine = _build_engine(cfg, model, topology, precision, zero_optimizer, scheduler, device, collate_fn)
+    loader = None
+    if training_data is not None:
+        loader = engine.deepspeed_io(training_data)
+        engine.training_dataloader = loader
+    _log_ready(cfg, precision, topology, activation_checkpointing)
+    return engine, zero_optimizer, loader, scheduler
+
+
+def _start_distributed(distributed_port: int, dist_init_required: bool | None, mpu: object) -> Topology:
+    """Join (or start) the process group and read the process layout, registered for
+    :mod:`shardwise.comm.groups`' accessors."""
+    comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    topology = build_topology(mpu)
+    set_topology(topology)  # utils.groups-style accessors (shardwise.comm.groups) read this layout
+    return topology
+
+
+def _configure_process(root: ShardwiseConfig, mpu: object) -> CheckpointingSettings | None:
+    """Process-wide settings from the config: log level, the comms logger (before the first
+    broadcast, so start-up traffic is recorded too) and activation checkpointing."""
+    if root.log_level:
+        set_log_level(root.log_level)
+    if root.comms_logger is not None:
+        configure_comms_logger(root.comms_logger)
+    settings = configure_for_engine(root.activation_checkpointing, mpu)
+    if settings is not None and missing_slot_count(settings) is not None:
+        logger.warning(SLOT_COUNT_NOTE)  # no configure(num_checkpoints=N) yet: a later one may give it
+    return settings
+
+
+def _synchronize_buffers(model: nn.Module, topology: Topology) -> None:
+    """Every data-parallel rank takes the first rank's buffers; expanded views that differ are an error."""
     source = comm.group_source_rank(topology.dp_group)
     buffers = list(model.named_buffers())
     unequal = [name for name, b in buffers if not comm.broadcast_into(b, src=source, group=topology.dp_group)]
@@ -281,7 +318,18 @@ def initialize(
             "for derived data"
         )
 
-    scheduler = _build_scheduler(root.scheduler, lr_scheduler, zero_optimizer)
+
+def _build_engine(
+    cfg: ResolvedConfig,
+    model: nn.Module,
+    topology: Topology,
+    precision: PrecisionPolicy,
+    zero_optimizer: ZeroStrategy | None,
+    scheduler: Any,
+    device: torch.device,
+    collate_fn: Any,
+) -> ShardwiseEngine:
+    """Telemetry, step hooks and the checkpointer, then the engine with every part injected."""
     telemetry = build_telemetry(
         cfg,
         device,
@@ -291,7 +339,7 @@ def initialize(
         mp_size=topology.mp_size,
         precision=precision,
     )
-    engine = ShardwiseEngine(
+    return ShardwiseEngine(
         model,
         cfg,
         topology,
@@ -304,10 +352,16 @@ def initialize(
         step_hooks=build_step_hooks(cfg.config, model, rank=topology.world_rank, telemetry=telemetry),
         checkpointer=build_checkpointer(cfg.config.checkpoint),
     )
-    loader = None
-    if training_data is not None:
-        loader = engine.deepspeed_io(training_data)
-        engine.training_dataloader = loader
+
+
+def _log_ready(
+    cfg: ResolvedConfig,
+    precision: PrecisionPolicy,
+    topology: Topology,
+    activation_checkpointing: CheckpointingSettings | None,
+) -> None:
+    """The start-up lines: the engine's shape, the whole config with ``dump_state``, activation checkpointing."""
+    root = cfg.config
     logger.info(
         "engine ready: ZeRO stage %d, %s, batch %d = %d x %d x %d ranks",
         root.zero_stage,
@@ -321,7 +375,6 @@ def initialize(
         report_logger().info("configuration (dump_state):\n%s", dump_state_text(cfg))
     if activation_checkpointing is not None:
         report_logger().info("%s", describe(activation_checkpointing))  # the config asked for it
-    return engine, zero_optimizer, loader, scheduler
 
 
 def dump_state_text(resolved: Any) -> str:

@@ -14,12 +14,11 @@ profiler sees the final arguments; the autotuning hook may end the run, so it co
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 from shardwise.autotuning.metric_hook import build_autotuning_hook
 from shardwise.compression.hook import build_compression_hook
+from shardwise.config.model import ShardwiseConfig
 from shardwise.data_efficiency.curriculum_hook import build_legacy_curriculum_hook
 from shardwise.data_efficiency.random_ltd_hook import build_random_ltd_hook
 from shardwise.profiling.flops_hook import build_flops_profiler_hook
@@ -30,7 +29,9 @@ from shardwise.runtime.step_hooks import StepHook, StepHooks
 __all__ = ["build_step_hooks"]
 
 
-def build_step_hooks(config: Any, model: nn.Module, *, rank: int, telemetry: Telemetry) -> StepHooks:
+def build_step_hooks(
+    config: ShardwiseConfig, model: nn.Module, *, rank: int, telemetry: Telemetry
+) -> StepHooks:
     """The configured hooks, in calling order (empty when no feature needs one).
 
     Args:
@@ -49,11 +50,20 @@ def build_step_hooks(config: Any, model: nn.Module, *, rank: int, telemetry: Tel
         ['flops_profiler']
     """
     candidates: list[StepHook | None] = [
-        build_legacy_curriculum_hook(config),
-        build_random_ltd_hook(config, model),
-        build_progressive_layer_drop_hook(config, model.forward),
-        build_compression_hook(config, model),
-        build_flops_profiler_hook(config, model, rank, telemetry.timers, telemetry.context),
-        build_autotuning_hook(config, model, rank=rank),  # last: it may end the run after writing
+        build_legacy_curriculum_hook(config.curriculum_learning),
+        build_random_ltd_hook(config.data_efficiency, model, global_batch_size=_int(config.train_batch_size)),
+        build_progressive_layer_drop_hook(config.progressive_layer_drop, model.forward),
+        build_compression_hook(model),
+        build_flops_profiler_hook(config.flops_profiler, model, rank, telemetry.timers, telemetry.context),
+        # last: it may end the run after writing
+        build_autotuning_hook(
+            config.autotuning, model, rank=rank, micro_batch=int(config.train_micro_batch_size_per_gpu or 1)
+        ),
     ]
     return StepHooks([hook for hook in candidates if hook is not None])
+
+
+def _int(value: int | None) -> int:
+    """A batch key ``initialize`` resolved (never None after resolution)."""
+    assert value is not None, "train_batch_size is resolved before the step hooks are built"
+    return value

@@ -217,6 +217,16 @@ def _collective_case(rank: int, world_size: int, case: dict[str, Any]) -> Any:
         ulysses = comm.build_topology(_UlyssesMpu(world))
         assert (ulysses.dp_size, ulysses.dp_rank, ulysses.sp_size, ulysses.sp_rank) == (1, 0, 2, rank)
         assert (ulysses.shard_group, ulysses.shard_size, ulysses.shard_rank) == (world, 2, rank)
+        assert plain.dims == comm.ParallelDims(dp_shard=2, world_size=2)
+        assert mp.dims == comm.ParallelDims(dp_shard=2, world_size=2)
+        assert ulysses.dims == comm.ParallelDims(dp_shard=1, sp=2, world_size=2)
+        mesh = plain.data_parallel_mesh("cpu")
+        assert (mesh.mesh_dim_names, mesh.size(), mesh.get_local_rank()) == (("dp_shard",), 2, rank)
+        comm.groups.set_topology(mp)
+        try:
+            assert (comm.groups.get_data_parallel_group(), comm.groups.get_data_parallel_rank()) == (world, rank)
+        finally:
+            comm.groups.clear_topology()
         return True
 
     raise AssertionError(f"unknown case kind {kind!r}")

@@ -17,7 +17,7 @@ by :func:`build_autotuning_hook`):
 Example:
     >>> from shardwise.config import load_config
     >>> cfg = load_config({"train_batch_size": 2}).config
-    >>> build_autotuning_hook(cfg, None, rank=0) is None  # no autotuning block: no hook
+    >>> build_autotuning_hook(cfg.autotuning, None, rank=0, micro_batch=1) is None  # no autotuning block: no hook
     True
 """
 
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
+    from shardwise.config.sections.features import AutotuningConfig
     from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
 
 __all__ = ["AutotuningHook", "build_autotuning_hook", "write_json_atomically"]
@@ -116,7 +117,7 @@ class AutotuningHook:
 
     def __init__(
         self,
-        settings: Any,
+        settings: AutotuningConfig,
         model: nn.Module,
         rank: int,
         micro_batch: int,
@@ -173,6 +174,7 @@ class AutotuningHook:
             metrics["FLOPS_per_gpu"] = FWD_BWD_FLOPS_FACTOR * float(self._flops.get_total_flops()) / seconds
             self._flops.end_profile()
         if self.rank == 0:
+            assert self.settings.metric_path, "metric mode: build_autotuning_hook checked the path"
             write_json_atomically(self.settings.metric_path, metrics)
         self.exit_run()
 
@@ -188,6 +190,7 @@ class AutotuningHook:
             "micro_batch": self.micro_batch,
         }
         if self.rank == 0:
+            assert self.settings.model_info_path, "profile mode: build_autotuning_hook checked the path"
             write_json_atomically(self.settings.model_info_path, info)
         self.exit_run()
 
@@ -199,12 +202,13 @@ class AutotuningHook:
         """Nothing to restore."""
 
 
-def build_autotuning_hook(config: Any, model: Any, *, rank: int) -> AutotuningHook | None:
+def build_autotuning_hook(
+    settings: AutotuningConfig, model: Any, *, rank: int, micro_batch: int
+) -> AutotuningHook | None:
     """The hook when the config makes this run an experiment (``autotuning.enabled`` with
     ``metric_path``, or ``model_info.profile`` with ``model_info_path``), else None."""
-    settings = config.autotuning
     if not settings.enabled:
         return None
     if not settings.metric_path and not (settings.model_info.profile and settings.model_info_path):
         return None
-    return AutotuningHook(settings, model, rank, int(config.train_micro_batch_size_per_gpu or 1))
+    return AutotuningHook(settings, model, rank, micro_batch)

@@ -37,7 +37,14 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.checkpoint import dcp_io, integrity_ranks, keys, layout, publish, rng
-from shardwise.checkpoint.training_state import LoadResult, TrainingState, param_names
+from shardwise.checkpoint.training_state import (
+    LoadResult,
+    TrainingState,
+    param_names,
+    restore_parts,
+    saved_parts,
+)
+from shardwise.comm.group_type import Group
 from shardwise.utils.logging import logger
 
 
@@ -70,7 +77,7 @@ class Checkpointer:
         self.options = options
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._async_group: Any = None
+        self._async_group: Group = None
 
     # ------------------------------------------------------------------ async bookkeeping
     def wait(self) -> None:
@@ -148,7 +155,7 @@ class Checkpointer:
             *args, node_local=self.options.use_node_local_storage, thread_count=self.options.thread_count
         )
 
-    def _validate_tag(self, tag: str, group: Any) -> None:
+    def _validate_tag(self, tag: str, group: Group) -> None:
         mode = self.options.tag_validation.lower()
         if mode == "ignore" or comm.get_world_size(group) == 1:
             return
@@ -178,11 +185,9 @@ class Checkpointer:
         if state.optimizer is not None:
             for key, value in state.optimizer.sharded_state_dict(names).items():
                 items[prefix + key] = value
+        common, per_rank = saved_parts(state.parts)
         items[keys.COMMON] = {
-            "counters": dict(state.counters),
-            "lr_scheduler": state.lr_scheduler.state_dict() if _stateful(state.lr_scheduler) else None,
-            "loss_scaler": state.loss_scaler.state_dict() if _stateful(state.loss_scaler) else None,
-            "step_hooks": state.step_hooks.state_dict() if _stateful(state.step_hooks) else {},
+            **common,
             "client_state": client_state,
             "ds_config": state.ds_config,
             "exclude_frozen_parameters": exclude_frozen,
@@ -190,7 +195,7 @@ class Checkpointer:
         }
         items[keys.rank_key(comm.get_rank(state.process_group))] = {
             "rng": rng.capture(),
-            "data_loader": state.data_loader.state_dict() if _stateful(state.data_loader) else None,
+            **per_rank,
             "optimizer": state.optimizer.rank_state_dict() if state.optimizer is not None else None,
         }
         return items
@@ -359,19 +364,14 @@ class Checkpointer:
         with_scheduler: bool,
         counters: dict[str, int],
     ) -> None:
-        if with_scheduler and _stateful(state.lr_scheduler) and common.get("lr_scheduler") is not None:
-            state.lr_scheduler.load_state_dict(common["lr_scheduler"])
-        if with_optimizer and _stateful(state.loss_scaler) and common.get("loss_scaler") is not None:
-            state.loss_scaler.load_state_dict(common["loss_scaler"])
-        if _stateful(state.step_hooks):  # checkpoints from before step hooks have no entry
-            state.step_hooks.load_state_dict(common.get("step_hooks") or {})
+        restore_parts(
+            state.parts, common, per_rank, with_optimizer=with_optimizer, with_scheduler=with_scheduler
+        )
         if with_optimizer and state.optimizer is not None:
             # per-rank optimizer state (1-bit error buffers) continues only on the rank that saved it
             state.optimizer.load_rank_state_dict(per_rank.get("optimizer") if own and per_rank else None)
         if per_rank is None:
             return
-        if _stateful(state.data_loader) and per_rank.get("data_loader") is not None:
-            state.data_loader.load_state_dict(per_rank["data_loader"])
         if own and per_rank.get("rng") is not None:
             rng.restore(per_rank["rng"])
         else:
@@ -381,14 +381,6 @@ class Checkpointer:
                 "rank %d has no saved RNG state (world size changed): seeding %d", comm.get_rank(), seed
             )
             rng.reseed(seed)
-
-
-def _stateful(obj: Any) -> bool:
-    return (
-        obj is not None
-        and callable(getattr(obj, "state_dict", None))
-        and callable(getattr(obj, "load_state_dict", None))
-    )
 
 
 def _mp_prefix(state: TrainingState) -> str:

@@ -52,6 +52,7 @@ from torch.futures import Future
 from shardwise.checkpoint import checksums
 from shardwise.checkpoint.boxes import Box, flat_range_to_boxes
 from shardwise.checkpoint.raw_storage import RawAwareReader, RawWriter
+from shardwise.comm.group_type import Group
 
 Piece = tuple[int, int, torch.Tensor]
 """``(start, stop, data)``: flat elements ``[start, stop)`` of a tensor, held in 1-D ``data``."""
@@ -259,7 +260,7 @@ def save(
     state: dict[str, Any],
     path: str | os.PathLike[str],
     *,
-    process_group: Any = None,
+    process_group: Group = None,
     no_dist: bool = False,
     thread_count: int = 1,
 ) -> dict[str, checksums.FileRecord]:
@@ -285,7 +286,7 @@ def save(
 
 
 def load(
-    targets: dict[str, Any], path: str | os.PathLike[str], *, process_group: Any = None, no_dist: bool = False
+    targets: dict[str, Any], path: str | os.PathLike[str], *, process_group: Group = None, no_dist: bool = False
 ) -> None:
     """Fill ``targets`` in place from the checkpoint at ``path`` (collective unless ``no_dist``).
 

@@ -32,7 +32,7 @@ import torch
 
 from shardwise.checkpoint import keys
 from shardwise.checkpoint.module_state import copy_whole_state
-from shardwise.checkpoint.training_state import LoadResult, TrainingState, param_names
+from shardwise.checkpoint.training_state import LoadResult, TrainingState, param_names, restore_parts
 from shardwise.utils.logging import logger
 
 
@@ -397,11 +397,23 @@ def load_deepspeed_checkpoint(
         }
         if ckpt.model.get("global_samples") is not None:
             counters["global_samples"] = int(ckpt.model["global_samples"])
-        scheduler_state = ckpt.model.get("lr_scheduler")
-        if load_lr_scheduler_states and scheduler_state is not None and state.lr_scheduler is not None:
-            state.lr_scheduler.load_state_dict(scheduler_state)
-        if load_optimizer_states and state.loss_scaler is not None and ckpt.optim_files:
-            _import_loss_scaler(state.loss_scaler, ckpt.optim_states()[0].get("loss_scaler"))
+        scaler = state.parts.get("loss_scaler")
+        saved = {
+            "counters": counters,
+            "lr_scheduler": ckpt.model.get("lr_scheduler"),
+            "loss_scaler": (
+                _imported_loss_scaler(scaler.stateful, ckpt.optim_states()[0].get("loss_scaler"))
+                if scaler is not None and load_optimizer_states and ckpt.optim_files
+                else None
+            ),
+        }
+        restore_parts(
+            state.parts,
+            saved,
+            None,
+            with_optimizer=load_optimizer_states,
+            with_scheduler=load_lr_scheduler_states,
+        )
     excluded = set(_CLIENT_EXCLUDED)
     if load_optimizer_states and not load_module_only:
         excluded.add("optimizer")
@@ -411,17 +423,18 @@ def load_deepspeed_checkpoint(
     return LoadResult(ckpt.model_file, client_state, counters)
 
 
-def _import_loss_scaler(scaler: Any, saved: Any) -> None:
-    """Carry DeepSpeed's fp16 scale and counters over when both sides use the same kind of scaling."""
+def _imported_loss_scaler(scaler: Any, saved: Any) -> dict[str, Any] | None:
+    """This run's scaler state with DeepSpeed's fp16 scale and counters carried over, when both
+    sides use the same kind of scaling; None (the scaler keeps its state) otherwise."""
     if not isinstance(saved, ForeignObject) or not isinstance(saved.state, dict):
-        return
+        return None
     values = saved.state
     if (
         bool(values.get("dynamic", False)) != bool(getattr(scaler, "dynamic", False))
         or "cur_scale" not in values
     ):
-        return
-    mine = scaler.state_dict()
+        return None
+    mine: dict[str, Any] = dict(scaler.state_dict())
     mine.update(
         {
             "cur_scale": float(values["cur_scale"]),
@@ -430,4 +443,4 @@ def _import_loss_scaler(scaler: Any, saved: Any) -> None:
             "cur_hysteresis": int(values.get("cur_hysteresis", mine["cur_hysteresis"])),
         }
     )
-    scaler.load_state_dict(mine)
+    return mine

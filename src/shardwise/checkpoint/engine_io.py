@@ -12,20 +12,87 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from shardwise import comm
 from shardwise.checkpoint.checkpointer import Checkpointer, CheckpointOptions, TrainingState
 from shardwise.checkpoint.module_state import copy_whole_state
 from shardwise.checkpoint.optimizer_state import OptimizerState
 from shardwise.checkpoint.param_state import ParamOptimizerState
+from shardwise.checkpoint.training_state import Restore, Stateful, StatePart
 from shardwise.comm.diagnostics import check_all_ranks_arrive
+from shardwise.comm.fsdp_internals import full_tensor
+from shardwise.comm.topology import Topology
+from shardwise.config.resolve import ResolvedConfig
+from shardwise.config.sections.features import CheckpointConfig
+from shardwise.precision.policy import PrecisionPolicy
+from shardwise.runtime.counters import EngineCounters
+from shardwise.runtime.step_hooks import StepHooks
 from shardwise.utils.logging import logger
+from shardwise.zero.strategy import ZeroStrategy
 
 
-def build_checkpointer(section: Any) -> Checkpointer:
+class CheckpointedEngine(Protocol):
+    """What these functions read from an engine (``ShardwiseEngine`` provides it)."""
+
+    module: nn.Module
+    counters: EngineCounters
+    step_hooks: StepHooks
+    checkpointer: Checkpointer
+    lr_scheduler: Any  # the client's or the config's scheduler: anything Stateful, or None
+    training_dataloader: Any  # the engine's loader (Stateful when it is shardwise's), or None
+
+    @property
+    def topology(self) -> Topology:
+        """The process layout."""
+        ...
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        """The precision policy (its loss scaler and compute dtype)."""
+        ...
+
+    @property
+    def optimizer(self) -> ZeroStrategy | torch.optim.Optimizer | None:
+        """The ZeRO strategy (or a plain torch optimizer, or None)."""
+        ...
+
+    @property
+    def config(self) -> ResolvedConfig:
+        """The resolved config."""
+        ...
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken."""
+        ...
+
+    @property
+    def pending_micro_batches(self) -> int:
+        """Micro batches accumulated since the last optimizer step."""
+        ...
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage."""
+        ...
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro batches per optimizer step."""
+        ...
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        ...
+
+    def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The module's state dict."""
+        ...
+
+
+def build_checkpointer(section: CheckpointConfig) -> Checkpointer:
     """The checkpointer for the config's ``checkpoint`` section (``initialize`` gives it to the engine).
 
     Example:
@@ -43,7 +110,7 @@ def build_checkpointer(section: Any) -> Checkpointer:
     )
 
 
-def optimizer_state(optimizer: Any) -> OptimizerState | None:
+def optimizer_state(optimizer: object) -> OptimizerState | None:
     """The checkpoint interface of an engine's optimizer (None for none).
 
     A ZeRO strategy describes itself (``state_layout()``); a plain torch optimizer over the
@@ -51,28 +118,40 @@ def optimizer_state(optimizer: Any) -> OptimizerState | None:
     """
     if optimizer is None:
         return None
-    describe = getattr(optimizer, "state_layout", None)
-    if callable(describe):
-        return OptimizerState(describe())
+    if isinstance(optimizer, ZeroStrategy):
+        return OptimizerState(optimizer.state_layout())
     if isinstance(optimizer, torch.optim.Optimizer):
         return ParamOptimizerState(optimizer)
     raise TypeError(
         f"cannot checkpoint an optimizer of type {type(optimizer).__name__}: it must describe its state "
-        "(a state_layout() method returning shardwise.zero.state_layout.StateLayout) or be a torch.optim.Optimizer"
+        "(a shardwise.zero.strategy.ZeroStrategy, whose state_layout() returns a StateLayout) or be a "
+        "torch.optim.Optimizer"
     )
 
 
-def training_state(engine: Any) -> TrainingState:
+def state_parts(engine: CheckpointedEngine) -> dict[str, StatePart]:
+    """The engine's named Stateful parts (those it has), each with the loads that restore it."""
+    candidates: dict[str, tuple[object, Restore, bool]] = {
+        "counters": (engine.counters, Restore.ALWAYS, False),
+        "lr_scheduler": (engine.lr_scheduler, Restore.WITH_SCHEDULER, False),
+        "loss_scaler": (engine.precision.loss_scaler, Restore.WITH_OPTIMIZER, False),
+        "step_hooks": (engine.step_hooks, Restore.ALWAYS, False),
+        "data_loader": (engine.training_dataloader, Restore.ALWAYS, True),
+    }
+    return {
+        name: StatePart(obj, restore, per_rank)
+        for name, (obj, restore, per_rank) in candidates.items()
+        if isinstance(obj, Stateful)
+    }
+
+
+def training_state(engine: CheckpointedEngine) -> TrainingState:
     """The parts of ``engine`` a checkpoint covers."""
     topology = engine.topology
     return TrainingState(
         module=engine.module,
         optimizer=optimizer_state(engine.optimizer),
-        lr_scheduler=engine.lr_scheduler,
-        loss_scaler=engine.precision.loss_scaler,
-        data_loader=engine.training_dataloader,
-        counters=engine.counters.state_dict(),
-        step_hooks=engine.step_hooks,
+        parts=state_parts(engine),
         zero_stage=engine.zero_optimization_stage(),
         dp_world_size=topology.dp_size,
         mp_rank=topology.mp_rank,
@@ -85,7 +164,7 @@ def training_state(engine: Any) -> TrainingState:
 
 
 def save_checkpoint(
-    engine: Any,
+    engine: CheckpointedEngine,
     save_dir: str | Path,
     tag: Any = None,
     client_state: Mapping[str, Any] | None = None,
@@ -116,7 +195,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    engine: Any,
+    engine: CheckpointedEngine,
     load_dir: str | Path,
     tag: Any = None,
     load_module_strict: bool = True,
@@ -153,19 +232,20 @@ def load_checkpoint(
         # DeepSpeed's load_from_fp32_weights=false: the masters restart from the (16-bit) model
         # weights just loaded, not from the checkpoint's fp32 copy
         state.optimizer.refresh_masters_from_params()
-    engine.counters.load_state_dict(result.counters)
+    # the counters part was restored with the others; a checkpoint without global_samples
+    # (DeepSpeed's older ones) derives it
     if "global_samples" not in result.counters and "global_steps" in result.counters:
         engine.counters.global_samples = engine.global_steps * engine.train_batch_size()
     return str(result.path), result.client_state
 
 
-def wait_for_checkpoint(engine: Any) -> None:
+def wait_for_checkpoint(engine: CheckpointedEngine) -> None:
     """Block until the engine's asynchronous save (if any) is published; raises its error."""
     engine.checkpointer.wait()
 
 
 def save_16bit_model(
-    engine: Any,
+    engine: CheckpointedEngine,
     save_dir: str | Path,
     save_filename: str = "pytorch_model.bin",
     exclude_frozen_parameters: bool = False,
@@ -205,7 +285,7 @@ def save_16bit_model(
 
     def tensors() -> Any:
         for key, value in state.items():
-            full = value.full_tensor() if type(value).__name__ == "DTensor" else value  # collective
+            full = full_tensor(value)  # collective
             if rank0:
                 yield key, full.detach().to(device="cpu", dtype=dtype_of(full))
 
@@ -221,13 +301,15 @@ def save_16bit_model(
     return True
 
 
-def gather_16bit_weights_on_model_save(engine: Any) -> bool:
+def gather_16bit_weights_on_model_save(engine: CheckpointedEngine) -> bool:
     """``engine.zero_gather_16bit_weights_on_model_save()``: the config's
     ``zero_optimization.stage3_gather_16bit_weights_on_model_save``."""
     return bool(engine.config.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
 
 
-def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+def consolidated_16bit_state_dict(
+    engine: CheckpointedEngine, exclude_frozen_parameters: bool = False
+) -> dict[str, Any]:
     """``engine._zero3_consolidated_16bit_state_dict()``: the full module state dict in the training
     dtype on rank 0 (CPU tensors), ``{}`` on the other ranks. Collective: every rank must call it
     (each sharded tensor is gathered in turn). At stages 0-2 the weights are already whole.
@@ -237,7 +319,7 @@ def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool =
     rank0 = comm.get_rank() == 0
     out: dict[str, Any] = {}
     for key, value in state.items():
-        full = value.full_tensor() if type(value).__name__ == "DTensor" else value  # collective
+        full = full_tensor(value)  # collective
         if rank0:
             dtype = compute if compute is not None and full.is_floating_point() else full.dtype
             out[key] = full.detach().to(device="cpu", dtype=dtype).clone()
@@ -245,7 +327,7 @@ def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool =
 
 
 def load_module_state_dict(
-    engine: Any,
+    engine: CheckpointedEngine,
     checkpoint: dict[str, Any],
     strict: bool = True,
     custom_load_fn: Callable[..., Any] | None = None,

@@ -21,9 +21,10 @@ import torch
 
 from shardwise import comm
 from shardwise.checkpoint import checksums, integrity, layout
+from shardwise.comm.group_type import Group
 
 
-def _all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
+def _all_gather_bytes(data: bytes, group: Group) -> list[bytes]:
     """Every rank's ``data``, in group-rank order (collective)."""
     world = comm.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64)
@@ -42,7 +43,7 @@ def _all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
 
 
 def gather_records(
-    records: dict[str, checksums.FileRecord], group: Any, alone: bool
+    records: dict[str, checksums.FileRecord], group: Group, alone: bool
 ) -> dict[str, checksums.FileRecord]:
     """All ranks' file records, on every rank (collective unless ``alone``)."""
     if alone:
@@ -74,7 +75,7 @@ def _writer_rank(name: str, record: checksums.FileRecord) -> int:
     return int(found.group(1)) if found else zlib.crc32(name.encode())
 
 
-def verify_before_load(tag_dir: Path, group: Any) -> integrity.Verdict:
+def verify_before_load(tag_dir: Path, group: Group) -> integrity.Verdict:
     """Verify a tag before loading it (collective); raise the same error on every rank if damaged.
 
     Raises:

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.checkpoint.optimizer_state import copy_full_into, is_dtensor, local_tensor
+from shardwise.checkpoint.optimizer_state import copy_full_into
+from shardwise.comm.fsdp_internals import is_dtensor, local_tensor
 
 
 def copy_whole_state(

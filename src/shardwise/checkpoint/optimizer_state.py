@@ -33,6 +33,7 @@ from shardwise.checkpoint.dcp_io import FlatShards, SavedEntry
 from shardwise.checkpoint.keys import PARAM_GROUPS as PARAM_GROUPS_KEY
 from shardwise.checkpoint.keys import PARAM_NAMES as PARAM_NAMES_KEY
 from shardwise.comm import collectives
+from shardwise.comm.fsdp_internals import full_tensor, is_dtensor, local_tensor
 from shardwise.zero.state_layout import Holding, ParamPlace, StateLayout
 
 Targets = dict[str, Any]
@@ -116,10 +117,10 @@ class OptimizerState:
         for name, place in named:
             if place.holding is Holding.FLAT:
                 continue
-            out[f"master/{name}"] = _full(_presented(place, None, torch.float32)).float()
+            out[f"master/{name}"] = full_tensor(_presented(place, None, torch.float32)).float()
             for key, value in self._state_of(place.tensors[0]).items():
                 if _is_elementwise(key, value, place.tensors[0]):
-                    value = _full(_presented(place, key, value.dtype, self._state_of))
+                    value = full_tensor(_presented(place, key, value.dtype, self._state_of))
                 out[f"optim/{name}/{key}"] = value
         out[PARAM_GROUPS_KEY] = self._groups(names)
         return out
@@ -320,22 +321,6 @@ def _presented(
 def _is_elementwise(key: str, value: Any, tensor: torch.Tensor) -> bool:
     """Optimizer state with one value per element of ``tensor`` (exp_avg...), as opposed to ``step``."""
     return key != "step" and torch.is_tensor(value) and value.shape == tensor.shape
-
-
-def is_dtensor(tensor: Any) -> bool:
-    """Whether ``tensor`` is a DTensor (FSDP2's sharded parameters and their state)."""
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def local_tensor(tensor: Any) -> torch.Tensor:
-    """A DTensor's local shard as a plain tensor (no autograd view), or the tensor itself."""
-    return tensor._local_tensor if is_dtensor(tensor) else tensor
-
-
-def _full(tensor: Any) -> torch.Tensor:
-    return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 def copy_full_into(target: Any, full: torch.Tensor) -> None:

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from shardwise.checkpoint.optimizer_state import OptimizerState, is_dtensor, local_tensor
+from shardwise.checkpoint.optimizer_state import OptimizerState
+from shardwise.comm.fsdp_internals import is_dtensor, local_tensor
 from shardwise.zero.state_layout import Holding, ParamPlace, StateLayout
 
 

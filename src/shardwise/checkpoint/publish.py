@@ -19,6 +19,8 @@ import torch
 
 from shardwise import comm
 from shardwise.checkpoint import dcp_io, integrity, integrity_ranks, layout
+from shardwise.comm.fsdp_internals import is_dtensor
+from shardwise.comm.group_type import Group
 from shardwise.utils.logging import logger
 
 
@@ -33,7 +35,7 @@ def write_and_publish(
     tag: str,
     summary: dict[str, Any],
     save_latest: bool,
-    group: Any,
+    group: Group,
     *,
     node_local: bool = False,
     thread_count: int = 1,
@@ -71,7 +73,7 @@ def write_and_publish(
     logger.info("saved checkpoint %s in %.2fs", root / tag, time.perf_counter() - start)
 
 
-def _share_metadata(staging: Path, group: Any) -> None:
+def _share_metadata(staging: Path, group: Group) -> None:
     """Node-local storage: every node's publisher needs DCP's index next to its files."""
     if comm.get_world_size(group) == 1:
         return
@@ -93,8 +95,7 @@ def snapshot(items: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, dcp_io.FlatShards):
             out[key] = value.snapshot()
         elif torch.is_tensor(value):
-            is_dtensor = type(value).__name__ == "DTensor"
-            out[key] = value.detach().clone() if is_dtensor else value.detach().to("cpu", copy=True)
+            out[key] = value.detach().clone() if is_dtensor(value) else value.detach().to("cpu", copy=True)
         else:
             out[key] = copy.deepcopy(value)
     return out

@@ -1,17 +1,104 @@
 """What a checkpoint covers (:class:`TrainingState`) and what a load gives back (:class:`LoadResult`).
 
 Shared by the checkpointer and the DeepSpeed importer, which both restore a training state.
+Besides the module and the optimizer (which have their own DCP adapters), a run's state is a
+set of named :class:`StatePart` s (torchtitan's ``states={...}`` shape): the counters, the LR
+scheduler, the loss scaler, the step hooks and the data loader, each a ``Stateful`` saved
+under its name and restored by the one loop in :func:`restore_parts`.
+
+Example:
+    >>> from shardwise.runtime.counters import EngineCounters
+    >>> counters = EngineCounters()
+    >>> parts = {"counters": StatePart(counters)}
+    >>> restore_parts(parts, {"counters": {"global_steps": 7}}, None, with_optimizer=True, with_scheduler=True)
+    >>> counters.global_steps
+    7
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 
 from shardwise.checkpoint.optimizer_state import OptimizerState
+from shardwise.comm.group_type import Group
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What a checkpoint part is: ``state_dict()`` and ``load_state_dict(state)`` (torch's protocol)."""
+
+    def state_dict(self) -> Any:
+        """Picklable plain values that restore the object."""
+        ...
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        ...
+
+
+class Restore(enum.Enum):
+    """Which loads restore a part (a load with ``load_module_only`` restores none)."""
+
+    ALWAYS = "always"
+    WITH_OPTIMIZER = "load_optimizer_states"
+    WITH_SCHEDULER = "load_lr_scheduler_states"
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """One named piece of a run's state.
+
+    Attributes:
+        stateful: the object saved and restored.
+        restore: which loads restore it.
+        per_rank: saved under this rank's entry (a data loader's position) instead of the
+            common one (rank 0's, the same on every rank).
+    """
+
+    stateful: Stateful
+    restore: Restore = Restore.ALWAYS
+    per_rank: bool = False
+
+
+COMMON_PARTS: dict[str, Any] = {"counters": {}, "lr_scheduler": None, "loss_scaler": None, "step_hooks": {}}
+"""The common entry's part names and what the format writes for a run without that part."""
+RANK_PARTS: dict[str, Any] = {"data_loader": None}
+"""The per-rank entry's part names, likewise."""
+
+
+def saved_parts(parts: Mapping[str, StatePart]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(common, per_rank)``: every part's ``state_dict()`` under its name, over the format's defaults."""
+    common, per_rank = dict(COMMON_PARTS), dict(RANK_PARTS)
+    for name, part in parts.items():
+        (per_rank if part.per_rank else common)[name] = part.stateful.state_dict()
+    return common, per_rank
+
+
+def restore_parts(
+    parts: Mapping[str, StatePart],
+    common: Mapping[str, Any],
+    per_rank: Mapping[str, Any] | None,
+    *,
+    with_optimizer: bool,
+    with_scheduler: bool,
+) -> None:
+    """Restore every part the load asks for from its saved entry; a part the checkpoint has no
+    entry for (an older format, a DeepSpeed checkpoint) keeps its state."""
+    wanted = {
+        Restore.ALWAYS: True,
+        Restore.WITH_OPTIMIZER: with_optimizer,
+        Restore.WITH_SCHEDULER: with_scheduler,
+    }
+    for name, part in parts.items():
+        saved = (per_rank or {}) if part.per_rank else common
+        if wanted[part.restore] and saved.get(name) is not None:
+            part.stateful.load_state_dict(saved[name])
 
 
 @dataclass
@@ -24,11 +111,8 @@ class TrainingState:
             (:class:`~shardwise.checkpoint.optimizer_state.OptimizerState`, built from the
             strategy's ``state_layout()``: see :func:`~shardwise.checkpoint.engine_io.optimizer_state`);
             None for none.
-        lr_scheduler: anything with ``state_dict``/``load_state_dict``, or None.
-        loss_scaler: the precision policy's scaler, or None.
-        data_loader: a Stateful loader, or None.
-        counters: ``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``.
-        step_hooks: the engine's step hooks (``Stateful``: one state per hook name), or None.
+        parts: the run's other state by name (``counters``, ``lr_scheduler``, ``loss_scaler``,
+            ``step_hooks``, ``data_loader``): only the parts this run has.
         zero_stage, dp_world_size, mp_rank, mp_world_size: the layout, recorded in the summary.
         pending_micro_batches: micro batches whose gradients are accumulated but not yet applied
             (a save then warns: those gradients are not saved).
@@ -38,11 +122,7 @@ class TrainingState:
 
     module: nn.Module
     optimizer: OptimizerState | None = None
-    lr_scheduler: Any = None
-    loss_scaler: Any = None
-    data_loader: Any = None
-    counters: dict[str, int] = field(default_factory=dict)
-    step_hooks: Any = None
+    parts: dict[str, StatePart] = field(default_factory=dict)
     zero_stage: int = 0
     dp_world_size: int = 1
     mp_rank: int = 0
@@ -50,7 +130,13 @@ class TrainingState:
     gradient_accumulation_steps: int = 1
     pending_micro_batches: int = 0
     ds_config: dict[str, Any] = field(default_factory=dict)
-    process_group: Any = None
+    process_group: Group = None
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The counters' current values (``{}`` without a ``counters`` part)."""
+        part = self.parts.get("counters")
+        return {} if part is None else dict(part.stateful.state_dict())
 
 
 @dataclass

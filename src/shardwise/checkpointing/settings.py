@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from shardwise.comm.group_type import Group
 from shardwise.config.errors import ConfigError
 from shardwise.config.sections.features import ActivationCheckpointingConfig
 
@@ -53,7 +54,7 @@ class CheckpointingSettings:
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
     mpu: Any = None
-    mp_group: Any = None
+    mp_group: Group = None
     mp_rank: int = 0
     mp_size: int = 1
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from shardwise.utils.lazy import lazy_exports
 
 # public name -> (module, attribute)
-_LAZY: dict[str, tuple[str, str]] = {
+_LAZY: dict[str, tuple[str, str | None]] = {
     # environment (pure)
     "DistEnv": ("shardwise.comm.env", "DistEnv"),
     "discover_environment": ("shardwise.comm.env", "discover_environment"),
@@ -43,6 +43,9 @@ _LAZY: dict[str, tuple[str, str]] = {
     # topology
     "Topology": ("shardwise.comm.topology", "Topology"),
     "build_topology": ("shardwise.comm.topology", "build_topology"),
+    "ParallelDims": ("shardwise.comm.parallel_dims", "ParallelDims"),
+    "Group": ("shardwise.comm.group_type", "Group"),
+    "groups": ("shardwise.comm.groups", None),
     # collectives
     "CommHandle": ("shardwise.comm.collectives", "CommHandle"),
     "all_reduce": ("shardwise.comm.collectives", "all_reduce"),

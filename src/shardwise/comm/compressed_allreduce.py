@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm.comms_logger import COMMS_LOGGER as _COMMS
+from shardwise.comm.group_type import Group
 
 __all__ = ["CompressedAllReduce", "compressed_bytes", "pack_signs", "padded_numel", "unpack_signs"]
 
@@ -115,7 +116,7 @@ def _start(op: str, tensor: torch.Tensor, world: int) -> Any:
     return _COMMS.start(op, tensor.numel() * tensor.element_size(), world, tensor.is_cuda)
 
 
-def _all_gather(tensor: torch.Tensor, world: int, group: Any) -> torch.Tensor:
+def _all_gather(tensor: torch.Tensor, world: int, group: Group) -> torch.Tensor:
     out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
     record = _start("all_gather_into_tensor", tensor, world)
     _all_gather_native(out, tensor, group=group)
@@ -124,7 +125,7 @@ def _all_gather(tensor: torch.Tensor, world: int, group: Any) -> torch.Tensor:
     return out
 
 
-def _all_to_all(tensor: torch.Tensor, world: int, group: Any) -> torch.Tensor:
+def _all_to_all(tensor: torch.Tensor, world: int, group: Group) -> torch.Tensor:
     out = torch.empty_like(tensor)
     record = _start("all_to_all_single", tensor, world)
     dist.all_to_all_single(out, tensor, group=group)
@@ -146,7 +147,7 @@ class CompressedAllReduce:
         server_error: this rank's stage-2 error, for the chunk it serves.
     """
 
-    def __init__(self, numel: int, device: torch.device | str = "cpu", group: Any = None) -> None:
+    def __init__(self, numel: int, device: torch.device | str = "cpu", group: Group = None) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from shardwise.comm import quantization as q
 from shardwise.comm.collectives import _all_gather_native, _record
 from shardwise.comm.comms_logger import COMMS_LOGGER as _COMMS
+from shardwise.comm.group_type import Group
 
 
 def _finish(record: Any) -> None:
@@ -38,7 +39,7 @@ def _finish(record: Any) -> None:
 
 
 def quantized_all_gather(
-    output: torch.Tensor, input_shard: torch.Tensor, group: Any = None, block: int = q.DEFAULT_BLOCK
+    output: torch.Tensor, input_shard: torch.Tensor, group: Group = None, block: int = q.DEFAULT_BLOCK
 ) -> None:
     """qwZ: ``output`` (flat, W x n) gets every rank's int8-quantized-then-dequantized shard."""
     world = dist.get_world_size(group)
@@ -64,7 +65,7 @@ def quantized_all_gather(
 def quantized_reduce_scatter(
     output: torch.Tensor,
     input_full: torch.Tensor,
-    group: Any = None,
+    group: Group = None,
     average: bool = False,
     block: int = q.DEFAULT_BLOCK,
 ) -> None:
@@ -116,7 +117,7 @@ class QuantizedAllGather(FsdpHook):
         self.block = block
 
     def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group, async_op: bool = False
     ) -> None:
         quantized_all_gather(output_tensor, input_tensor, group, self.block)
 
@@ -125,7 +126,7 @@ class LoggedAllGather(FsdpHook):
     """FSDP2's plain all-gather, recorded by the comms logger (bit-identical: a copy of every shard)."""
 
     def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group, async_op: bool = False
     ) -> None:
         world = dist.get_world_size(group)
         record = _record("all_gather_into_tensor", input_tensor, world) if _COMMS.enabled else None
@@ -143,7 +144,7 @@ class QuantizedReduceScatter(FsdpHook):
         self,
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
-        group: Any,
+        group: Group,
         op: Any,
         async_op: bool = False,
     ) -> None:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from shardwise.comm import shm_barrier
 from shardwise.comm.comms_logger import COMMS_LOGGER
 from shardwise.comm.env import timeout_from_env
+from shardwise.comm.group_type import Group
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def _boot_id() -> str:
         return ""
 
 
-def _cannot_share(group: Any, device: torch.device) -> str | None:
+def _cannot_share(group: Group, device: torch.device) -> str | None:
     """Why this group's collectives cannot go through shared memory, from what every rank of a
     job sees alike (device, group size, backend); None: worth asking the hosts."""
     if device.type != "cpu":
@@ -291,7 +292,7 @@ def _punch_hole(fd: int, nbytes: int) -> bool:
     return done
 
 
-def _everyones(reason: str, group: Any) -> str:
+def _everyones(reason: str, group: Group) -> str:
     """Every rank's reason (empty: none), joined; the same string on every rank."""
     reasons: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(reasons, reason, group=group)
@@ -301,7 +302,7 @@ def _everyones(reason: str, group: Any) -> str:
 class SharedMemoryGroup:
     """Allocates :class:`SharedBuffers` for the ranks of one host (see :func:`open_shared_memory`)."""
 
-    def __init__(self, group: Any, prefix: str, pids: Sequence[int] | None = None) -> None:
+    def __init__(self, group: Group, prefix: str, pids: Sequence[int] | None = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -364,7 +365,7 @@ class SharedMemoryGroup:
         return SharedBuffers([t[:numel] for t in tensors], self.rank, lambda: self.barrier(), kept, nbytes)
 
 
-def open_shared_memory(group: Any, device: torch.device) -> SharedMemoryGroup | str:
+def open_shared_memory(group: Group, device: torch.device) -> SharedMemoryGroup | str:
     """A :class:`SharedMemoryGroup` when every rank of ``group`` runs on this host with CPU
     tensors over gloo, otherwise the reason why not. Collective whenever the tensors are on the
     CPU of a gloo group of two or more ranks (it compares what the ranks see)."""

@@ -1,9 +1,13 @@
-"""Who shards with whom: the data-, model- and sequence-parallel layout, asked once.
+"""Who shards with whom: the one owner of the process layout, asked once.
 
 :func:`build_topology` reads the layout from DeepSpeed's ``mpu`` interface (spec 6.8)
 when the user passes one, and otherwise makes every rank a data-parallel rank of the
-world. The result is a frozen :class:`Topology` that ZeRO, the batch arithmetic and
-checkpoint naming read instead of calling the mpu again.
+world. The result is a frozen :class:`Topology`: the degree of every named dimension
+(:class:`~shardwise.comm.parallel_dims.ParallelDims`: ``dp_replicate``, ``dp_shard``,
+``tp``, ``pp``, ``sp``, ``ep``), this rank's groups and ranks in them, and the device mesh
+FSDP2 shards over (:meth:`Topology.data_parallel_mesh`). ZeRO, the batch arithmetic,
+checkpoint naming and the ``utils.groups``-style accessors (:mod:`shardwise.comm.groups`)
+read it instead of calling the mpu again or making groups of their own.
 
 Three cases, as DeepSpeed distinguishes them (spec 1.3):
 
@@ -25,14 +29,15 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
-from shardwise.comm.init import get_rank, get_world_size
+from shardwise.comm.init import get_rank, get_world_group, get_world_size
+from shardwise.comm.parallel_dims import ParallelDims
 
-__all__ = ["Topology", "build_topology"]
+__all__ = ["ParallelDims", "Topology", "build_topology"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,9 @@ class Topology:
             (``dp_group``, or the sequence-data-parallel group under Ulysses).
         shard_rank: rank in ``shard_group``.
         shard_size: size of ``shard_group``.
+        dims: the degree of every named dimension (``dp_replicate`` x ``dp_shard`` x ``tp``
+            x ``pp`` x ``sp`` = ``world_size``); today ``dp_shard`` is the data dimension
+            the engine drives, ``tp``/``sp`` what the mpu reports, ``pp``/``ep`` 1.
     """
 
     world_rank: int = 0
@@ -77,12 +85,29 @@ class Topology:
     shard_group: dist.ProcessGroup | None = None
     shard_rank: int = 0
     shard_size: int = 1
+    dims: ParallelDims = field(default_factory=ParallelDims)
 
     def __post_init__(self) -> None:
         # Internal invariants: build_topology validated user-facing values already.
         for name in ("world", "dp", "mp", "sp", "shard"):
             rank, size = getattr(self, f"{name}_rank"), getattr(self, f"{name}_size")
             assert size >= 1 and 0 <= rank < size, f"rank{self.world_rank}: {name} rank {rank} of size {size}"
+        dims = self.dims
+        assert dims.world_size == self.world_size, (
+            f"dims for {dims.world_size} ranks in a world of {self.world_size}"
+        )
+        assert (dims.dp, dims.sp) == (self.dp_size, self.sp_size), (dims, self)
+
+    def data_parallel_mesh(self, device_type: str) -> Any:
+        """The 1-D ``DeviceMesh`` named ``dp_shard`` over the data-parallel group (the world when None).
+
+        FSDP2 (stage 3) shards over it; hpZ's secondary groups are its runs
+        (``dims.dp_shard_runs``), which FSDP2 forms itself from ``reshard_after_forward=k``.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        group = self.dp_group if self.dp_group is not None else get_world_group()
+        return DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
 
 
 def _call(mpu: Any, name: str, default: Any = None) -> Any:
@@ -90,7 +115,7 @@ def _call(mpu: Any, name: str, default: Any = None) -> Any:
     return method() if callable(method) else default
 
 
-def _require(mpu: Any, names: tuple[str, ...], why: str) -> None:
+def _require(mpu: object, names: tuple[str, ...], why: str) -> None:
     missing = [n for n in names if not callable(getattr(mpu, n, None))]
     if missing:
         raise ValueError(
@@ -100,13 +125,13 @@ def _require(mpu: Any, names: tuple[str, ...], why: str) -> None:
         )
 
 
-def _positive(value: Any, what: str, mpu: Any) -> int:
+def _positive(value: object, what: str, mpu: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"mpu {type(mpu).__name__}: {what} returned {value!r}; it must be an int >= 1")
     return value
 
 
-def _rank_in(value: Any, size: int, what: str, mpu: Any) -> int:
+def _rank_in(value: object, size: int, what: str, mpu: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
         raise ValueError(f"mpu {type(mpu).__name__}: {what} returned {value!r}; it must be in [0, {size})")
     return value
@@ -149,6 +174,7 @@ def build_topology(mpu: Any = None) -> Topology:
             dp_size=world_size,
             shard_rank=world_rank,
             shard_size=world_size,
+            dims=ParallelDims(dp_shard=world_size, world_size=world_size),
         )
 
     mp_size = _positive(
@@ -178,6 +204,7 @@ def build_topology(mpu: Any = None) -> Topology:
             shard_group=dp_group,
             shard_rank=dp_rank,
             shard_size=dp_size,
+            dims=_megatron_dims(dp_size, mp_size, world_size, mpu),
         )
 
     # Ulysses: no data-parallel methods; the dp degree is what sequence parallelism leaves.
@@ -226,4 +253,21 @@ def build_topology(mpu: Any = None) -> Topology:
         shard_group=shard_group,
         shard_rank=shard_rank,
         shard_size=shard_size,
+        dims=_ulysses_dims(dp_size, sp_size, world_size),
     )
+
+
+def _megatron_dims(dp: int, mp: int, world: int, mpu: object) -> ParallelDims:
+    """Megatron-style mpu: dp x tp ranks per pipeline stage; what is left of the world is ``pp``."""
+    if world % (dp * mp):
+        raise ValueError(
+            f"mpu {type(mpu).__name__}: data-parallel size {dp} x model-parallel size {mp} does not divide "
+            f"the world size {world}; the mpu's groups must tile the world"
+        )
+    return ParallelDims(dp_shard=dp, tp=mp, pp=world // (dp * mp), world_size=world)
+
+
+def _ulysses_dims(dp: int, sp: int, world: int) -> ParallelDims:
+    """Ulysses mpu: ``world / sp`` data-parallel ranks (DeepSpeed's arithmetic; a model-parallel
+    size such an mpu reports names checkpoint files only, as before: it is no mesh dimension)."""
+    return ParallelDims(dp_shard=dp, sp=sp, world_size=world)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.comm.group_type import Group
+
 __all__ = [
     "all_gather",
     "all_to_all_single",
@@ -25,14 +27,14 @@ __all__ = [
 
 
 def all_gather(
-    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group = None, async_op: bool = False
 ) -> Any:
     """Every rank's ``tensor`` into ``tensor_list`` (one entry per rank)."""
     return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
 
 def reduce(
-    tensor: torch.Tensor, dst: int, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
+    tensor: torch.Tensor, dst: int, op: Any = dist.ReduceOp.SUM, group: Group = None, async_op: bool = False
 ) -> Any:
     """Reduce ``tensor`` over the group into rank ``dst``."""
     return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
@@ -42,7 +44,7 @@ def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],
     op: Any = dist.ReduceOp.SUM,
-    group: Any = None,
+    group: Group = None,
     async_op: bool = False,
 ) -> Any:
     """Reduce ``input_list`` over the group; rank ``r`` gets the reduced ``input_list[r]`` in ``output``."""
@@ -54,7 +56,7 @@ def all_to_all_single(
     tensor: torch.Tensor,
     output_split_sizes: list[int] | None = None,
     input_split_sizes: list[int] | None = None,
-    group: Any = None,
+    group: Group = None,
     async_op: bool = False,
 ) -> Any:
     """Split ``tensor`` over ranks and gather each rank's piece into ``output``."""
@@ -63,21 +65,21 @@ def all_to_all_single(
     )
 
 
-def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+def send(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> None:
     """Blocking send to rank ``dst``."""
     dist.send(tensor, dst, group=group, tag=tag)
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
+def recv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> int:
     """Blocking receive into ``tensor``; returns the sender's rank."""
     return dist.recv(tensor, src, group=group, tag=tag)
 
 
-def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
+def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> Any:
     """Non-blocking send; returns the work handle."""
     return dist.isend(tensor, dst, group=group, tag=tag)
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Any:
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> Any:
     """Non-blocking receive; returns the work handle."""
     return dist.irecv(tensor, src, group=group, tag=tag)

@@ -33,7 +33,12 @@ from shardwise.compression.row_pruning import RowPruning
 from shardwise.compression.scheduler import CompressionScheduler
 from shardwise.compression.sparse_pruning import SparsePruning
 from shardwise.compression.weight_quant import WeightQuantization
-from shardwise.config.compression_settings import CompressionSettings, TechniqueSettings, read_settings
+from shardwise.config.compression_settings import (
+    CompressionSettings,
+    GroupSettings,
+    TechniqueSettings,
+    read_settings,
+)
 from shardwise.config.errors import ConfigError
 from shardwise.utils.logging import logger
 
@@ -126,7 +131,7 @@ def _attach(model: nn.Module, tech: TechniqueSettings, related: dict[tuple[str, 
                 related[(name, tech.name)] = [found[position] for found in partners]
 
 
-def _related(model: nn.Module, group: Any, index: int, names: list[str], key: str) -> list[list[str]]:
+def _related(model: nn.Module, group: GroupSettings, index: int, names: list[str], key: str) -> list[list[str]]:
     """For pattern ``index`` of the group: per related pattern, the matched modules paired by order."""
     if not group.related_modules or index >= len(group.related_modules):
         return []

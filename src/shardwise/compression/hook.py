@@ -40,7 +40,7 @@ class CompressionHook:
         self.scheduler.load_state_dict(state)
 
 
-def build_compression_hook(config: Any, model: nn.Module) -> CompressionHook | None:
+def build_compression_hook(model: nn.Module) -> CompressionHook | None:
     """The hook for a model ``init_compression`` prepared (by ``initialize`` from the config's
     ``compression_training``, or by the script itself); None for any other model."""
     from shardwise.compression.compress import compression_scheduler

@@ -13,7 +13,7 @@ Example:
     >>> cfg = load_config({"train_batch_size": 2, "curriculum_learning": {"enabled": True,
     ...     "min_difficulty": 8, "max_difficulty": 64, "schedule_type": "fixed_linear",
     ...     "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 8}}}).config
-    >>> hook = build_legacy_curriculum_hook(cfg)
+    >>> hook = build_legacy_curriculum_hook(cfg.curriculum_learning)
     >>> hook.adjust_forward((), {}, ForwardContext(global_step=4, training=True))
     ((), {'curriculum_seqlen': 32})
 """
@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from shardwise.config.errors import ConfigError
+from shardwise.config.sections.data_efficiency import LegacyCurriculumConfig
 from shardwise.data_efficiency.schedule import CurriculumSchedule
 from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
 
@@ -73,13 +74,12 @@ class LegacyCurriculumHook:
         self.schedule.load_state_dict(state)
 
 
-def build_legacy_curriculum_hook(config: Any) -> LegacyCurriculumHook | None:
+def build_legacy_curriculum_hook(section: LegacyCurriculumConfig | None) -> LegacyCurriculumHook | None:
     """The hook for an enabled top-level ``curriculum_learning`` section, else None.
 
     Raises:
         ConfigError: an unknown ``curriculum_type`` or an inconsistent schedule (names the key).
     """
-    section = getattr(config, "curriculum_learning", None)
     if section is None or not section.enabled:
         return None
     if section.curriculum_type not in CURRICULUM_TYPES:

@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from shardwise.config.errors import ConfigError
+from shardwise.config.sections.data_efficiency import DataEfficiencyConfig, RandomLTDConfig
 from shardwise.data_efficiency.random_ltd import RandomLTDLayer, random_ltd_layers
 from shardwise.data_efficiency.schedule import RandomLTDSchedule
 from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
@@ -69,7 +70,8 @@ class RandomLTDHook:
             layer.kept_tokens = self.schedule.current_value
 
 
-def _check(section: Any) -> None:
+def _check(section: RandomLTDConfig) -> tuple[int, str]:
+    """Refuse an inconsistent section; return its checked ``(total_layer_num, model_type)``."""
     ids = list(section.random_ltd_layer_id)
     total = section.total_layer_num
     if total is None or total < 1:
@@ -136,6 +138,9 @@ def _check(section: Any) -> None:
                 f'add "{key}" to schedule_config',
                 value=value,
             )
+    model_type = section.model_type
+    assert model_type is not None  # one of the two names, checked above
+    return total, model_type
 
 
 _CONVERT = "shardwise.data_efficiency.convert_to_random_ltd(model, LayerClass)"
@@ -196,7 +201,9 @@ def active_layers(ids: list[int], layers: list[RandomLTDLayer]) -> list[RandomLT
     return [layer for layer in layers if layer.layer_id in ids]
 
 
-def build_random_ltd_hook(config: Any, model: nn.Module) -> RandomLTDHook | None:
+def build_random_ltd_hook(
+    efficiency: DataEfficiencyConfig, model: nn.Module, *, global_batch_size: int
+) -> RandomLTDHook | None:
     """The hook for an enabled ``data_routing.random_ltd``, else None.
 
     The wrapped layers listed in ``random_ltd_layer_id`` drop tokens (:func:`active_layers`) and
@@ -205,15 +212,14 @@ def build_random_ltd_hook(config: Any, model: nn.Module) -> RandomLTDHook | None
     Raises:
         ConfigError: an inconsistent section, or a model whose wrapped layers do not match it.
     """
-    efficiency = config.data_efficiency
     section = efficiency.data_routing.random_ltd
     if not (efficiency.enabled and efficiency.data_routing.enabled and section.enabled):
         return None
-    _check(section)
+    total_layers, model_type = _check(section)
     layers = active_layers(list(section.random_ltd_layer_id), random_ltd_layers(model))
     for layer in layers:
         layer.seq_dim = 0 if section.hidden_state_order == "seq_batch_dim" else 1
-        layer.model_type = section.model_type
+        layer.model_type = model_type
         layer.mask_name = section.model_mask_name
     sched = section.random_ltd_schedule
     schedule = RandomLTDSchedule(
@@ -221,8 +227,8 @@ def build_random_ltd_hook(config: Any, model: nn.Module) -> RandomLTDHook | None
         sched.max_value,
         sched.schedule_config["require_steps"],
         sched.schedule_config["seq_per_step"],
-        total_layers=section.total_layer_num,
+        total_layers=total_layers,
         ltd_layers=len(section.random_ltd_layer_id),
-        global_batch_size=config.train_batch_size,
+        global_batch_size=global_batch_size,
     )
     return RandomLTDHook(schedule, layers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from shardwise.config.errors import ConfigError
+from shardwise.config.model import ShardwiseConfig
 from shardwise.data_efficiency.metric_index import build_metric_index
 from shardwise.data_efficiency.sampler import CurriculumSampler
 
@@ -18,7 +19,7 @@ __all__ = [
 _PATH = "data_efficiency.data_sampling.curriculum_learning"
 
 
-def curriculum_sampling_enabled(config: Any) -> bool:
+def curriculum_sampling_enabled(config: ShardwiseConfig) -> bool:
     """``data_efficiency``, its ``data_sampling`` and their ``curriculum_learning`` are all enabled."""
     efficiency = config.data_efficiency
     sampling = efficiency.data_sampling
@@ -26,7 +27,7 @@ def curriculum_sampling_enabled(config: Any) -> bool:
 
 
 def build_curriculum_sampler(
-    config: Any,
+    config: ShardwiseConfig,
     *,
     num_samples: int,
     micro_batch_size: int,
@@ -74,7 +75,7 @@ class TrainLoaderOptions(NamedTuple):
 
 
 def train_loader_options(
-    config: Any,
+    config: ShardwiseConfig,
     *,
     num_samples: int,
     micro_batch_size: int,

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from shardwise.comm.group_type import Group
+
 __all__ = ["GradientExchangingOptimizer"]
 
 
@@ -36,7 +38,7 @@ class GradientExchangingOptimizer(Protocol):
         """The next ``step()`` exchanges by itself: gradients must reach it un-reduced (local)."""
         ...
 
-    def attach_process_group(self, group: Any) -> None:
+    def attach_process_group(self, group: Group) -> None:
         """The data-parallel group to exchange over (None: the world); called once, before training."""
         ...
 

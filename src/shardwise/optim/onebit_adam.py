@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from shardwise.comm.group_type import Group
 from shardwise.optim.group_state import collect_group, run_closure
 from shardwise.optim.onebit_exchange import OneBitExchange
 
@@ -93,7 +94,7 @@ class OneBitAdam(torch.optim.Optimizer):
         self._exchange = OneBitExchange("OneBitAdam")
 
     # ------------------------------------------------------------------ GradientExchangingOptimizer
-    def attach_process_group(self, group: Any) -> None:
+    def attach_process_group(self, group: Group) -> None:
         """Exchange over ``group`` (None: the world) once the warm-up is over."""
         self._exchange.attach(group)
 

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from shardwise.comm import init as comm_init
 from shardwise.comm.compressed_allreduce import CompressedAllReduce
+from shardwise.comm.group_type import Group
 
 __all__ = ["OneBitExchange"]
 
@@ -35,12 +36,12 @@ class OneBitExchange:
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
-        self.group: Any = None
+        self.group: Group = None
         self.world_size = 1
         self._reduce: CompressedAllReduce | None = None
         self._pending: dict[str, Any] | None = None
 
-    def attach(self, group: Any) -> None:
+    def attach(self, group: Group) -> None:
         """Average over ``group`` (None: the world; one rank when torch.distributed is not up)."""
         self.group = group
         self.world_size = comm_init.get_world_size(group) if comm_init.is_initialized() else 1

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from shardwise.comm.group_type import Group
 from shardwise.optim.group_state import collect_group, run_closure
 from shardwise.optim.lamb import Lamb
 from shardwise.optim.onebit_exchange import OneBitExchange
@@ -150,7 +151,7 @@ class OneBitLamb(torch.optim.Optimizer):
         counts = [int(s["step"].item()) for s in self.state.values() if "step" in s]
         return max(counts, default=0)
 
-    def attach_process_group(self, group: Any) -> None:
+    def attach_process_group(self, group: Group) -> None:
         """Exchange over ``group`` (None: the world) once the warm-up is over."""
         self._exchange.attach(group)
 

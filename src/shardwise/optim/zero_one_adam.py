@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from shardwise.comm.group_type import Group
 from shardwise.optim.group_state import collect_group, run_closure
 from shardwise.optim.onebit_exchange import OneBitExchange
 from shardwise.optim.zero_one_schedule import is_sync_step, is_variance_step
@@ -142,7 +143,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
         )
 
     # ------------------------------------------------------------------ GradientExchangingOptimizer
-    def attach_process_group(self, group: Any) -> None:
+    def attach_process_group(self, group: Group) -> None:
         """Exchange over ``group`` (None: the world)."""
         self._exchange.attach(group)
 

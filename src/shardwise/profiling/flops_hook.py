@@ -19,6 +19,7 @@ from shardwise.profiling.flops_profiler import FlopsProfiler
 from shardwise.profiling.timers import BACKWARD, STEP, WallClockTimers
 
 if TYPE_CHECKING:
+    from shardwise.config.sections.observability import FlopsProfilerConfig
     from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
 
 __all__ = ["FlopsProfilerHook", "build_flops_profiler_hook"]
@@ -48,7 +49,11 @@ class FlopsProfilerHook:
     name = "flops_profiler"
 
     def __init__(
-        self, profiler: FlopsProfiler, settings: Any, timers: WallClockTimers, context: Mapping[str, Any]
+        self,
+        profiler: FlopsProfiler,
+        settings: FlopsProfilerConfig,
+        timers: WallClockTimers,
+        context: Mapping[str, Any],
     ) -> None:
         self.profiler = profiler
         self.settings = settings
@@ -95,18 +100,21 @@ class FlopsProfilerHook:
 
 
 def build_flops_profiler_hook(
-    config: Any, model: nn.Module, rank: int, timers: WallClockTimers, context: Mapping[str, Any]
+    settings: FlopsProfilerConfig,
+    model: nn.Module,
+    rank: int,
+    timers: WallClockTimers,
+    context: Mapping[str, Any],
 ) -> FlopsProfilerHook | None:
     """The profiler hook where the config enables it (rank 0, ``profile_step >= 0``), else None.
 
     Args:
-        config: the validated config model (``ShardwiseConfig``; its ``flops_profiler`` section).
+        settings: the config's ``flops_profiler`` section.
         model: the module to profile.
         rank: global rank (only rank 0 profiles).
         timers: the engine's wall-clock timers.
         context: run facts for the report (``Telemetry.context``).
     """
-    settings = config.flops_profiler
     if not settings.enabled or rank != 0 or settings.profile_step < 0:
         return None
     profiler = FlopsProfiler(model, recompute_fwd_factor=settings.recompute_fwd_factor)

@@ -51,9 +51,10 @@ class EngineCounters:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the counters ``state`` names; others keep their value, unknown names are ignored
         (a DeepSpeed checkpoint carries only some of them)."""
-        for name in COUNTER_NAMES:
-            if name in state:
-                setattr(self, name, int(state[name]))
+        self.global_steps = int(state.get("global_steps", self.global_steps))
+        self.global_samples = int(state.get("global_samples", self.global_samples))
+        self.skipped_steps = int(state.get("skipped_steps", self.skipped_steps))
+        self.micro_steps = int(state.get("micro_steps", self.micro_steps))
 
 
 class CounterAttribute:

@@ -18,7 +18,7 @@ Example:
     >>> from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
     >>> cfg = load_config({"train_batch_size": 2,
     ...                    "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.1}}).config
-    >>> hook = build_progressive_layer_drop_hook(cfg, lambda x, **kw: x)
+    >>> hook = build_progressive_layer_drop_hook(cfg.progressive_layer_drop, lambda x, **kw: x)
     >>> hook.adjust_forward((1,), {}, ForwardContext(global_step=0, training=True))[1]
     {'progressive_layer_drop': True, 'pld_theta': 1.0}
     >>> for step in (1, 2): hook.after_optimizer_step(StepOutcome(step, 2 * step, True, 1.0))
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from shardwise.config.errors import ConfigError
+from shardwise.config.sections.legacy import ProgressiveLayerDropConfig
 from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
 
 __all__ = [
@@ -120,19 +121,18 @@ def _accepts(forward: Callable[..., Any], names: tuple[str, ...]) -> bool:
 
 
 def build_progressive_layer_drop_hook(
-    config: Any, forward: Callable[..., Any]
+    section: ProgressiveLayerDropConfig | None, forward: Callable[..., Any]
 ) -> ProgressiveLayerDropHook | None:
     """The hook for an enabled ``progressive_layer_drop`` section, else None.
 
     Args:
-        config: the validated config model.
+        section: the config's ``progressive_layer_drop`` section (None when absent).
         forward: the model's forward (its signature is checked).
 
     Raises:
         ConfigError: theta outside [0, 1], a negative gamma, or a forward that cannot take the
             ``progressive_layer_drop`` / ``pld_theta`` keyword arguments.
     """
-    section = getattr(config, "progressive_layer_drop", None)
     if section is None or not section.enabled:
         return None
     if not 0.0 <= section.theta <= 1.0:

@@ -102,7 +102,7 @@ class _IterationScheduler:
 
     _schedules: list[Any]
 
-    def __init__(self, optimizer: Any, last_batch_iteration: int) -> None:
+    def __init__(self, optimizer: object, last_batch_iteration: int) -> None:
         self.optimizer = unwrap_optimizer(optimizer)
         self.last_batch_iteration = _check_iteration(last_batch_iteration)
         self._last_lr: list[float] | None = None
@@ -188,7 +188,7 @@ class WarmupLR(_IterationScheduler):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: object,
         warmup_min_lr: float | Sequence[float] = 0.0,
         warmup_max_lr: float | Sequence[float] | None = None,
         warmup_num_steps: int = 1000,
@@ -247,7 +247,7 @@ class WarmupDecayLR(WarmupLR):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: object,
         total_num_steps: int,
         warmup_min_lr: float | Sequence[float] = 0.0,
         warmup_max_lr: float | Sequence[float] | None = 0.001,
@@ -305,7 +305,7 @@ class WarmupCosineLR(_IterationScheduler):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: object,
         total_num_steps: int,
         warmup_min_ratio: float = 0.0,
         warmup_num_steps: int = 1000,
@@ -373,7 +373,7 @@ class OneCycle(_IterationScheduler):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: object,
         cycle_min_lr: float | Sequence[float],
         cycle_max_lr: float | Sequence[float],
         decay_lr_rate: float = 0.0,
@@ -467,7 +467,7 @@ class LRRangeTest(_IterationScheduler):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: object,
         lr_range_test_min_lr: float | Sequence[float] = 1e-3,
         lr_range_test_step_size: int = 2000,
         lr_range_test_step_rate: float = 1.0,

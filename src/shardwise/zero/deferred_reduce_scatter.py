@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from shardwise.comm import collectives
+from shardwise.comm.group_type import Group
 from shardwise.comm.quantized_collectives import FsdpHook
 
 
@@ -37,7 +38,7 @@ class DeferredReduceScatter(FsdpHook):
         self,
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
-        group: Any,
+        group: Group,
         op: Any,
         async_op: bool = False,
     ) -> Any:

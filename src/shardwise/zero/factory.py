@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -46,6 +46,10 @@ class PreparedModel:
 
     module: nn.Module
     record: ShardedModel | None = None
+
+
+if TYPE_CHECKING:
+    from shardwise.zero.stage3 import Stage3Policy
 
 
 def communication_dtype(name: str | None) -> torch.dtype | None:
@@ -87,17 +91,6 @@ def reduction_factors(
     return (1.0 / f if f != 1.0 else 1.0), world_size / f
 
 
-def _check_offload(zero: ZeroConfig) -> None:
-    stage = int(zero.stage)
-    if zero.offload_optimizer_device != "none" and stage == 0:
-        raise ConfigError(
-            "zero_optimization.offload_optimizer.device",
-            "optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps no optimizer partition to offload)",
-            "set zero_optimization.stage to 1 or more, or remove the offload_optimizer block",
-            value=zero.offload_optimizer_device,
-        )
-
-
 def _has_placeholders(model: nn.Module) -> bool:
     return any(stash_of(p) is not None for p in model.parameters())
 
@@ -133,7 +126,7 @@ def prepare_module(
         >>> #                           precision=precision, topology=topology, device=torch.device("cpu"))
         >>> # prepared.module, prepared.record
     """
-    _check_offload(zero)
+    # (optimizer offload at stage 0 was refused once, when the config was loaded: config.checks)
     stage = int(zero.stage)
     if stage != 3:
         if _has_placeholders(model):
@@ -164,6 +157,7 @@ def prepare_module(
         reduce_dtype=comm_dtype or precision.grad_accum_dtype,
         process_group=topology.dp_group,
         device=device,
+        mesh=topology.data_parallel_mesh(device.type),
         param_offload=param_offload_spec(zero, aio),
         rank=topology.dp_rank,
         world_size=topology.dp_size,
@@ -216,43 +210,78 @@ def build_zero_optimizer(
         module: the (placed) model; stages 1-2 with ``overlap_comm`` hook it so the post-step
             all-gather overlaps the next forward (:mod:`shardwise.zero.async_gather`).
     """
-    stage = int(zero.stage)
-    _check_offload(zero)
     pre, post = reduction
-    if stage == 3:
+    if int(zero.stage) == 3:
         if record is None:
             raise ValueError(
                 "stage 3: build_zero_optimizer needs the record of the sharded model; shardwise.initialize "
                 "passes PreparedModel.record from zero.factory.prepare_module - do the same when building "
                 "parts by hand"
             )
-        from shardwise.zero.stage3 import Stage3Optimizer, Stage3Policy
+        from shardwise.zero.stage3 import Stage3Optimizer
 
-        stage3_policy = Stage3Policy(
-            rank=topology.dp_rank,
-            world_size=topology.dp_size,
-            pre_multiplier=pre,
-            post_divisor=post,
-            check_overflow=precision.check_overflow,
-            gradient_clipping=gradient_clipping,
-            process_group=topology.dp_group,
-            comm_dtype=comm_dtype,
-            reduce_bucket_numel=int(zero.reduce_bucket_size),
-            optimizer_offload=optimizer_offload_spec(
-                zero, aio, masters_on_host=zero.offload_param_device != "none"
-            ),
-            quantized_weights=bool(zero.zero_quantized_weights),
-            quantized_gradients=bool(zero.zero_quantized_gradients),
-            fail_on_unused=not zero.ignore_unused_parameters,
-            param_names=param_names,
-            sub_group_size=max(1, int(zero.sub_group_size)),
+        policy3 = _stage3_policy(
+            zero, aio, pre, post, gradient_clipping, comm_dtype, precision, topology, param_names
         )
-        return Stage3Optimizer(record, param_groups, optimizer_factory, stage3_policy)
+        return Stage3Optimizer(record, param_groups, optimizer_factory, policy3)
     spec = optimizer_offload_spec(zero, aio)
     if spec is not None:
         optimizer_factory = _offloaded_factory(optimizer_factory, spec, topology.dp_rank)
-    policy = ZeroPolicy(
-        stage=stage,
+    policy = _flat_policy(
+        zero, pre, post, gradient_clipping, comm_dtype, precision, topology, disable_allgather, param_names
+    )
+    return ZeroOptimizer(param_groups, optimizer_factory, policy, module=module)
+
+
+def _stage3_policy(
+    zero: ZeroConfig,
+    aio: AioConfig,
+    pre: float,
+    post: float,
+    gradient_clipping: float,
+    comm_dtype: torch.dtype | None,
+    precision: PrecisionPolicy,
+    topology: Topology,
+    param_names: Mapping[int, str] | None,
+) -> Stage3Policy:
+    """Stage 3's policy from the config sections and the layout."""
+    from shardwise.zero.stage3 import Stage3Policy
+
+    return Stage3Policy(
+        rank=topology.dp_rank,
+        world_size=topology.dp_size,
+        pre_multiplier=pre,
+        post_divisor=post,
+        check_overflow=precision.check_overflow,
+        gradient_clipping=gradient_clipping,
+        process_group=topology.dp_group,
+        comm_dtype=comm_dtype,
+        reduce_bucket_numel=int(zero.reduce_bucket_size),
+        optimizer_offload=optimizer_offload_spec(
+            zero, aio, masters_on_host=zero.offload_param_device != "none"
+        ),
+        quantized_weights=bool(zero.zero_quantized_weights),
+        quantized_gradients=bool(zero.zero_quantized_gradients),
+        fail_on_unused=not zero.ignore_unused_parameters,
+        param_names=param_names,
+        sub_group_size=max(1, int(zero.sub_group_size)),
+    )
+
+
+def _flat_policy(
+    zero: ZeroConfig,
+    pre: float,
+    post: float,
+    gradient_clipping: float,
+    comm_dtype: torch.dtype | None,
+    precision: PrecisionPolicy,
+    topology: Topology,
+    disable_allgather: bool,
+    param_names: Mapping[int, str] | None,
+) -> ZeroPolicy:
+    """Stages 0-2's policy from the config sections and the layout."""
+    return ZeroPolicy(
+        stage=int(zero.stage),
         rank=topology.dp_rank,
         world_size=topology.dp_size,
         bucket_numel=int(zero.reduce_bucket_size),
@@ -275,4 +304,3 @@ def build_zero_optimizer(
         fail_on_unused=not zero.ignore_unused_parameters,
         param_names=param_names,
     )
-    return ZeroOptimizer(param_groups, optimizer_factory, policy, module=module)

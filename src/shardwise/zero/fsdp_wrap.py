@@ -43,6 +43,7 @@ from torch import nn
 
 from shardwise.comm import collectives
 from shardwise.comm import init as comm_init
+from shardwise.comm.fsdp_internals import is_dtensor, set_unshard_async, unit_sharded_params
 from shardwise.utils.logging import logger
 from shardwise.zero.external_params import is_external
 from shardwise.zero.hpz import hpz_active
@@ -256,14 +257,12 @@ def _apply_fully_shard(
     record: ShardedModel, plan: _UnitPlan, persistent: list[nn.Parameter], tracker: _Tracker
 ) -> None:
     """Step 4: ``fully_shard`` every unit, then the root; placeholders land in their shards."""
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = record.policy
     compute = policy.compute_dtype
     model = record.module
-    group = policy.process_group if policy.process_group is not None else comm_init.get_world_group()
-    mesh = DeviceMesh.from_group(group, policy.device.type)
+    mesh = policy.mesh  # the topology's data-parallel mesh: nobody here makes groups of their own
     mp = MixedPrecisionPolicy(
         param_dtype=None if compute == torch.float32 else compute, reduce_dtype=policy.reduce_dtype
     )
@@ -302,7 +301,7 @@ def _configure_reduction(record: ShardedModel) -> None:
         # with the explicit prefetch lists, an async gather runs in gloo's thread while the
         # previous unit computes (measured ~10% per step on the benchmark GPT).
         for fsdp_module in record.fsdp_modules():
-            fsdp_module._set_unshard_async_op(True)  # type: ignore[operator]
+            set_unshard_async(fsdp_module)
 
 
 def _apply_prefetch(record: ShardedModel, unit_numels: list[int], settings: Stage3Settings) -> None:
@@ -350,13 +349,13 @@ def _record_parameters(record: ShardedModel, tracker: _Tracker) -> dict[int, nn.
         current.ds_id = next(_IDS)  # type: ignore[attr-defined]
         current.ds_shape = current.shape  # type: ignore[attr-defined]
         current.ds_numel = current.numel()  # type: ignore[attr-defined]
-        is_dtensor = hasattr(current, "device_mesh")
+        sharded = is_dtensor(current)
         # a detached alias of the local shard: a plain ``to_local()`` view would break (reading its
         # grad_fn raises) once the shard is written in place, e.g. by a checkpoint load
-        local = current.to_local().detach() if is_dtensor else current.data  # type: ignore[attr-defined]
+        local = current.to_local().detach() if sharded else current.data  # type: ignore[attr-defined]
         current.ds_tensor = local  # type: ignore[attr-defined]
-        current.ds_status = ZeroParamStatus.NOT_AVAILABLE if is_dtensor else ZeroParamStatus.AVAILABLE  # type: ignore[attr-defined]
-        (record.sharded if is_dtensor else record.replicated).append(current)
+        current.ds_status = ZeroParamStatus.NOT_AVAILABLE if sharded else ZeroParamStatus.AVAILABLE  # type: ignore[attr-defined]
+        (record.sharded if sharded else record.replicated).append(current)
     order = {id(p): i for i, p in enumerate(model.parameters())}
     record.sharded.sort(key=lambda p: order.get(id(p), 0))
     record.replicated.sort(key=lambda p: order.get(id(p), 0))
@@ -365,8 +364,7 @@ def _record_parameters(record: ShardedModel, tracker: _Tracker) -> dict[int, nn.
 
 def _unit_params(module: nn.Module) -> list[nn.Parameter]:
     """The sharded parameters FSDP2 manages directly in ``module`` (not in nested units)."""
-    state = module._get_fsdp_state()  # type: ignore[operator]
-    return [fp.sharded_param for group in state._fsdp_param_groups for fp in group.fsdp_params]
+    return unit_sharded_params(module)
 
 
 def _evict_unit(record: ShardedModel, module: nn.Module) -> None:
@@ -418,7 +416,7 @@ def shard_model(model: nn.Module, policy: ShardPolicy) -> ShardedModel:
     Calling it again on the same model returns the first record.
 
     Example:
-        >>> # record = shard_model(model, ShardPolicy(settings, torch.bfloat16, torch.float32, None, cpu))
+        >>> # record = shard_model(model, ShardPolicy(settings, torch.bfloat16, torch.float32, None, cpu, mesh))
         >>> # record.units -> the blocks; model is now an FSDP2 root module
     """
     existing = sharded_record(model)

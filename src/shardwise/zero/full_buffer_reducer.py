@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from shardwise.comm import collectives
+from shardwise.comm.group_type import Group
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
 
@@ -26,7 +27,7 @@ class FullBufferReducer(GradientReducer):
     """Reduces the full gradient buffers of stages 0-1 in place (all-reduce, exchange or
     reduce-scatter), bucket by bucket or piece by piece."""
 
-    def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Any = None) -> None:
+    def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Group = None) -> None:
         assert all(g.grad_buffer is not None for g in groups), "stages 0-1 keep a full gradient buffer"
         # Every group's gradient buffer in shared memory (and the wire is the buffer itself):
         # whole buckets are reduced by reading the other ranks' buffers, once backward has
@@ -94,46 +95,25 @@ class FullBufferReducer(GradientReducer):
         self._in_flight(work, after)
 
     def _launch_bucket(self, gi: int, bucket: int) -> None:
-        """Stage 1 (stage 0 goes in pieces unless shared): reduce-scatter one whole bucket in
-        place, so this rank's shard of the buffer holds its sums."""
-        if self.shared:
-            self._reduce_shared(gi, bucket)
-            return
+        """Stage 1 (stage 0 goes in pieces unless shared): reduce one whole bucket of the buffer
+        in place, so this rank's shard of it holds its sums (the whole bucket where every rank
+        gets them: stage 0, ``reduce_scatter: false``)."""
         group = self.groups[gi]
-        assert group.grad_buffer is not None and self.policy.shard
+        assert group.grad_buffer is not None and (self.shared or self.policy.shard)
         plan = group.layout.buckets[bucket]
         group.settle(bucket)
-        source = group.grad_buffer[plan.start : plan.end]
-        wire = self._wire(source)
-        target = group.grad[bucket]  # this rank's shard of source
-        direct = wire.dtype == target.dtype
-        lo, hi = group.owned[bucket]
-        out = (
-            source[lo - plan.start : hi - plan.start]
-            if direct
-            else torch.empty(hi - lo, dtype=wire.dtype, device=wire.device)
-        )
-        work = collectives.reduce_scatter_flat(
-            out, wire, group=self.process_group, async_op=True, input_is_scratch=True
+        wire = self._wire(group.grad_buffer[plan.start : plan.end])
+        everyone = self.policy.all_reduce_gradients or not self.policy.shard
+        self._reduce_bucket(
+            gi,
+            bucket,
+            wire,
+            None if everyone else group.grad[bucket],  # this rank's shard of the buffer
+            accumulate=False,
+            shared=group.shared_grads if self.shared else None,
+            done=_nothing,
         )
 
-        def after() -> None:
-            if not direct:
-                target.copy_(out)
 
-        self._in_flight(work, after)
-
-    def _reduce_shared(self, gi: int, bucket: int) -> None:
-        """Reduce one whole bucket through shared memory, at once (the ranks' barriers inside):
-        at stage 1 each rank's shard of the bucket gets its sums (with ``reduce_scatter: false``
-        and at stage 0 every rank gets the whole bucket's)."""
-        group = self.groups[gi]
-        assert group.grad_buffer is not None and group.shared_grads is not None
-        plan = group.layout.buckets[bucket]
-        group.settle(bucket)
-        self._wire(group.grad_buffer[plan.start : plan.end])  # the pre-multiplier, in place
-        ranges = [plan.shard_range(r) for r in range(group.world_size)]
-        if self.policy.shard and not self.policy.all_reduce_gradients:
-            group.shared_grads.reduce_scatter(ranges)
-        else:
-            group.shared_grads.all_reduce(ranges)
+def _nothing() -> None:
+    """Nothing to do once a full buffer's bucket is reduced: the sums are in the buffer."""

@@ -6,11 +6,15 @@ only, so the backward all-gather runs inside that group (within a node, when the
 ranks of a node are consecutive, as launchers number them) instead of over all ``W``. On
 FSDP2 that is ``reshard_after_forward=k``, which reshards onto the rows of the data-parallel
 mesh viewed as ``(W / k, k)``: the groups are the runs of ``k`` consecutive ranks, which is
-what :func:`hpz_groups` returns. Sizes that do not divide ``W`` (or are ``>= W``) leave hpZ
+what :func:`hpz_groups` returns: the topology's ``dp_shard`` dimension cut into runs
+(:meth:`shardwise.comm.parallel_dims.ParallelDims.dp_shard_runs`), so the groups are defined
+where the rest of the layout is. Sizes that do not divide ``W`` (or are ``>= W``) leave hpZ
 off, and ``config.inert`` says so at start-up.
 """
 
 from __future__ import annotations
+
+from shardwise.comm.parallel_dims import ParallelDims
 
 
 def hpz_active(partition_size: int, world_size: int) -> bool:
@@ -20,7 +24,11 @@ def hpz_active(partition_size: int, world_size: int) -> bool:
         >>> hpz_active(2, 4), hpz_active(3, 4), hpz_active(4, 4), hpz_active(1, 8)
         (True, False, False, False)
     """
-    return 1 < partition_size < world_size and world_size % partition_size == 0
+    return bool(_runs(world_size, partition_size))
+
+
+def _runs(world_size: int, partition_size: int) -> list[list[int]]:
+    return ParallelDims(dp_shard=world_size, world_size=world_size).dp_shard_runs(partition_size)
 
 
 def hpz_groups(world_size: int, partition_size: int) -> list[list[int]]:
@@ -32,9 +40,7 @@ def hpz_groups(world_size: int, partition_size: int) -> list[list[int]]:
         >>> hpz_groups(6, 4)
         []
     """
-    if not hpz_active(partition_size, world_size):
-        return []
-    return [list(range(start, start + partition_size)) for start in range(0, world_size, partition_size)]
+    return _runs(world_size, partition_size)
 
 
 def hpz_group_of(rank: int, world_size: int, partition_size: int) -> list[int]:

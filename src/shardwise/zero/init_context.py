@@ -51,8 +51,10 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from shardwise.comm import collectives
+from shardwise.comm import collectives, groups
 from shardwise.comm import init as comm_init
+from shardwise.comm.fsdp_internals import dtensor_group, is_dtensor
+from shardwise.comm.group_type import Group
 from shardwise.zero.external_params import (
     is_external,
     register_external_parameter,
@@ -89,7 +91,7 @@ class Stash:
     shard: torch.Tensor  # this rank's dim-0 chunk (may be empty), stash dtype
     shape: torch.Size
     dtype: torch.dtype
-    group: Any
+    group: Group
     world: int
     rank: int
     mapping: Any = None  # remote_device="nvme": the file map the chunk lives in
@@ -194,12 +196,12 @@ def _set_on_owners(owners: list[tuple[nn.Module, str]], value: nn.Parameter) -> 
 # --------------------------------------------------------------------------- Init
 
 
-def _data_parallel_group(data_parallel_group: Any, mpu: Any) -> Any:
+def _data_parallel_group(data_parallel_group: Group, mpu: Any) -> Any:
     if data_parallel_group is not None:
         return data_parallel_group
     if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
         return mpu.get_data_parallel_group()
-    return None
+    return groups.get_data_parallel_group()  # the registered layout's (the world's before initialize)
 
 
 class Init:
@@ -216,7 +218,7 @@ class Init:
     def __init__(
         self,
         module: nn.Module | None = None,
-        data_parallel_group: Any = None,
+        data_parallel_group: Group = None,
         mem_efficient_linear: bool = True,
         remote_device: str | None = None,
         pin_memory: bool = False,
@@ -225,10 +227,10 @@ class Init:
         enabled: bool = True,
         dtype: torch.dtype | None = None,
         mpu: Any = None,
-        zero_param_parallel_group: Any = None,
+        zero_param_parallel_group: Group = None,
         zero_quantized_weights: bool = False,
         zero_quantized_nontrainable_weights: bool = False,
-        sequence_data_parallel_group: Any = None,
+        sequence_data_parallel_group: Group = None,
         param_swapper: Any = None,
     ) -> None:
         self.enabled = enabled
@@ -380,15 +382,13 @@ def _group_of(param: torch.Tensor) -> Any:
     if stash is not None:
         return stash.group
     if _is_sharded(param):
-        return param.device_mesh.get_group()  # type: ignore[attr-defined]
+        return dtensor_group(param)
     record = record_of(param)
     return None if record is None else record.process_group
 
 
 def _is_sharded(param: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(param, DTensor)
+    return is_dtensor(param)
 
 
 class GatheredParameters:

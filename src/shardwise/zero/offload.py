@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
+from shardwise.config.sections.zero import AioConfig, ZeroConfig
 from shardwise.zero.memory_plan import offloaded_prefix
 from shardwise.zero.nvme import AioSettings, IoHandle, SwapFile, remove_directory, swap_directory
 from shardwise.zero.optimizer_subset import restricted, split_sub_groups
@@ -87,7 +88,7 @@ class OffloadSpec:
         return self.pin_memory and torch.cuda.is_available()
 
 
-def _aio(cfg_aio: Any) -> AioSettings:
+def _aio(cfg_aio: AioConfig) -> AioSettings:
     return AioSettings(
         block_size=int(cfg_aio.block_size),
         queue_depth=int(cfg_aio.queue_depth),
@@ -97,7 +98,7 @@ def _aio(cfg_aio: Any) -> AioSettings:
     )
 
 
-def optimizer_offload_spec(zero: Any, aio: Any, *, masters_on_host: bool = False) -> OffloadSpec | None:
+def optimizer_offload_spec(zero: ZeroConfig, aio: AioConfig, *, masters_on_host: bool = False) -> OffloadSpec | None:
     """The ``offload_optimizer`` block as an :class:`OffloadSpec` (None when off)."""
     block = zero.offload_optimizer
     if block is None or block.device == "none":
@@ -116,7 +117,7 @@ def optimizer_offload_spec(zero: Any, aio: Any, *, masters_on_host: bool = False
     )
 
 
-def param_offload_spec(zero: Any, aio: Any) -> OffloadSpec | None:
+def param_offload_spec(zero: ZeroConfig, aio: AioConfig) -> OffloadSpec | None:
     """The ``offload_param`` block as an :class:`OffloadSpec` (None when off)."""
     block = zero.offload_param
     if block is None or block.device == "none":

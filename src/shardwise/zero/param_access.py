@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.comm import collectives
+from shardwise.comm.group_type import Group
 from shardwise.zero.param_owner import owner_of
 from shardwise.zero.sharded_model import record_of
 from shardwise.zero.state_layout import GradientLayout, Holding, ParamPlace, StateLayout
@@ -256,7 +257,7 @@ def _checked(place: ParamPlace, value: torch.Tensor) -> torch.Tensor:
     return value.detach().reshape(place.shape)
 
 
-def _gather(place: ParamPlace, pick: Pick, group: Any, partitioned: bool) -> torch.Tensor:
+def _gather(place: ParamPlace, pick: Pick, group: Group, partitioned: bool) -> torch.Tensor:
     """The full fp32 value of what ``pick`` reads from ``place``'s tensors (collective where they are split)."""
     if place.holding is Holding.FLAT:
         out = torch.zeros(place.param.numel(), dtype=torch.float32, device=place.param.device)

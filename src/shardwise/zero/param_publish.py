@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from shardwise.comm import collectives
+from shardwise.comm.group_type import Group
 from shardwise.comm.init import get_global_rank
 from shardwise.comm.quantized_collectives import quantized_all_gather
 from shardwise.zero.flat_group import FlatGroup
@@ -62,7 +63,7 @@ def chunk_ranges(shard_numel: int, world: int, bucket_numel: int) -> list[tuple[
 
 
 def launch_publish(
-    flat: FlatGroup, policy: PublishPolicy, group: Any, buckets: Sequence[int] | None = None
+    flat: FlatGroup, policy: PublishPolicy, group: Group, buckets: Sequence[int] | None = None
 ) -> list[tuple[Any, Callable[[], None]]]:
     """Start bringing every rank's updated shard of ``flat`` (of the given ``buckets`` only, in
     that order; default all) to all ranks; returns ``(work, then)`` pairs: wait for ``work``,

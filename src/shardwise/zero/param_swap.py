@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.comm.fsdp_internals import local_tensor
 from shardwise.zero.nvme import IoHandle, SwapFile, drop_pages, remove_directory, swap_directory
 from shardwise.zero.offload import OffloadSpec
 
@@ -97,7 +98,7 @@ class ParamSwapper:
         for p in params:
             index = self.index_of(p)
             if index is None:
-                storage = p._local_tensor.untyped_storage()  # type: ignore[attr-defined]
+                storage = local_tensor(p).untyped_storage()
                 if storage.nbytes() == 0:
                     continue
                 index = len(self.storages)
@@ -113,7 +114,7 @@ class ParamSwapper:
     def index_of(self, tensor: torch.Tensor) -> int | None:
         """The index of the storage under ``tensor`` (a DTensor parameter or a view of its local
         shard), or None when it is not swapped."""
-        local = getattr(tensor, "_local_tensor", tensor)
+        local = local_tensor(tensor)
         return self._index.get(local.untyped_storage()._cdata)
 
     @property

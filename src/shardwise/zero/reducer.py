@@ -41,6 +41,8 @@ import torch
 
 from shardwise.comm import collectives
 from shardwise.comm import init as comm_init
+from shardwise.comm.group_type import Group
+from shardwise.comm.host_transport import HostCollectives
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.launch_order import LaunchOrder, Unit, plan_units
 
@@ -67,13 +69,24 @@ class ReducePolicy:
     all_reduce_gradients: bool = False
 
 
+def _land(sums: torch.Tensor, target: torch.Tensor | None, accumulate: bool) -> None:
+    """Put this rank's ``sums`` into ``target`` (add them with ``accumulate``); nothing when they
+    are already there (``target`` None, or the same tensor)."""
+    if target is None or sums is target:
+        return
+    if accumulate:
+        target.add_(sums)
+    else:
+        target.copy_(sums)
+
+
 @dataclass
 class _Inflight:
     work: Any
     after: Callable[[], None]
 
 
-def _reduce_scatter_algorithm(groups: list[FlatGroup], process_group: Any) -> str:
+def _reduce_scatter_algorithm(groups: list[FlatGroup], process_group: Group) -> str:
     """How this group's in-place reduce-scatter runs (see ``collectives.choose_algorithm``)."""
     if not groups or not comm_init.is_initialized():
         return "native"
@@ -96,7 +109,7 @@ class GradientReducer(ABC):
     (``new_accumulation``).
     """
 
-    def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Any = None) -> None:
+    def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Group = None) -> None:
         self.groups = groups
         self.policy = policy
         self.process_group = process_group
@@ -189,6 +202,59 @@ class GradientReducer(ABC):
             lo, hi = min(max(lo, start), end), max(min(hi, end), start)
             owned.append((lo - start, max(lo, hi) - start))
         return owned
+
+    def _reduce_bucket(
+        self,
+        gi: int,
+        bucket: int,
+        wire: torch.Tensor,
+        target: torch.Tensor | None,
+        *,
+        accumulate: bool,
+        shared: HostCollectives | None,
+        done: Callable[[], None],
+    ) -> None:
+        """The one launch path of a whole bucket, whichever transport carries it.
+
+        ``wire`` is the bucket as it goes on the wire (pre-multiplied). Stage 0 and
+        ``reduce_scatter: false`` all-reduce it, the others reduce-scatter it; this rank's shard
+        of the sums then lands in ``target`` (added to it with ``accumulate``), or stays in
+        ``wire`` when ``target`` is None. ``shared``: the bucket's buffers in shared memory (the
+        ranks sum from each other's buffers, synchronously, the barriers inside); None: gloo,
+        asynchronously. ``done`` runs once the sums are in place.
+        """
+        group = self.groups[gi]
+        plan = group.layout.buckets[bucket]
+        lo, hi = group.owned[bucket]
+        everyone = self.policy.all_reduce_gradients or not self.policy.shard
+        out: torch.Tensor
+        if shared is not None:
+            ranges = [plan.shard_range(r) for r in range(group.world_size)]
+            if everyone:
+                shared.all_reduce(ranges)
+                _land(wire[lo - plan.start : hi - plan.start], target, accumulate)
+            else:
+                assert target is not None, "a reduce-scatter needs the shard it writes"
+                shared.reduce_scatter(ranges, out=target, accumulate=accumulate)
+            done()
+            return
+        work: Any
+        if everyone:
+            work = collectives.all_reduce(wire, op="sum", group=self.process_group, async_op=True)
+            out = wire[lo - plan.start : hi - plan.start]
+        else:
+            assert target is not None, "a reduce-scatter needs the shard it writes"
+            direct = wire.dtype == target.dtype and not accumulate
+            out = target if direct else torch.empty(hi - lo, dtype=wire.dtype, device=wire.device)
+            work = collectives.reduce_scatter_flat(
+                out, wire, group=self.process_group, async_op=True, input_is_scratch=True
+            )
+
+        def after() -> None:
+            _land(out, target, accumulate)
+            done()
+
+        self._in_flight(work, after)
 
     def _in_flight(self, work: Any, after: Callable[[], None]) -> None:
         """Remember a launched reduction; ``after`` runs once it is done (in ``finish``)."""

@@ -17,12 +17,12 @@ Every rank holds the same accumulated gradient, so the global norm counts it onc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
 from shardwise.comm import collectives
+from shardwise.comm.group_type import Group
 
 
 class ReplicatedParams:
@@ -39,7 +39,7 @@ class ReplicatedParams:
     def __init__(
         self,
         params: Sequence[nn.Parameter],
-        process_group: Any,
+        process_group: Group,
         world_size: int,
         bucket_numel: int,
         comm_dtype: torch.dtype | None = None,

@@ -22,11 +22,10 @@ private bucket buffer is allocated and freed.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from shardwise.comm import collectives
+from shardwise.comm.group_type import Group
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.launch_order import Unit
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
@@ -35,7 +34,7 @@ from shardwise.zero.reducer import GradientReducer, ReducePolicy
 class ShardAccumulatorReducer(GradientReducer):
     """Reduces stage 2's per-micro-step bucket buffers into the shard accumulators."""
 
-    def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Any = None) -> None:
+    def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Group = None) -> None:
         assert all(g.grad_buffer is None for g in groups), "stage 2 keeps no full gradient buffer"
         self._fresh = [[True] * len(g.layout.buckets) for g in groups]  # per bucket: no sums yet this window
         self._bucket_buffers: dict[tuple[int, int], torch.Tensor] = {}
@@ -153,63 +152,27 @@ class ShardAccumulatorReducer(GradientReducer):
         self._in_flight(work, after)
 
     def _launch_bucket(self, gi: int, bucket: int) -> None:
-        """Reduce-scatter one whole bucket buffer into (or onto) this rank's shard accumulator."""
-        if self.shared:
-            self._reduce_shared(gi, bucket)
-            return
+        """Reduce one whole bucket buffer into (or onto) this rank's shard accumulator; a staged
+        bucket's shared memory is given back once every rank has summed from it."""
         group = self.groups[gi]
         plan = group.layout.buckets[bucket]
         source = self._bucket_buffer(gi, bucket)
         written = self._bucket_written.pop((gi, bucket), set())
         self._zero_unwritten(gi, bucket, source, (plan.start, plan.end), plan.param_indices, written)
-        wire = self._wire(source)
-        target = group.grad[bucket]
-        accumulate = not self._fresh[gi][bucket]
-        direct = wire.dtype == target.dtype and not accumulate
-        lo, hi = group.owned[bucket]
-        work: Any
-        if self.policy.all_reduce_gradients:  # reduce_scatter: false: all-reduce, then this rank's slice
-            work = collectives.all_reduce(wire, op="sum", group=self.process_group, async_op=True)
-            out = wire[lo - plan.start : hi - plan.start]
-        else:
-            out = target if direct else torch.empty(hi - lo, dtype=wire.dtype, device=wire.device)
-            work = collectives.reduce_scatter_flat(
-                out, wire, group=self.process_group, async_op=True, input_is_scratch=True
-            )
+        staging = group.shared_staging if self.shared else None
 
-        def after() -> None:
-            if out is not target:
-                if accumulate:
-                    target.add_(out)
-                else:
-                    target.copy_(out)
+        def done() -> None:
             self._fresh[gi][bucket] = False
             self._bucket_buffers.pop((gi, bucket), None)
+            if staging is not None:
+                staging.release()  # every rank has summed: the exit barrier of the collective
 
-        self._in_flight(work, after)
-
-    def _reduce_shared(self, gi: int, bucket: int) -> None:
-        """Sum this rank's shard of a staged bucket over every rank's staging buffer, into (or
-        onto) its shard accumulator, at once (the ranks' barriers inside), then give the staging
-        buffer's memory back."""
-        group = self.groups[gi]
-        staging = group.shared_staging
-        assert staging is not None
-        plan = group.layout.buckets[bucket]
-        source = self._bucket_buffer(gi, bucket)
-        written = self._bucket_written.pop((gi, bucket), set())
-        self._zero_unwritten(gi, bucket, source, (plan.start, plan.end), plan.param_indices, written)
-        self._wire(source)  # the pre-multiplier, in place
-        ranges = [plan.shard_range(r) for r in range(group.world_size)]
-        accumulate = not self._fresh[gi][bucket]
-        target = group.grad[bucket]
-        if self.policy.all_reduce_gradients:  # reduce_scatter: false: all-reduce, then this rank's slice
-            staging.all_reduce(ranges)
-            lo, hi = group.owned[bucket]
-            mine = source[lo - plan.start : hi - plan.start]
-            target.add_(mine) if accumulate else target.copy_(mine)
-        else:
-            staging.reduce_scatter(ranges, out=target, accumulate=accumulate)
-        self._fresh[gi][bucket] = False
-        self._bucket_buffers.pop((gi, bucket), None)
-        staging.release()  # every rank has summed: the exit barrier of the collective above
+        self._reduce_bucket(
+            gi,
+            bucket,
+            self._wire(source),
+            group.grad[bucket],
+            accumulate=not self._fresh[gi][bucket],
+            shared=staging,
+            done=done,
+        )

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardwise.comm.fsdp_internals import is_dtensor
+from shardwise.comm.group_type import Group
 from shardwise.zero.offload import OffloadSpec
 from shardwise.zero.param_swap import ParamSwapper
 from shardwise.zero.stage3_settings import Stage3Settings
@@ -34,8 +36,9 @@ class ShardPolicy:
     settings: Stage3Settings
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
-    process_group: Any
+    process_group: Group
     device: torch.device
+    mesh: Any  # the topology's ``dp_shard`` DeviceMesh, which fully_shard shards over
     param_offload: OffloadSpec | None = None
     rank: int = 0
     world_size: int = 1
@@ -79,7 +82,7 @@ class ShardedModel:
 
     def in_root_unit(self, param: nn.Parameter) -> bool:
         """Whether a parameter is gathered through the whole forward and backward."""
-        return id(param) in self._root_params or not hasattr(param, "device_mesh")
+        return id(param) in self._root_params or not is_dtensor(param)
 
     def owner_refs(self, param: nn.Parameter) -> OwnerRefs:
         """Weak ``(module, name)`` pairs that registered ``param`` when it was sharded, or since."""

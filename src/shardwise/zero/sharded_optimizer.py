@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import collectives
+from shardwise.comm.group_type import Group
 from shardwise.comm.init import group_source_rank
 from shardwise.optim.clipping import squared_norm
 from shardwise.optim.exchanging import GradientExchangingOptimizer
@@ -76,8 +77,8 @@ class ZeroPolicy:
     post_divisor: float
     check_overflow: bool
     gradient_clipping: float
-    process_group: Any = None
-    mp_group: Any = None
+    process_group: Group = None
+    mp_group: Group = None
     mp_rank: int = 0
     publish: PublishPolicy = field(default_factory=PublishPolicy)
     all_reduce_gradients: bool = False  # reduce_scatter: false (stages 1-2): all-reduce, then slice
@@ -107,10 +108,26 @@ class ZeroOptimizer(ZeroStrategy):
             "" if self.gradient_sync_toggle else sharded_gradients_refusal(policy.stage)
         )
         self.overflow = False  # the last boundary step was skipped (DeepSpeed's name)
-        shard = policy.stage >= 1
         self.groups: list[FlatGroup] = []
         self.group_index: list[int] = []  # flat group -> user param group
         self.tp_flags: list[bool] = []
+        self.optimizer = optimizer_factory(self._build_flat_groups(param_groups))
+        self.reducer = self._build_reducer()
+        self.exchanging: GradientExchangingOptimizer | None = (
+            self.optimizer if isinstance(self.optimizer, GradientExchangingOptimizer) else None
+        )
+        if self.exchanging is not None:
+            self.exchanging.attach_process_group(policy.process_group)
+        self._bind_master_grads()
+        log_transport(self.groups, policy.stage, policy.rank, policy.world_size)
+        register_owner(self, [p for flat in self.groups for p in flat.params])
+        self.gathers = self._pending_gathers(module)
+
+    # ------------------------------------------------------------------ construction steps
+    def _build_flat_groups(self, param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One :class:`FlatGroup` per user group and parameter kind (device, dtype, tensor
+        parallel); returns the inner optimizer's groups over their masters."""
+        policy = self.policy
         inner_groups: list[dict[str, Any]] = []
         shared = open_for_groups(
             param_groups, policy.process_group, policy.world_size, policy.stage, policy.rank
@@ -125,7 +142,7 @@ class ZeroOptimizer(ZeroStrategy):
                     rank=policy.rank,
                     world_size=policy.world_size,
                     bucket_numel=policy.bucket_numel,
-                    shard=shard,
+                    shard=policy.stage >= 1,
                     full_grad_buffer=policy.stage < 2,
                     grad_dtype=policy.grad_dtype,
                     shared=shared if key[1].type == "cpu" else None,
@@ -136,12 +153,16 @@ class ZeroOptimizer(ZeroStrategy):
                 self.tp_flags.append(key[2])
                 masters.extend(flat.master_params())
             inner_groups.append({"params": masters, **hyper})
-        self.optimizer = optimizer_factory(inner_groups)
+        return inner_groups
+
+    def _build_reducer(self) -> GradientReducer:
+        """The gradient reducer for the stage's layout: whole buffers (0-1) or shard accumulators (2)."""
+        policy = self.policy
         reducer_class = FullBufferReducer if policy.stage < 2 else ShardAccumulatorReducer
-        self.reducer: GradientReducer = reducer_class(
+        return reducer_class(
             self.groups,
             ReducePolicy(
-                shard=shard,
+                shard=policy.stage >= 1,
                 every_micro_step=policy.stage >= 2,
                 overlap=policy.overlap_comm,
                 comm_dtype=policy.comm_dtype,
@@ -150,34 +171,31 @@ class ZeroOptimizer(ZeroStrategy):
             ),
             policy.process_group,
         )
-        self.exchanging: GradientExchangingOptimizer | None = (
-            self.optimizer if isinstance(self.optimizer, GradientExchangingOptimizer) else None
-        )
-        if self.exchanging is not None:
-            self.exchanging.attach_process_group(policy.process_group)
-        self._bind_master_grads()
-        log_transport(self.groups, policy.stage, policy.rank, policy.world_size)
-        register_owner(self, [p for flat in self.groups for p in flat.params])
-        self.gathers: PendingGathers | None = None  # post-step gathers left in flight (overlap_comm)
-        # (with the parameter buffers in shared memory the gather is a copy done inside the step:
-        # nothing to leave in flight)
+
+    def _pending_gathers(self, module: nn.Module | None) -> PendingGathers | None:
+        """``overlap_comm`` at stages 1-2: the post-step all-gathers left in flight behind the next
+        forward (hooks on ``module`` wait for them); None when the gather finishes inside the step
+        (one rank, no module, or parameter buffers in shared memory: the gather is a copy)."""
+        policy = self.policy
         in_flight = not all(flat.shared_params is not None for flat in self.groups)
-        if (
+        if not (
             policy.overlap_comm
             and policy.stage in (1, 2)
             and policy.world_size > 1
             and module is not None
             and in_flight
         ):
-            self.gathers = PendingGathers(self.groups)
-            self.gathers.attach(module)
-            if policy.rank == 0:
-                logger.info(
-                    "zero_optimization.overlap_comm at stage %d: the post-step all-gather runs behind the "
-                    "next forward; code that reads parameter tensors directly between engine.step() and "
-                    "the next forward must call engine.optimizer.wait_for_parameters() first",
-                    policy.stage,
-                )
+            return None
+        gathers = PendingGathers(self.groups)
+        gathers.attach(module)
+        if policy.rank == 0:
+            logger.info(
+                "zero_optimization.overlap_comm at stage %d: the post-step all-gather runs behind the "
+                "next forward; code that reads parameter tensors directly between engine.step() and "
+                "the next forward must call engine.optimizer.wait_for_parameters() first",
+                policy.stage,
+            )
+        return gathers
 
     def wait_for_parameters(self) -> None:
         """Complete the post-step all-gathers still in flight (``overlap_comm``), so every rank's

@@ -46,6 +46,8 @@ import torch
 from torch import nn
 
 from shardwise.comm import collectives
+from shardwise.comm.fsdp_internals import is_dtensor, local_tensor
+from shardwise.comm.group_type import Group
 from shardwise.comm.init import group_source_rank
 from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
 from shardwise.utils.logging import logger
@@ -82,7 +84,7 @@ class Stage3Policy:
     post_divisor: float
     check_overflow: bool
     gradient_clipping: float
-    process_group: Any = None
+    process_group: Group = None
     comm_dtype: torch.dtype | None = None
     reduce_bucket_numel: int = 500_000_000
     optimizer_offload: OffloadSpec | None = None
@@ -93,9 +95,38 @@ class Stage3Policy:
     sub_group_size: int = 1_000_000_000  # elements per optimizer step call (no offload store)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The plain local tensor of a DTensor (or the tensor itself)."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+@dataclass(frozen=True)
+class UnitHooks:
+    """The custom collectives FSDP2 runs for every unit (None: FSDP2's own)."""
+
+    reduce_scatter: Any = None
+    all_gather: Any = None
+
+
+def choose_unit_hooks(record: ShardedModel, policy: Stage3Policy) -> UnitHooks:
+    """Stage 3's FSDP2 collective hooks, chosen in one place.
+
+    Reduce-scatter: ZeRO++ qgZ when ``zero_quantized_gradients``; else, for fp32 reduction on CPU,
+    the shared-memory transport when all ranks share a host (:func:`open_unit_comms`), else the
+    deferred asynchronous one (not with NVMe parameters: it holds every unit's full gradients
+    until backward ends); else FSDP2's. All-gather: qwZ when ``zero_quantized_weights``, else the
+    shared-memory one when it is open, else the logged plain one (or FSDP2's).
+    """
+    cpu_fp32 = record.policy.device.type == "cpu" and record.policy.reduce_dtype == torch.float32
+    shared = None  # ranks on one host: FSDP2's collectives through shared memory
+    if cpu_fp32 and not policy.quantized_gradients and policy.world_size > 1:
+        shared = open_unit_comms(record.fsdp_modules(), policy.rank)
+    reduce_scatter: Any = None
+    if policy.quantized_gradients:
+        reduce_scatter = QuantizedReduceScatter()
+    elif shared is not None:
+        reduce_scatter = shared[1]
+    elif cpu_fp32 and record.swapper is None:
+        reduce_scatter = DeferredReduceScatter()
+    gather: Any = all_gather_hook(policy.quantized_weights)  # qwZ, or a logged plain one, or FSDP2's own
+    if shared is not None and not policy.quantized_weights:
+        gather = shared[0]
+    return UnitHooks(reduce_scatter, gather)
 
 
 class Stage3Optimizer(ZeroStrategy):
@@ -127,6 +158,34 @@ class Stage3Optimizer(ZeroStrategy):
         self.overflow = False  # the last boundary step was skipped (DeepSpeed's name)
         self.sharded: list[nn.Parameter] = []  # trainable sharded params, optimizer order
         self.masters: list[torch.Tensor] = []  # their local fp32 shards (views)
+        group_members, replicated_params = self._sort_parameters(param_groups)
+        self.replicated = ReplicatedParams(
+            replicated_params,
+            policy.process_group,
+            policy.world_size,
+            policy.reduce_bucket_numel,
+            policy.comm_dtype,
+        )
+        self._build_inner_optimizer(self._inner_groups(param_groups, group_members), optimizer_factory)
+        # every trainable sharded parameter's accumulated gradient (local fp32 shard); the
+        # optimizer's masters take theirs from here
+        self._trainable = [p for p in record.sharded if p.requires_grad]
+        self._acc: dict[int, torch.Tensor] = {}
+        self._arrived: set[int] = set()  # id of each sharded parameter a gradient reached this window
+        self._deferred = self._install_unit_hooks()
+        self._kept_units = [u for u, r in zip(record.units, record.reshard) if r is False] + [record.module]
+        self._resharding_after_backward = True
+        record.replicated_listener = self._on_replicated_edit
+        self._grads_ready = False  # a backward reduced gradients that no step or zero_grad dropped yet
+        register_owner(self, [*self.sharded, *self.replicated.params])
+
+    # ------------------------------------------------------------------ construction steps
+    def _sort_parameters(
+        self, param_groups: Sequence[dict[str, Any]]
+    ) -> tuple[list[list[tuple[str, nn.Parameter]]], list[nn.Parameter]]:
+        """Per user group, its trainable parameters as ``(kind, current parameter)`` (``kind``:
+        sharded or replicated; each parameter once), and the replicated ones in order."""
+        record = self.record
         replicated_params: list[nn.Parameter] = []
         seen: set[int] = set()
         known = {id(p) for p in record.sharded} | {id(p) for p in record.replicated}
@@ -143,25 +202,25 @@ class Stage3Optimizer(ZeroStrategy):
                 if not current.requires_grad or id(current) in seen:
                     continue
                 seen.add(id(current))
-                kind = "sharded" if hasattr(current, "device_mesh") else "replicated"
+                kind = "sharded" if is_dtensor(current) else "replicated"
                 members.append((kind, current))
                 if kind == "replicated":
                     replicated_params.append(current)
             group_members.append(members)
-        self.replicated = ReplicatedParams(
-            replicated_params,
-            policy.process_group,
-            policy.world_size,
-            policy.reduce_bucket_numel,
-            policy.comm_dtype,
-        )
+        return group_members, replicated_params
+
+    def _inner_groups(
+        self, param_groups: Sequence[dict[str, Any]], group_members: list[list[tuple[str, nn.Parameter]]]
+    ) -> list[dict[str, Any]]:
+        """The inner optimizer's groups: the user's hyperparameters over plain fp32 tensors (a sharded
+        parameter's local shard, the replicated ones' masters); fills ``sharded``/``masters``."""
         inner_groups: list[dict[str, Any]] = []
         for group, members in zip(param_groups, group_members):
             hyper = {k: v for k, v in group.items() if k != "params"}
             tensors = []
             for kind, param in members:
                 if kind == "sharded":
-                    master = _local(param).detach()
+                    master = local_tensor(param).detach()
                     self.sharded.append(param)
                     self.masters.append(master)
                     tensors.append(master)
@@ -170,55 +229,38 @@ class Stage3Optimizer(ZeroStrategy):
                     assert found is not None, "a replicated parameter lost its master"
                     tensors.append(found)
             inner_groups.append({**hyper, "params": tensors})
+        return inner_groups
+
+    def _build_inner_optimizer(self, inner_groups: list[dict[str, Any]], factory: OptimizerFactory) -> None:
+        """The inner optimizer, behind an offload store when ``offload_optimizer`` asks for one;
+        with NVMe parameters and NVMe state, masters are swapped in next to their state."""
         self.store: OffloadStore | None = None
-        spec = policy.optimizer_offload
+        spec = self.policy.optimizer_offload
         if spec is not None and not (spec.masters_on_host and spec.device == "cpu"):
-            self.store = OffloadStore(inner_groups, spec, rank=policy.rank)
+            self.store = OffloadStore(inner_groups, spec, rank=self.policy.rank)
             self.optimizer: torch.optim.Optimizer = OffloadedOptimizer(
-                optimizer_factory(self.store.host_groups), self.store
+                factory(self.store.host_groups), self.store
             )
         else:
-            self.optimizer = optimizer_factory(inner_groups)
-        self.sub_group_size = self._sub_group_size(policy.sub_group_size)
+            self.optimizer = factory(inner_groups)
+        self.sub_group_size = self._sub_group_size(self.policy.sub_group_size)
         # NVMe parameters with NVMe optimizer state: the step brings masters in a sub-group at a
         # time next to their state, instead of the whole model (a model larger than memory)
         self._swapped_masters: SwappedMasters | None = None
-        if record.swapper is not None and self.store is not None and self.store.is_nvme:
-            self._swapped_masters = SwappedMasters(record.swapper, self.store.device_tensors)
+        if self.record.swapper is not None and self.store is not None and self.store.is_nvme:
+            self._swapped_masters = SwappedMasters(self.record.swapper, self.store.device_tensors)
             self.store.companion = self._swapped_masters
-        # every trainable sharded parameter's accumulated gradient (local fp32 shard); the
-        # optimizer's masters take theirs from here
-        self._trainable = [p for p in record.sharded if p.requires_grad]
-        self._acc: dict[int, torch.Tensor] = {}
-        self._arrived: set[int] = set()  # id of each sharded parameter a gradient reached this window
-        self._deferred: DeferredReduceScatter | None = None
-        cpu_fp32 = record.policy.device.type == "cpu" and record.policy.reduce_dtype == torch.float32
-        shared = None  # ranks on one host: FSDP2's collectives through shared memory
-        if cpu_fp32 and not policy.quantized_gradients and policy.world_size > 1:
-            shared = open_unit_comms(record.fsdp_modules(), policy.rank)
-        if policy.quantized_gradients:
-            for module in record.fsdp_modules():
-                module.set_custom_reduce_scatter(QuantizedReduceScatter())  # type: ignore[operator]
-        elif shared is not None:
-            for module in record.fsdp_modules():
-                module.set_custom_reduce_scatter(shared[1])  # type: ignore[operator]
-        elif (
-            cpu_fp32 and record.swapper is None
-        ):  # deferring holds every unit's full gradients until backward ends
-            self._deferred = DeferredReduceScatter()
-            for module in record.fsdp_modules():
-                module.set_custom_reduce_scatter(self._deferred)  # type: ignore[operator]
-        gather: Any = all_gather_hook(policy.quantized_weights)  # qwZ, or a logged plain one, or FSDP2's own
-        if shared is not None and not policy.quantized_weights:
-            gather = shared[0]
-        if gather is not None:
-            for module in record.fsdp_modules():
-                module.set_custom_all_gather(gather)  # type: ignore[operator]
-        self._kept_units = [u for u, r in zip(record.units, record.reshard) if r is False] + [record.module]
-        self._resharding_after_backward = True
-        record.replicated_listener = self._on_replicated_edit
-        self._grads_ready = False  # a backward reduced gradients that no step or zero_grad dropped yet
-        register_owner(self, [*self.sharded, *self.replicated.params])
+
+    def _install_unit_hooks(self) -> DeferredReduceScatter | None:
+        """Give every unit the collectives :func:`choose_unit_hooks` picks; returns the deferred
+        reduce-scatter when that is the one (the step waits for it)."""
+        hooks = choose_unit_hooks(self.record, self.policy)
+        for module in self.record.fsdp_modules():
+            if hooks.reduce_scatter is not None:
+                module.set_custom_reduce_scatter(hooks.reduce_scatter)  # type: ignore[operator]
+            if hooks.all_gather is not None:
+                module.set_custom_all_gather(hooks.all_gather)  # type: ignore[operator]
+        return hooks.reduce_scatter if isinstance(hooks.reduce_scatter, DeferredReduceScatter) else None
 
     def _sub_group_size(self, requested: int) -> int | None:
         """Elements per step call without an offload store (which splits its own steps); None:
@@ -267,7 +309,7 @@ class Stage3Optimizer(ZeroStrategy):
     def _rebind_masters(self) -> None:
         """Follow FSDP2 if it replaced a shard's storage (``module.to``, ``load_state_dict(assign=True)``)."""
         for param, master in zip(self.sharded, self.masters):
-            local = _local(param)
+            local = local_tensor(param)
             if (
                 local.untyped_storage().data_ptr() != master.untyped_storage().data_ptr()
                 or local.shape != master.shape
@@ -308,7 +350,7 @@ class Stage3Optimizer(ZeroStrategy):
             grad = param.grad
             if grad is None:
                 continue
-            local = _local(grad)
+            local = local_tensor(grad)
             self._arrived.add(id(param))
             previous = self._acc.get(id(param))
             self._acc[id(param)] = local if previous is None else previous.add_(local)

@@ -7,11 +7,8 @@ from typing import Any
 
 import torch
 
+from shardwise.comm.fsdp_internals import local_tensor
 from shardwise.zero.offload import OffloadedOptimizer
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def breakdown(opt: Any) -> dict[str, int]:
@@ -34,7 +31,7 @@ def breakdown(opt: Any) -> dict[str, int]:
     swapper = opt.record.swapper
     for param in opt.record.sharded:
         mapped = swapper is not None and swapper.is_mapped(param)  # in the swap file: not held
-        nbytes = 0 if mapped else size(_local(param))
+        nbytes = 0 if mapped else size(local_tensor(param))
         grad = opt._acc.get(id(param))
         gbytes = size(grad)
         if params_away:

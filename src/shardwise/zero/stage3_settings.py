@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shardwise.config.sections.zero import ZeroConfig
+
 # Leaf modules outside repeated blocks become their own shard unit from this many elements
 # on: below it, one more collective per step costs more than holding the weights does.
 LEAF_UNIT_MIN_NUMEL = 1 << 20
@@ -198,7 +200,7 @@ class Stage3Settings:
     leaf_unit_min_numel: int = LEAF_UNIT_MIN_NUMEL
 
 
-def settings_from_zero(zero: Any) -> Stage3Settings:
+def settings_from_zero(zero: ZeroConfig) -> Stage3Settings:
     """:class:`Stage3Settings` from a validated ``zero_optimization`` section.
 
     Example:

@@ -3,7 +3,8 @@
 Stages 0-2 keep their flat buffers in shared memory (:mod:`shardwise.zero.shared_buffers`).
 Stage 3's buffers belong to FSDP2, which allocates them per unit and per collective, so here
 the collectives themselves are replaced through FSDP2's hooks (``set_custom_all_gather`` and
-``set_custom_reduce_scatter``), with a small staging buffer per rank in ``/dev/shm``:
+``set_custom_reduce_scatter``), with a small staging buffer per rank in shared memory
+(:mod:`shardwise.comm.host_transport` opens it):
 
 * all-gather: each rank stages its shard of the unit (one copy of ``1/world`` of the unit),
   then copies the other ranks' shards out of their staging buffers; gloo would have sent the
@@ -31,24 +32,27 @@ import torch
 
 from shardwise import comm
 from shardwise.comm import collectives
+from shardwise.comm.fsdp_internals import unit_padded_shard_numel, unit_shard_groups
+from shardwise.comm.group_type import Group
+from shardwise.comm.host_transport import open_host_transport, report_gloo, report_shared
 from shardwise.comm.quantized_collectives import FsdpHook, LoggedAllGather
-from shardwise.comm.shared_memory import ENV_SWITCH, SHM_DIR, SharedBuffers, open_shared_memory
-from shardwise.utils.logging import logger
+from shardwise.comm.shared_memory import SharedBuffers
 
 __all__ = ["SharedAllGather", "SharedReduceScatter", "open_unit_comms"]
 
 _STAGING_ITEMSIZE = 4  # fp32 and narrower dtypes fit
+_LABEL = "ZeRO stage 3"
 
 
 class SharedAllGather(FsdpHook):
     """FSDP2 all-gather hook through :meth:`SharedBuffers.gather_shards` (gloo outside its group)."""
 
-    def __init__(self, buffers: SharedBuffers, group: Any, capacity: int) -> None:
+    def __init__(self, buffers: SharedBuffers, group: Group, capacity: int) -> None:
         self.buffers, self.group, self.capacity = buffers, group, capacity
         self._fallback = LoggedAllGather()
 
     def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group, async_op: bool = False
     ) -> None:
         if group is not self.group or input_tensor.numel() * input_tensor.element_size() > self.capacity:
             self._fallback(output_tensor, input_tensor, group, async_op)
@@ -63,7 +67,7 @@ class SharedReduceScatter(FsdpHook):
     shard; the first allocation after each reduction that fits is the staging buffer itself.
     """
 
-    def __init__(self, buffers: SharedBuffers, group: Any, capacity: int) -> None:
+    def __init__(self, buffers: SharedBuffers, group: Group, capacity: int) -> None:
         self.buffers, self.group, self.capacity = buffers, group, capacity
         self._input_next = True
 
@@ -78,7 +82,7 @@ class SharedReduceScatter(FsdpHook):
         self,
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
-        group: Any,
+        group: Group,
         op: Any,
         async_op: bool = False,
     ) -> None:
@@ -103,8 +107,7 @@ def _largest_unit_shard(fsdp_modules: Sequence[Any]) -> int:
     """Elements in the largest unit's padded shard (what one rank contributes to its all-gather)."""
     largest = 0
     for module in fsdp_modules:
-        for param_group in module._get_fsdp_state()._fsdp_param_groups:
-            numel = sum(p.padded_sharded_param_size.numel() for p in param_group.fsdp_params)
+        for numel in unit_padded_shard_numel(module):
             largest = max(largest, numel)
     return largest
 
@@ -112,9 +115,7 @@ def _largest_unit_shard(fsdp_modules: Sequence[Any]) -> int:
 def _unit_group(fsdp_modules: Sequence[Any]) -> Any:
     """The process group FSDP2 gathers and reduces the units over (one for all units), or None."""
     groups = {
-        id(pg.mesh_info.shard_process_group): pg.mesh_info.shard_process_group
-        for module in fsdp_modules
-        for pg in module._get_fsdp_state()._fsdp_param_groups
+        id(group): group for module in fsdp_modules for group in unit_shard_groups(module)
     }
     return next(iter(groups.values())) if len(groups) == 1 else None
 
@@ -123,42 +124,26 @@ def open_unit_comms(
     fsdp_modules: Sequence[Any], rank: int
 ) -> tuple[SharedAllGather, SharedReduceScatter] | None:
     """The two hooks when every rank of the units' group runs on this host over gloo on CPU;
-    None otherwise (saying why on rank 0 where it is a rank's failure). Collective."""
+    None otherwise (``comm.host_transport`` says why on rank 0). Collective."""
     group = _unit_group(fsdp_modules)
     if group is None:
         return None
-    opened = open_shared_memory(group, torch.device("cpu"))
-    reason = opened if isinstance(opened, str) else ""
-    if not reason:
-        assert not isinstance(opened, str)
-        shard_bytes = _largest_unit_shard(fsdp_modules) * _STAGING_ITEMSIZE
-        world = comm.get_world_size(group)
-        gather = opened.allocate(shard_bytes, torch.uint8)
-        reduce = opened.allocate(shard_bytes * world, torch.uint8) if not isinstance(gather, str) else gather
-        if isinstance(reduce, str):
-            reason = reduce
-        else:
-            assert not isinstance(gather, str)
-            if rank == 0:
-                logger.info(
-                    "ZeRO stage 3: the %d ranks share this host: FSDP2's all-gathers and reduce-scatters go "
-                    "through shared memory (%.1f MiB of staging per rank; %s=0: through gloo)",
-                    world,
-                    shard_bytes * (world + 1) / 2**20,
-                    ENV_SWITCH,
-                )
-            return SharedAllGather(gather, group, shard_bytes), SharedReduceScatter(
-                reduce, group, shard_bytes * world
-            )
-    if rank == 0 and not (reason.startswith("rank ") and "could not" in reason):
-        if not reason.endswith(f"{ENV_SWITCH}=0"):
-            logger.info("ZeRO stage 3: collectives through gloo, not shared memory: %s", reason)
-    elif rank == 0:
-        logger.warning(
-            "ZeRO stage 3: FSDP2's collectives travel through gloo, not shared memory, because %s; give %s more "
-            "room (docker: --shm-size) or set %s=0 to choose gloo and silence this",
-            reason,
-            SHM_DIR,
-            ENV_SWITCH,
-        )
-    return None
+    world = comm.get_world_size(group)
+    opened = open_host_transport(group, torch.device("cpu"), label=_LABEL, rank=rank, world_size=world)
+    if opened is None:
+        return None
+    shard_bytes = _largest_unit_shard(fsdp_modules) * _STAGING_ITEMSIZE
+    gather = opened.allocate(shard_bytes, torch.uint8)
+    reduce = opened.allocate(shard_bytes * world, torch.uint8) if not isinstance(gather, str) else gather
+    if isinstance(reduce, str):
+        report_gloo(_LABEL, "FSDP2's collectives", reduce, rank)
+        return None
+    assert not isinstance(gather, str)
+    report_shared(
+        _LABEL,
+        world,
+        "FSDP2's all-gathers and reduce-scatters go",
+        rank,
+        extra=f"{shard_bytes * (world + 1) / 2**20:.1f} MiB of staging per rank; ",
+    )
+    return SharedAllGather(gather, group, shard_bytes), SharedReduceScatter(reduce, group, shard_bytes * world)

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from shardwise.comm.group_type import Group
+
 
 class Holding(enum.Enum):
     """How the optimizer's tensors hold a parameter's values (see the module docstring)."""
@@ -126,7 +128,7 @@ class StateLayout:
     params_from_masters: Callable[[], None]
     masters_from_params: Callable[[], None]
     device: torch.device
-    process_group: Any = None
+    process_group: Group = None
     partitioned: bool = False
     rank_state: Any = None
 
@@ -150,7 +152,7 @@ class GradientLayout:
 
     places: tuple[ParamPlace, ...]
     mean_divisor: float
-    process_group: Any = None
+    process_group: Group = None
     partitioned: bool = False
     unavailable: str = ""
 

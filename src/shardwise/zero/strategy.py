@@ -19,7 +19,7 @@ A micro step, as the engine drives it::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from shardwise.zero.state_layout import GradientLayout, StateLayout
 
@@ -47,8 +47,12 @@ class StepResult:
     overflow: bool
 
 
+@runtime_checkable
 class ZeroStrategy(Protocol):
     """What the engine needs from a ZeRO stage (implemented by every stage's optimizer).
+
+    Runtime-checkable: ``isinstance(x, ZeroStrategy)`` is how ``checkpoint/`` tells a strategy
+    (which describes its own state) from a plain torch optimizer.
 
     Attributes:
         optimizer: the inner torch optimizer (stepping this rank's fp32 masters/shards).

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from shardwise.comm.fsdp_internals import is_fully_shard_class
+
 
 @dataclass(frozen=True)
 class ModuleNode:
@@ -218,10 +220,7 @@ def _class_path(module: nn.Module) -> str:
     cls = type(module)
     # fully_shard swaps the class for an FSDP subclass; describe the user's class
     for base in cls.__mro__:
-        if (
-            not base.__name__.startswith("FSDP")
-            and base.__module__ != "torch.distributed.fsdp._fully_shard._fully_shard"
-        ):
+        if not is_fully_shard_class(base):
             cls = base
             break
     return f"{cls.__module__}.{cls.__qualname__}"

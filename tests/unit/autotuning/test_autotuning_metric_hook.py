@@ -19,7 +19,7 @@ def _config(block: dict, micro: int = 2):
 def test_metric_mode_measures_between_start_and_end_then_exits(tmp_path: Path) -> None:
     path = tmp_path / "m" / "metrics.json"
     block = {"enabled": True, "metric_path": str(path), "start_profile_step": 2, "end_profile_step": 4}
-    hook = build_autotuning_hook(_config(block), torch.nn.Linear(2, 2), rank=0)
+    hook = build_autotuning_hook(_config(block).autotuning, torch.nn.Linear(2, 2), rank=0, micro_batch=2)
     assert hook is not None
     exits: list[int] = []
     hook.exit_run = lambda: exits.append(1)
@@ -44,7 +44,7 @@ def test_other_ranks_exit_without_writing_and_flops_are_counted(tmp_path: Path) 
     }
     model = torch.nn.Linear(4, 3)
     for rank in (1, 0):
-        hook = build_autotuning_hook(_config(block), model, rank=rank)
+        hook = build_autotuning_hook(_config(block).autotuning, model, rank=rank, micro_batch=2)
         assert hook is not None
         hook.exit_run = lambda: None
         hook.after_optimizer_step(StepOutcome(0, 0, True, 1.0))
@@ -59,7 +59,7 @@ def test_profile_mode_counts_parameters_and_saved_activations(tmp_path: Path) ->
     path = tmp_path / "info.json"
     block = {"enabled": True, "model_info": {"profile": True}, "model_info_path": str(path)}
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
-    hook = build_autotuning_hook(_config(block, micro=2), model, rank=0)
+    hook = build_autotuning_hook(_config(block, micro=2).autotuning, model, rank=0, micro_batch=2)
     assert hook is not None
     hook.exit_run = lambda: None
     model(torch.randn(2, 8)).sum().backward()
@@ -77,5 +77,15 @@ def test_profile_mode_counts_parameters_and_saved_activations(tmp_path: Path) ->
 
 
 def test_no_hook_without_a_destination() -> None:
-    assert build_autotuning_hook(_config({"enabled": True}), torch.nn.Linear(2, 2), rank=0) is None
-    assert build_autotuning_hook(_config({"metric_path": "x"}), torch.nn.Linear(2, 2), rank=0) is None
+    assert (
+        build_autotuning_hook(
+            _config({"enabled": True}).autotuning, torch.nn.Linear(2, 2), rank=0, micro_batch=2
+        )
+        is None
+    )
+    assert (
+        build_autotuning_hook(
+            _config({"metric_path": "x"}).autotuning, torch.nn.Linear(2, 2), rank=0, micro_batch=2
+        )
+        is None
+    )

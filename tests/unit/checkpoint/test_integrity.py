@@ -18,7 +18,9 @@ from shardwise.checkpoint.checkpointer import Checkpointer, CheckpointOptions, T
 from shardwise.checkpoint.export import checkpoint_info, export_checkpoint
 from shardwise.checkpoint.integrity import CheckpointIntegrityError
 from shardwise.checkpoint.param_state import ParamOptimizerState
+from shardwise.checkpoint.training_state import StatePart
 from shardwise.cli.main import main
+from shardwise.runtime.counters import EngineCounters
 from shardwise.utils.logging import get_logger
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_ckpt"
@@ -39,7 +41,8 @@ def _state(seed: int) -> TrainingState:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(3, 32)).sum().backward()
     opt.step()
-    return TrainingState(module=model, optimizer=ParamOptimizerState(opt), counters={"global_steps": seed})
+    parts = {"counters": StatePart(EngineCounters(global_steps=seed))}
+    return TrainingState(module=model, optimizer=ParamOptimizerState(opt), parts=parts)
 
 
 def _save(root: Path, tags: tuple[str, ...] = ("good", "bad")) -> Checkpointer:

@@ -20,6 +20,7 @@ from shardwise.checkpoint.engine_io import optimizer_state
 from shardwise.checkpoint.optimizer_state import OptimizerState, install_optimizer_state
 from shardwise.checkpoint.param_state import ParamOptimizerState
 from shardwise.zero.state_layout import FlatPiece, Holding, ParamPlace, StateLayout
+from shardwise.zero.strategy import ZeroStrategy
 
 
 def _model(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -179,7 +180,7 @@ def test_engine_optimizers_get_their_adapter_from_their_description():
     model = _model(0)
     described = _flat_layout(model, cuts=[4], lr=0.1)
 
-    class Strategy:
+    class Strategy(ZeroStrategy):  # only what a checkpoint asks of it
         def state_layout(self) -> StateLayout:
             return described
 

@@ -22,9 +22,9 @@ CFG = {
 
 
 def test_the_hook_follows_the_global_step_and_only_exists_for_a_prepared_model():
-    assert build_compression_hook(None, nn.Linear(4, 4)) is None
+    assert build_compression_hook(nn.Linear(4, 4)) is None
     model = init_compression(nn.Sequential(nn.Linear(4, 4)), CFG)
-    hook = build_compression_hook(None, model)  # prepared by the script: the config need not repeat it
+    hook = build_compression_hook(model)  # prepared by the script: the config need not repeat it
     assert hook is not None and hook.name == "compression"
     technique = model[0].compression["weight_quantization"]
     assert not technique.active

@@ -22,7 +22,7 @@ def _config(**section: Any) -> Any:
         "schedule_type": "fixed_linear",
         "schedule_config": {"total_curriculum_step": 7, "difficulty_step": 8},
     }
-    return load_config({"train_batch_size": 2, "curriculum_learning": {**base, **section}}).config
+    return load_config({"train_batch_size": 2, "curriculum_learning": {**base, **section}}).config.curriculum_learning
 
 
 def test_training_forwards_get_the_difficulty_of_the_next_step() -> None:
@@ -40,7 +40,7 @@ def test_eval_forwards_get_nothing() -> None:
 
 
 def test_disabled_or_absent_builds_no_hook() -> None:
-    assert build_legacy_curriculum_hook(load_config({"train_batch_size": 2}).config) is None
+    assert build_legacy_curriculum_hook(load_config({"train_batch_size": 2}).config.curriculum_learning) is None
     assert build_legacy_curriculum_hook(_config(enabled=False)) is None
 
 

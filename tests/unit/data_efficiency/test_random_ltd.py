@@ -116,13 +116,18 @@ def _ltd_config(**section: Any) -> Any:
     return load_config(cfg).config
 
 
+def _hook(cfg: Any, model: Any) -> Any:
+    return build_random_ltd_hook(cfg.data_efficiency, model, global_batch_size=cfg.train_batch_size)
+
+
 def _converted(ids: list[int]) -> TinyGPT:
     return convert_to_random_ltd(TinyGPT(GPTConfig(n_layer=3, n_embd=16, n_head=2)), Block, ids)
 
 
 def test_the_hook_sets_the_scheduled_count_on_training_forwards() -> None:
     model = _converted([0, 2])
-    hook = build_random_ltd_hook(_ltd_config(), model)
+    cfg = _ltd_config()
+    hook = build_random_ltd_hook(cfg.data_efficiency, model, global_batch_size=cfg.train_batch_size)
     assert hook is not None
     counts = []
     for step in range(8):
@@ -146,14 +151,15 @@ def test_the_hook_sets_the_scheduled_count_on_training_forwards() -> None:
 )
 def test_inconsistent_sections_name_the_key(section: dict, ids: list[int], key: str) -> None:
     with pytest.raises(ConfigError) as info:
-        build_random_ltd_hook(_ltd_config(**section), _converted(ids))
+        cfg = _ltd_config(**section)
+        build_random_ltd_hook(cfg.data_efficiency, _converted(ids), global_batch_size=cfg.train_batch_size)
     assert info.value.key == f"data_efficiency.data_routing.random_ltd.{key}" and info.value.fix
 
 
 def _hooked(ids: list[int] | None, config_ids: list[int]) -> tuple[TinyGPT, Any]:
     model = convert_to_random_ltd(TinyGPT(GPTConfig(n_layer=3, n_embd=16, n_head=2)), Block, ids)
     section = {"random_ltd_layer_id": config_ids, "random_ltd_layer_num": len(config_ids)}
-    return model, build_random_ltd_hook(_ltd_config(**section), model)
+    return model, _hook(_ltd_config(**section), model)
 
 
 def test_random_ltd_layer_id_picks_the_layers_that_drop_tokens_when_every_layer_is_wrapped() -> None:
@@ -206,11 +212,11 @@ def test_a_config_listing_other_layers_than_the_wrapped_ones_is_refused(
 def test_wrappers_without_a_layer_id_or_no_wrapper_at_all_are_refused() -> None:
     model = TinyGPT(GPTConfig(n_layer=3, n_embd=16, n_head=2))
     with pytest.raises(ConfigError, match="no RandomLTDLayer wrapper") as info:
-        build_random_ltd_hook(_ltd_config(), model)
+        _hook(_ltd_config(), model)
     assert "convert_to_random_ltd" in info.value.fix
     model.blocks[0] = RandomLTDLayer(model.blocks[0])
     model.blocks[2] = RandomLTDLayer(model.blocks[2])
     with pytest.raises(ConfigError, match="carry no layer_id"):
-        build_random_ltd_hook(_ltd_config(), model)
+        _hook(_ltd_config(), model)
     model.blocks[0].layer_id, model.blocks[2].layer_id = 0, 2
-    assert build_random_ltd_hook(_ltd_config(), model) is not None
+    assert _hook(_ltd_config(), model) is not None

@@ -19,7 +19,7 @@ from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
 
 
 def _config(**section: Any) -> Any:
-    return load_config({"train_batch_size": 2, "progressive_layer_drop": {"enabled": True, **section}}).config
+    return load_config({"train_batch_size": 2, "progressive_layer_drop": {"enabled": True, **section}}).config.progressive_layer_drop
 
 
 def _forward(x: Any, progressive_layer_drop: bool = False, pld_theta: float = 1.0) -> Any:
@@ -51,7 +51,7 @@ def test_the_hook_updates_after_each_step_from_the_step_count_before_it() -> Non
 
 
 def test_disabled_or_absent_section_builds_no_hook() -> None:
-    assert build_progressive_layer_drop_hook(load_config({"train_batch_size": 2}).config, _forward) is None
+    assert build_progressive_layer_drop_hook(load_config({"train_batch_size": 2}).config.progressive_layer_drop, _forward) is None
     assert build_progressive_layer_drop_hook(_config(enabled=False), _forward) is None
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import torch
@@ -12,14 +11,15 @@ from shardwise.zero.offload import OffloadSpec
 from shardwise.zero.param_swap import ParamSwapper, SwappedMasters
 
 
-def _param(values: torch.Tensor) -> types.SimpleNamespace:
-    """What the swapper reads from a sharded parameter: its local tensor."""
-    return types.SimpleNamespace(_local_tensor=values)
+def _param(values: torch.Tensor) -> torch.Tensor:
+    """What the swapper reads from a sharded parameter is its local tensor
+    (``comm.fsdp_internals.local_tensor``), which for a plain tensor is the tensor itself."""
+    return values
 
 
 def _swapper(tmp_path: Path, *tensors: torch.Tensor) -> ParamSwapper:
     spec = OffloadSpec(device="nvme", nvme_path=tmp_path, buffer_count=2)
-    return ParamSwapper(spec, rank=0, params=[_param(t) for t in tensors])  # type: ignore[list-item]
+    return ParamSwapper(spec, rank=0, params=[_param(t) for t in tensors])  # type: ignore[arg-type]
 
 
 def test_evict_maps_the_file_and_restore_reads_it_back(tmp_path):

@@ -10,18 +10,18 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
-from typing import Any
 
 from shardwise.comm.diagnostics import responder
 from shardwise.comm.diagnostics.diagnose import install
 from shardwise.comm.diagnostics.flight_recorder import read_flight_record, summarize_flight_record
 from shardwise.comm.diagnostics.report import not_arrived_error
 from shardwise.comm.diagnostics.status import why_cannot_arrive
+from shardwise.comm.group_type import Group
 
 __all__ = ["check_all_ranks_arrive"]
 
 
-def _group_ranks(group: Any) -> tuple[list[int], str]:
+def _group_ranks(group: Group) -> tuple[list[int], str]:
     import torch.distributed as dist
 
     if group is None:
@@ -31,7 +31,7 @@ def _group_ranks(group: Any) -> tuple[list[int], str]:
     return ranks, "g" + "-".join(str(r) for r in ranks)
 
 
-def check_all_ranks_arrive(op_name: str, timeout: timedelta | float | None = None, group: Any = None) -> None:
+def check_all_ranks_arrive(op_name: str, timeout: timedelta | float | None = None, group: Group = None) -> None:
     """Wait until every rank of ``group`` reaches this point, or fail saying who did not and why.
 
     Every rank of the group must call it with the same ``op_name``, the same number of

@@ -17,6 +17,7 @@ from shardwise.comm.diagnostics.frames import (
     summarize_frames,
 )
 from shardwise.comm.diagnostics.report import RanksDidNotArriveError, format_hang_report
+from shardwise.comm.group_type import Group
 from shardwise.utils.logging import logger
 
 __all__ = ["diagnose_exception", "install"]
@@ -25,7 +26,7 @@ __all__ = ["diagnose_exception", "install"]
 _EVERY_RANK_DIAGNOSES = 16  # up to this world size every failing rank asks every rank
 
 
-def install(group: Any = None) -> bool:
+def install(group: Group = None) -> bool:
     """Start answering status requests for the default process group (idempotent).
 
     Called by ``init_distributed``. Returns False when the group's store is not reachable

@@ -22,6 +22,7 @@ from typing import Any
 
 from shardwise.comm.diagnostics.flight_recorder import read_flight_record, summarize_flight_record
 from shardwise.comm.diagnostics.frames import Frame, frames_from_frame, summarize_frames
+from shardwise.comm.group_type import Group
 from shardwise.utils.logging import logger
 
 __all__ = [
@@ -49,7 +50,7 @@ ANSWER_GRACE_S = 5.0
 class ResponderState:
     """What the installed diagnostics of this process hold."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, group: Any) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, group: Group) -> None:
         self.group = group  # the world group this state belongs to (a new group needs a new state)
         self.rank = rank
         self.world_size = world_size
@@ -167,7 +168,7 @@ def _excepthook(exc_type: Any, exc: BaseException, tb: Any) -> None:
     (_previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
 
 
-def install(diagnose: Callable[[BaseException], str | None], group: Any = None) -> bool:
+def install(diagnose: Callable[[BaseException], str | None], group: Group = None) -> bool:
     """Start answering status requests for the default process group (idempotent), and log
     ``diagnose(exc)`` for an exception nobody caught.
 

@@ -1,0 +1,122 @@
+"""The parallel degrees of one job, by named dimension (pure: no torch).
+
+Every kind of parallelism the engine knows is one named dimension of a single layout, the
+shape torchtitan gives its ``ParallelDims``:
+
+========================  ==========================================================
+``dp_replicate``          data parallel, parameters replicated (HSDP's outer dimension)
+``dp_shard``              data parallel, parameters sharded (ZeRO / FSDP2's dimension)
+``tp``                    tensor (model) parallel
+``pp``                    pipeline parallel
+``sp``                    sequence parallel (Ulysses)
+``ep``                    expert parallel (borrows its ranks from ``dp_shard x sp``)
+========================  ==========================================================
+
+``dp_replicate x dp_shard x tp x pp x sp`` is the world size. Today the data dimensions
+are the ones the engine drives; ``tp`` and ``sp`` describe what a user's ``mpu`` reports,
+``pp`` and ``ep`` are 1. The pipeline, tensor, sequence and expert features add their
+dimension here instead of making groups of their own.
+
+Example:
+    >>> dims = ParallelDims(dp_shard=4, world_size=4)
+    >>> dims.dp, dims.mesh_dims(), dims.dp_shard_runs(2)
+    (4, (('dp_shard', 4),), [[0, 1], [2, 3]])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MESH_ORDER", "ParallelDims"]
+
+# Outermost first, as torchtitan orders its mesh: ranks that differ only in ``tp`` are
+# neighbours (one node), ranks that differ in ``pp`` are furthest apart.
+MESH_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degree of every parallel dimension; their product (``ep`` aside) is the world.
+
+    Attributes:
+        dp_replicate: data-parallel replicas (parameters replicated across them).
+        dp_shard: data-parallel shards (ZeRO partitions parameters and state across them).
+        tp: tensor-parallel degree.
+        pp: pipeline-parallel degree.
+        sp: sequence-parallel degree.
+        ep: expert-parallel degree; divides ``dp_shard * sp`` (experts borrow those ranks).
+        world_size: number of ranks in the job.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    ep: int = 1
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "sp", "ep", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel degree {name}={value!r}: it must be an int >= 1")
+        product = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.sp
+        if product != self.world_size:
+            raise ValueError(
+                f"parallel degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
+                f"x pp={self.pp} x sp={self.sp} = {product}, but the world has {self.world_size} ranks: "
+                "the degrees must multiply to the world size"
+            )
+        if (self.dp_shard * self.sp) % self.ep:
+            raise ValueError(
+                f"expert-parallel degree ep={self.ep} must divide dp_shard x sp = {self.dp_shard * self.sp} "
+                "(experts are spread over the data/sequence-parallel ranks)"
+            )
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree: ``dp_replicate * dp_shard``."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard_degree(self) -> int:
+        """How many ranks ZeRO partitions over: ``dp_shard * sp`` (the sequence-data-parallel ranks)."""
+        return self.dp_shard * self.sp
+
+    def enabled(self, name: str) -> bool:
+        """Whether dimension ``name`` (one of :data:`MESH_ORDER` or ``"ep"``) has degree > 1."""
+        if name not in (*MESH_ORDER, "ep"):
+            raise ValueError(f"unknown parallel dimension {name!r}; known: {', '.join((*MESH_ORDER, 'ep'))}")
+        return int(getattr(self, name)) > 1
+
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        """The non-trivial mesh dimensions, outermost first (``dp_shard`` always present).
+
+        Example:
+            >>> ParallelDims(dp_shard=2, tp=2, world_size=4).mesh_dims()
+            (('dp_shard', 2), ('tp', 2))
+        """
+        return tuple(
+            (name, int(getattr(self, name)))
+            for name in MESH_ORDER
+            if name == "dp_shard" or int(getattr(self, name)) > 1
+        )
+
+    def dp_shard_runs(self, size: int) -> list[list[int]]:
+        """The ``dp_shard`` ranks cut into runs of ``size`` consecutive ranks (hpZ's secondary groups).
+
+        This is the ``dp_shard`` dimension viewed as ``(dp_shard / size, size)``, the layout
+        FSDP2 reshards onto with ``reshard_after_forward=size``. Empty when ``size`` does not
+        cut the dimension into two or more runs of two or more ranks.
+
+        Example:
+            >>> ParallelDims(dp_shard=8, world_size=8).dp_shard_runs(4)
+            [[0, 1, 2, 3], [4, 5, 6, 7]]
+            >>> ParallelDims(dp_shard=6, world_size=6).dp_shard_runs(4)
+            []
+        """
+        n = self.dp_shard
+        if not (1 < size < n and n % size == 0):
+            return []
+        return [list(range(start, start + size)) for start in range(0, n, size)]
