@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo check-configs test test-numerics lint bench bench-setup clean
+.PHONY: setup demo check-configs test test-numerics lint bench bench-setup deepspeed-suite clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,19 @@ bench-setup:
 	$(DS_VENV)/bin/pip install --quiet --upgrade pip
 	$(DS_VENV)/bin/pip install --quiet "torch==2.13.0"
 	$(DS_VENV)/bin/pip install --quiet "deepspeed==0.19.8" || $(DS_VENV)/bin/pip install --quiet deepspeed
+
+## deepspeed-suite: DeepSpeed's own unit tests against shardwise's `deepspeed` package, a per-file table.
+## DS_TESTS: a DeepSpeed checkout's tests/ directory, kept outside this repository (required);
+## DS_CONTROL: an interpreter with real DeepSpeed 0.19.8 and pytest<8.4/pytest-forked/pytest-timeout (optional,
+## adds the control column); DS_FILES: files under tests/unit (default: issue 38's 27); DS_TIMEOUT: per test.
+DS_TESTS ?=
+DS_CONTROL ?=
+DS_FILES ?=
+DS_TIMEOUT ?= 600
+deepspeed-suite: $(STAMP)
+	@test -n "$(DS_TESTS)" || { echo "usage: make deepspeed-suite DS_TESTS=/path/to/DeepSpeed/tests [DS_CONTROL=/venv/bin/python]"; exit 2; }
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/deepspeed_suite.py --ds-tests "$(DS_TESTS)" --timeout $(DS_TIMEOUT) \
+		$(if $(DS_CONTROL),--control-python "$(DS_CONTROL)") $(if $(DS_FILES),--files $(DS_FILES))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

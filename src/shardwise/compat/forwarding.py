@@ -88,7 +88,7 @@ class ForwardingModule(ModuleType):
     """A ``deepspeed.<path>`` module whose attributes come from :func:`resolve` (and are cached)."""
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
+        if name.startswith("__") and name.endswith("__") and f"{self.__name__}.{name}" not in table.RENAMES:
             raise AttributeError(name)
         value = resolve(self.__name__, name)
         setattr(self, name, value)

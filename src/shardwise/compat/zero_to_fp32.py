@@ -4,6 +4,7 @@ shardwise or DeepSpeed checkpoints): :mod:`shardwise.checkpoint.export`."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from shardwise.utils.logging import logger
 __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
+    "get_model_state_files",
+    "get_optim_files",
     "load_state_dict_from_zero_checkpoint",
 ]
 
@@ -77,3 +80,24 @@ def load_state_dict_from_zero_checkpoint(
             result.unexpected_keys,
         )
     return model
+
+
+def _natural_key(path: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def _files(checkpoint_dir: str | os.PathLike[str], pattern: str) -> list[str]:
+    found = sorted((str(p) for p in Path(checkpoint_dir).glob(pattern)), key=_natural_key)
+    if not found:
+        raise FileNotFoundError(f"can't find {pattern} files in directory '{checkpoint_dir}'")
+    return found
+
+
+def get_optim_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """A DeepSpeed checkpoint tag directory's ``*_optim_states.pt`` files, in rank order (2 before 10)."""
+    return _files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """A DeepSpeed checkpoint tag directory's ``*_model_states.pt`` files, in rank order."""
+    return _files(checkpoint_dir, "*_model_states.pt")

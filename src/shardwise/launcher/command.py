@@ -287,8 +287,12 @@ def _check_elastic(plan: LaunchPlan) -> None:
     logger.info("elastic batch size per world size: %s", usable)
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "shardwise") -> int:
-    """Parse, plan, and run a launch; returns the exit code (the first failing rank's)."""
+def main(argv: Sequence[str] | None = None, prog: str = "shardwise", raise_errors: bool = False) -> int:
+    """Parse, plan, and run a launch; returns the exit code (the first failing rank's).
+
+    A bad launch (conflicting options, unknown host...) is logged and gives exit code 2, or with
+    ``raise_errors`` raises its ``ValueError``/``FileNotFoundError``/``RuntimeError`` (DeepSpeed's
+    ``runner.main(args=...)`` raises)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     if not argv:
@@ -318,6 +322,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "shardwise") -> int:
         if options.elastic_training:
             _check_elastic(plan)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        if raise_errors:
+            raise
         logger.error("%s", exc)
         return 2
     for line in describe_plan(plan).splitlines():

@@ -34,6 +34,7 @@ __all__ = [
     "child_env",
     "decode_world_info",
     "encode_world_info",
+    "filter_resources",
     "include_from_visible_devices",
     "parse_env_file",
     "parse_node_spec",
@@ -127,6 +128,46 @@ def _check_known(pool: dict[str, list[int]], host: str, slots: list[int] | None)
             raise ValueError(f"No slot '{slot}' specified on host '{host}'. Its slots are {pool[host]}.")
 
 
+def filter_resources(
+    pool: Mapping[str, int] | Mapping[str, list[int]], include: str = "", exclude: str = ""
+) -> dict[str, list[int]]:
+    """The include/exclude step alone: ``{host: slots}`` in pool order, hosts left with no slot dropped
+    (so the result may be empty; :func:`select_resources` refuses that).
+
+    Raises:
+        ValueError: both filters given, a malformed spec, an unknown host or slot.
+
+    Example:
+        >>> filter_resources({"w0": [0, 1, 2, 3]}, exclude="w0:1,2")
+        {'w0': [0, 3]}
+    """
+    resources = _normalise_pool(pool)
+    if include and exclude:
+        raise ValueError("--include and --exclude are mutually exclusive; give only one of them.")
+    if include:
+        wanted = parse_node_spec(include, "--include")
+        for host, slots in wanted.items():
+            _check_known(resources, host, slots)
+        # Iterate the pool, not the spec, so the output follows hostfile order.
+        resources = {
+            host: (slots if wanted[host] is None else sorted(set(wanted[host] or [])))
+            for host, slots in resources.items()
+            if host in wanted
+        }
+    elif exclude:
+        unwanted = parse_node_spec(exclude, "--exclude")
+        for host, slots in unwanted.items():
+            _check_known(resources, host, slots)
+        resources = {
+            host: ([] if unwanted[host] is None else [s for s in slots if s not in (unwanted[host] or [])])
+            if host in unwanted
+            else slots
+            for host, slots in resources.items()
+        }
+
+    return {host: slots for host, slots in resources.items() if slots}
+
+
 def select_resources(
     pool: Mapping[str, int] | Mapping[str, list[int]],
     include: str = "",
@@ -174,28 +215,7 @@ def select_resources(
             "--include/--exclude, or counts with --num_nodes/--num_gpus."
         )
 
-    if include:
-        wanted = parse_node_spec(include, "--include")
-        for host, slots in wanted.items():
-            _check_known(resources, host, slots)
-        # Iterate the pool, not the spec, so the output follows hostfile order.
-        resources = {
-            host: (slots if wanted[host] is None else sorted(set(wanted[host] or [])))
-            for host, slots in resources.items()
-            if host in wanted
-        }
-    elif exclude:
-        unwanted = parse_node_spec(exclude, "--exclude")
-        for host, slots in unwanted.items():
-            _check_known(resources, host, slots)
-        resources = {
-            host: ([] if unwanted[host] is None else [s for s in slots if s not in (unwanted[host] or [])])
-            if host in unwanted
-            else slots
-            for host, slots in resources.items()
-        }
-
-    resources = {host: slots for host, slots in resources.items() if slots}
+    resources = filter_resources(resources, include, exclude)
     if not resources:
         filters = f"--include {include!r}" if include else f"--exclude {exclude!r}"
         raise ValueError(f"No resources left to run on after applying {filters}.")

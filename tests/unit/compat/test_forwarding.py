@@ -58,6 +58,63 @@ CLIENT_NAMES = [
     ("deepspeed.launcher.runner", "DEEPSPEED_ENVIRONMENT_NAME"),
 ]
 
+# what DeepSpeed's own unit tests (and scripts written for DeepSpeed) import, issue 38
+DEEPSPEED_TEST_NAMES = [
+    ("deepspeed", "OnDevice"),
+    ("deepspeed", "tp_model_init"),
+    ("deepspeed.ops", "__compatible_ops__"),
+    ("deepspeed.ops.op_builder", "CPUAdamBuilder"),
+    ("deepspeed.ops.op_builder", "FusedAdamBuilder"),
+    ("deepspeed.ops.op_builder", "FusedLambBuilder"),
+    ("deepspeed.accelerator", "is_current_accelerator_supported"),
+    ("deepspeed.checkpoint.utils", "get_model_ckpt_name_for_rank"),
+    ("deepspeed.git_version_info", "version"),
+    ("deepspeed.git_version_info", "torch_info"),
+    ("deepspeed.launcher.runner", "parse_resource_filter"),
+    ("deepspeed.launcher.runner", "_parse_hostfile"),
+    ("deepspeed.launcher.runner", "main"),
+    ("deepspeed.launcher.multinode_runner", "MultiNodeRunner"),
+    ("deepspeed.monitor.comet", "CometMonitor"),
+    ("deepspeed.monitor.config", "DeepSpeedMonitorConfig"),
+    ("deepspeed.monitor.csv_monitor", "csvMonitor"),
+    ("deepspeed.monitor.tensorboard", "TensorBoardMonitor"),
+    ("deepspeed.monitor.wandb", "WandbMonitor"),
+    ("deepspeed.moe.layer", "MoE"),
+    ("deepspeed.moe.utils", "split_params_into_different_moe_groups_for_optimizer"),
+    ("deepspeed.pipe", "PipelineModule"),
+    ("deepspeed.pipe", "LayerSpec"),
+    ("deepspeed.pipe", "TiedLayerSpec"),
+    ("deepspeed.runtime.activation_checkpointing.checkpointing", "checkpoint"),
+    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer"),
+    ("deepspeed.runtime.config", "ADAM_OPTIMIZER"),
+    ("deepspeed.runtime.config", "DeepSpeedConfig"),
+    ("deepspeed.runtime.config_utils", "DeepSpeedConfigModel"),
+    ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer"),
+    ("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer"),
+    ("deepspeed.runtime.lr_schedules", "WARMUP_LR"),
+    ("deepspeed.runtime.lr_schedules", "CYCLE_MAX_MOM"),
+    ("deepspeed.runtime.lr_schedules", "LR_RANGE_TEST_STAIRCASE"),
+    ("deepspeed.runtime.lr_schedules", "WarmupCosineLR"),
+    ("deepspeed.runtime.pipe.topology", "PipeModelDataParallelTopology"),
+    ("deepspeed.runtime.precision_config", "get_bfloat16_config"),
+    ("deepspeed.runtime.utils", "see_memory_usage"),
+    ("deepspeed.runtime.utils", "partition_balanced"),
+    ("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig"),
+    ("deepspeed.runtime.zero.config", "DeepSpeedZeroOffloadOptimizerConfig"),
+    ("deepspeed.runtime.zero.config", "DeepSpeedZeroOffloadParamConfig"),
+    ("deepspeed.runtime.zero.partition_parameters", "MultipleAllGatherHandles"),
+    ("deepspeed.runtime.zero.partition_parameters", "partitioned_param_data_shape"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"),
+    ("deepspeed.runtime.zero.utils", "ZeRORuntimeException"),
+    ("deepspeed.utils.groups", "_get_expert_parallel_ranks"),
+    ("deepspeed.utils.numa", "parse_range_list"),
+    ("deepspeed.utils.torch", "required_torch_version"),
+    ("deepspeed.utils.zero_to_fp32", "get_optim_files"),
+    ("deepspeed.sequence.layer", "DistributedAttention"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp", "UlyssesSPAttentionHF"),
+]
+
 
 @pytest.fixture
 def deepspeed_package(tmp_path: Path) -> Iterator[object]:
@@ -73,7 +130,7 @@ def deepspeed_package(tmp_path: Path) -> Iterator[object]:
             sys.meta_path.remove(forwarding._FINDER)
 
 
-@pytest.mark.parametrize(("path", "name"), CLIENT_NAMES)
+@pytest.mark.parametrize(("path", "name"), CLIENT_NAMES + DEEPSPEED_TEST_NAMES)
 def test_client_names_resolve(deepspeed_package: object, path: str, name: str) -> None:
     module = importlib.import_module(path)
     assert getattr(module, name) is not None
@@ -96,8 +153,8 @@ def test_names_are_shardwise_objects(deepspeed_package: object) -> None:
 def test_missing_name_names_itself(deepspeed_package: object) -> None:
     import deepspeed
 
-    with pytest.raises(AttributeError, match=r"deepspeed\.tp_model_init is not provided by shardwise"):
-        deepspeed.tp_model_init  # noqa: B018
+    with pytest.raises(AttributeError, match=r"deepspeed\.no_such_name is not provided by shardwise"):
+        deepspeed.no_such_name  # noqa: B018
     with pytest.raises(ModuleNotFoundError, match=r"deepspeed\.no_such_module is not provided by shardwise"):
         importlib.import_module("deepspeed.no_such_module")
     with pytest.raises(ImportError, match="set_z3_leaf_modules"):
@@ -116,3 +173,27 @@ def test_unlisted_path_falls_back_to_the_shardwise_module_of_that_path() -> None
     # issue 16's package, merged: DeepSpeed's own import path reaches it with no table entry
     compress = importlib.import_module("shardwise.compression.compress")
     assert forwarding.resolve("deepspeed.compression.compress", "init_compression") is compress.init_compression
+
+
+def test_unavailable_parts_import_and_fail_with_their_names(deepspeed_package: object) -> None:
+    from deepspeed.pipe import PipelineModule  # type: ignore[import-not-found]
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # type: ignore[import-not-found]
+
+    class Pipe(PipelineModule):  # subclassing works, as DeepSpeed's test models do
+        pass
+
+    with pytest.raises(NotImplementedError, match=r"deepspeed\.pipe\.PipelineModule is not provided by shardwise"):
+        Pipe()
+    with pytest.raises(NotImplementedError, match=r"DeepSpeedZeroOptimizer_Stage3.*engine\.optimizer"):
+        DeepSpeedZeroOptimizer_Stage3()
+    assert not isinstance(object(), DeepSpeedZeroOptimizer_Stage3)
+
+
+def test_dunder_names_come_only_from_the_table(deepspeed_package: object) -> None:
+    import deepspeed.ops  # type: ignore[import-not-found]
+
+    from shardwise.compat.op_builder import COMPATIBLE_OPS
+
+    assert deepspeed.ops.__compatible_ops__ is COMPATIBLE_OPS
+    with pytest.raises(AttributeError):
+        deepspeed.ops.__no_such_dunder__  # noqa: B018

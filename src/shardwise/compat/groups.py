@@ -1,0 +1,189 @@
+"""``deepspeed.utils.groups``: the data, model, sequence and expert parallel groups, read from shardwise's
+one owner of the process layout, the topology :mod:`shardwise.comm.groups` holds (the one the last
+``initialize`` registered); nothing here creates a group.
+
+The layout is the world's (pure data parallelism) unless an engine was built with an ``mpu`` or
+:func:`initialize` here was given one (DeepSpeed's / Megatron's model-parallel unit); the layout read
+from it is registered for every reader, as ``initialize`` does. A group of
+``None`` is the world group, as in torch. Expert parallelism comes with MoE (not yet in shardwise):
+its expert groups are the data-parallel ones at size 1, a larger size raises naming the function.
+:func:`_get_expert_parallel_ranks` is the pure rank arithmetic of DeepSpeed's expert layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwise.comm.groups import current_topology, set_topology
+from shardwise.comm.topology import Topology, build_topology
+
+
+def initialize(ep_size: int = 1, mpu: Any = None) -> None:
+    """Register the layout ``mpu`` describes (none: keep the current one); ``ep_size`` > 1 needs MoE,
+    which shardwise lacks (raises)."""
+    _require_no_experts("groups.initialize", ep_size)
+    if mpu is not None:
+        set_topology(build_topology(mpu))
+
+
+def _topology() -> Topology:
+    return current_topology()
+
+
+def _require_no_experts(name: str, expert_parallel_size: int) -> None:
+    if expert_parallel_size != 1:
+        raise NotImplementedError(
+            f"deepspeed.utils.groups.{name}(expert parallel size {expert_parallel_size}): expert parallelism comes "
+            "with MoE, which shardwise does not provide yet; train without deepspeed.moe (expert size 1)"
+        )
+
+
+def _ensure_divisibility(numerator: int, denominator: int) -> None:
+    """Raise ``AssertionError`` unless ``denominator`` divides ``numerator``."""
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+
+
+def _get_data_parallel_group() -> Any:
+    """The data-parallel group (``None``: the world)."""
+    return _topology().dp_group
+
+
+def _get_data_parallel_world_size() -> int:
+    """The data-parallel degree."""
+    return _topology().dp_size
+
+
+def _get_data_parallel_rank() -> int:
+    """This rank's place in the data-parallel group."""
+    return _topology().dp_rank
+
+
+def _get_model_parallel_world_size() -> int:
+    """The model-parallel degree (1 without an mpu)."""
+    return _topology().mp_size
+
+
+def _get_sequence_parallel_group() -> Any:
+    """The sequence-parallel group (``None`` without Ulysses)."""
+    return _topology().sp_group
+
+
+def _get_sequence_parallel_world_size() -> int:
+    """The sequence-parallel degree."""
+    return _topology().sp_size
+
+
+def _get_sequence_parallel_rank() -> int:
+    """This rank's place in the sequence-parallel group."""
+    return _topology().sp_rank
+
+
+def _get_sequence_data_parallel_group() -> Any:
+    """The group ZeRO shards over (data x sequence parallel)."""
+    return _topology().shard_group
+
+
+def _get_sequence_data_parallel_world_size() -> int:
+    """Its size."""
+    return _topology().shard_size
+
+
+def _get_sequence_data_parallel_rank() -> int:
+    """This rank's place in it."""
+    return _topology().shard_rank
+
+
+def get_data_parallel_group() -> Any:
+    """The data-parallel group (the mpu's, else the world's)."""
+    return _get_data_parallel_group()
+
+
+def get_data_parallel_world_size() -> int:
+    """The data-parallel degree."""
+    return _get_data_parallel_world_size()
+
+
+def get_data_parallel_rank() -> int:
+    """This rank's place in the data-parallel group."""
+    return _get_data_parallel_rank()
+
+
+def get_model_parallel_group() -> Any:
+    """The model-parallel group (``None`` without an mpu)."""
+    return _topology().mp_group
+
+
+def get_model_parallel_world_size() -> int:
+    """The model-parallel degree."""
+    return _topology().mp_size
+
+
+def get_model_parallel_rank() -> int:
+    """This rank's place in the model-parallel group."""
+    return _topology().mp_rank
+
+
+get_tensor_model_parallel_group = get_model_parallel_group
+get_tensor_model_parallel_world_size = get_model_parallel_world_size
+get_tensor_model_parallel_rank = get_model_parallel_rank
+
+
+def _get_expert_parallel_world_size(group_name: str = "") -> int:
+    """1: without MoE every rank holds every expert."""
+    return 1
+
+
+def _get_expert_parallel_rank(group_name: str = "") -> int:
+    """0: without MoE a rank is alone in its expert group."""
+    return 0
+
+
+def _get_expert_data_parallel_world_size(group_name: str = "") -> int:
+    """Without MoE, the data-parallel degree."""
+    return _get_data_parallel_world_size()
+
+
+def _get_expert_data_parallel_rank(group_name: str = "") -> int:
+    """Without MoE, the data-parallel rank."""
+    return _get_data_parallel_rank()
+
+
+def _get_expert_parallel_ranks(
+    world_size: int,
+    tensor_parallel_size_: int,
+    expert_parallel_size_: int,
+    pipeline_parallel_size_: int = 1,
+    use_data_before_expert_parallel_: bool = False,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """DeepSpeed's expert layout as rank lists: (expert-parallel groups, expert-data-parallel groups).
+
+    Each pipeline stage's data-parallel groups (ranks with the same tensor-parallel index) are cut into
+    consecutive runs of ``expert_parallel_size_`` (the expert groups); the ranks at the same position of
+    those runs form an expert-data-parallel group. With ``use_data_before_expert_parallel_`` a
+    data-parallel group is ordered data-first (its ranks transposed as an ``expert x data`` grid).
+
+    Example:
+        >>> _get_expert_parallel_ranks(8, 2, 2)
+        ([[0, 2], [4, 6], [1, 3], [5, 7]], [[0, 4], [2, 6], [1, 5], [3, 7]])
+    """
+    _ensure_divisibility(world_size, tensor_parallel_size_ * pipeline_parallel_size_)
+    dp_size = world_size // (tensor_parallel_size_ * pipeline_parallel_size_)
+    _ensure_divisibility(dp_size, expert_parallel_size_)
+    stage_size = world_size // pipeline_parallel_size_
+    expert_groups: list[list[int]] = []
+    expert_data_groups: list[list[int]] = []
+    for stage_start in range(0, world_size, stage_size):
+        for tp_index in range(tensor_parallel_size_):
+            dp_ranks = list(range(stage_start + tp_index, stage_start + stage_size, tensor_parallel_size_))
+            if use_data_before_expert_parallel_:
+                stride = dp_size // expert_parallel_size_
+                dp_ranks = [dp_ranks[d + e * stride] for d in range(stride) for e in range(expert_parallel_size_)]
+            runs = [dp_ranks[i : i + expert_parallel_size_] for i in range(0, dp_size, expert_parallel_size_)]
+            expert_groups.extend(runs)
+            expert_data_groups.extend([list(position) for position in zip(*runs)])
+    return expert_groups, expert_data_groups
+
+
+def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False) -> None:
+    """Expert groups come with MoE: size 1 needs none (the data-parallel groups serve), larger sizes raise."""
+    _require_no_experts("_create_expert_and_data_parallel", expert_parallel_size_)

@@ -1,0 +1,148 @@
+"""``deepspeed.runtime.utils``: the helpers scripts call: layer partitioning (``partition_uniform``,
+``partition_balanced``), ``see_memory_usage``, ``clip_grad_norm_``, ``get_weight_norm``, ``call_to_str``,
+``noop_context``. Functions of DeepSpeed's own optimizers (``CheckOverflow``, bucket helpers) are not here:
+shardwise's ZeRO strategies check overflow themselves (:mod:`shardwise.zero.step_math`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from shardwise.comm import get_rank, is_initialized
+from shardwise.compat.accelerator import get_accelerator
+from shardwise.compat.ds_utils import clone_tensors_for_torch_save, move_to_device
+from shardwise.utils.logging import logger
+
+__all__ = [
+    "call_to_str",
+    "clip_grad_norm_",
+    "clone_tensors_for_torch_save",
+    "get_weight_norm",
+    "move_to_device",
+    "noop_context",
+    "partition_balanced",
+    "partition_uniform",
+    "see_memory_usage",
+]
+
+noop_context = contextlib.nullcontext
+
+
+def call_to_str(base: str, *args: Any, **kwargs: Any) -> str:
+    """``base(arg, ..., key=value)`` with each value's ``repr``.
+
+    Example:
+        >>> call_to_str("hello", 1138, val=3)
+        'hello(1138, val=3)'
+    """
+    parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"{base}({', '.join(parts)})"
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """``num_parts + 1`` boundaries splitting ``num_items`` into parts whose sizes differ by at most one
+    (the first parts get the extra items; with fewer items than parts, one item each, then empty parts).
+
+    Example:
+        >>> partition_uniform(10, 4)
+        [0, 3, 6, 8, 10]
+    """
+    size, extra = divmod(num_items, num_parts)
+    bounds = [0]
+    for part in range(num_parts):
+        bounds.append(bounds[-1] + size + (1 if part < extra else 0))
+    return bounds
+
+
+def _fits(weights: Sequence[float], start: int, parts: int, limit: float) -> bool:
+    """Whether ``weights[start:]`` splits into at most ``parts`` runs of sum <= ``limit``."""
+    total, used = 0.0, 1
+    for w in weights[start:]:
+        if w > limit:
+            return False
+        if total + w > limit:
+            used, total = used + 1, w
+        else:
+            total += w
+    return used <= parts
+
+
+def partition_balanced(weights: Sequence[float], num_parts: int, eps: float = 1e-3) -> list[int]:
+    """``num_parts + 1`` boundaries of contiguous parts of ``weights``: the heaviest part as light as possible,
+    and within that, each part as close to an even share of what is left as it can be.
+
+    Example:
+        >>> partition_balanced([1, 1, 1, 1, 1], 4)
+        [0, 1, 2, 4, 5]
+    """
+    weights = [float(w) for w in weights]
+    if num_parts <= 0:
+        raise ValueError(f"partition_balanced: num_parts must be positive, got {num_parts}")
+    low, high = max(weights, default=0.0), sum(weights)
+    while high - low > eps * max(1.0, low):
+        middle = (low + high) / 2
+        low, high = (low, middle) if _fits(weights, 0, num_parts, middle) else (middle, high)
+    limit = high
+    bounds, start = [0], 0
+    for left in range(num_parts, 1, -1):
+        share = sum(weights[start:]) / left
+        best_end, best_gap, total = start, share, 0.0
+        for end in range(start + 1, len(weights) + 1):
+            total += weights[end - 1]
+            if total > limit:
+                break
+            if _fits(weights, end, left - 1, limit) and abs(total - share) <= best_gap:
+                best_end, best_gap = end, abs(total - share)
+        if not _fits(weights, best_end, left - 1, limit):  # take as much as the limit allows
+            while best_end < len(weights) and not _fits(weights, best_end, left - 1, limit):
+                best_end += 1
+        bounds.append(best_end)
+        start = best_end
+    bounds.append(len(weights))
+    return bounds
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    """Log ``message`` with the accelerator's memory (allocated, peak, reserved) and the host's, on rank 0;
+    only when ``force`` (DeepSpeed's convention: callers leave it off outside debugging)."""
+    if not force or (is_initialized() and get_rank() != 0):
+        return
+    acc = get_accelerator()
+    gib = 1024**3
+    logger.info(
+        "%s | MA %.2f GB  Max_MA %.2f GB  CA %.2f GB  Max_CA %.2f GB | host: %.2f GB used of %.2f GB",
+        message, acc.memory_allocated() / gib, acc.max_memory_allocated() / gib, acc.memory_reserved() / gib,
+        acc.max_memory_reserved() / gib, (acc.total_memory() - acc.available_memory()) / gib,
+        acc.total_memory() / gib,
+    )
+    acc.reset_peak_memory_stats()
+
+
+def _no_mpu(name: str, mpu: Any) -> None:
+    if mpu is not None:
+        raise NotImplementedError(
+            f"deepspeed.runtime.utils.{name}(mpu=...): shardwise does not combine norms across a model-parallel "
+            "group here; clip through the engine (gradient_clipping in the config), which does"
+        )
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2,
+                    mpu: Any = None) -> float:
+    """Scale the gradients of ``parameters`` so their total norm is at most ``max_norm``; returns the norm
+    before clipping (torch's ``clip_grad_norm_`` rule: coefficient ``max_norm / (norm + 1e-6)``)."""
+    _no_mpu("clip_grad_norm_", mpu)
+    return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type))
+
+
+def get_weight_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2, mpu: Any = None) -> float:
+    """The total ``norm_type`` norm of the tensors themselves (not their gradients); -1 when it is inf or NaN."""
+    _no_mpu("get_weight_norm", mpu)
+    tensors = [parameters] if torch.is_tensor(parameters) else list(parameters)
+    norms = torch.stack([torch.linalg.vector_norm(t.detach().float(), norm_type) for t in tensors])
+    total = float(torch.linalg.vector_norm(norms, norm_type)) if tensors else 0.0
+    return -1.0 if math.isinf(total) or math.isnan(total) else total

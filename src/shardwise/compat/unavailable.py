@@ -1,0 +1,74 @@
+"""DeepSpeed names that stand for parts shardwise does not have: importable (so code that only imports or
+subclasses them loads), failing when used with an error naming the DeepSpeed name and what to use instead.
+
+Two kinds: DeepSpeed's own optimizer wrappers and ZeRO internals (shardwise's engine has its own
+strategies, :mod:`shardwise.zero`), and ``deepspeed.pipe`` / ``deepspeed.moe``, which come with the
+pipeline-parallel and MoE work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+_PIPE = "pipeline parallelism (deepspeed.pipe) is not in shardwise yet; train the model without PipelineModule"
+_MOE = "mixture of experts (deepspeed.moe) is not in shardwise yet; use the model's own MoE layer without expert parallelism"
+_SP = ("DeepSpeed's Ulysses attention layers are not in shardwise; pass an mpu with sequence-parallel groups to "
+       "initialize and keep the model's attention")
+_TP = "automatic tensor parallelism is not in shardwise; shard with ZeRO stage 3 (zero_optimization.stage 3)"
+_ZERO = "the engine's optimizer is a shardwise ZeRO strategy (engine.optimizer); use its methods, not DeepSpeed's classes"
+
+
+class UnavailableDeepSpeedName(NotImplementedError):
+    """A DeepSpeed name that shardwise keeps importable but cannot run."""
+
+
+def _raise(qualname: str, instead: str) -> NoReturn:
+    raise UnavailableDeepSpeedName(f"{qualname} is not provided by shardwise: {instead}")
+
+
+def unavailable_class(qualname: str, instead: str) -> type:
+    """A class named like DeepSpeed's whose construction raises naming ``qualname`` and ``instead``."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _raise(qualname, instead)
+
+    module, _, name = qualname.rpartition(".")
+    return type(name, (), {"__init__": __init__, "__module__": module,
+                           "__doc__": f"Not provided by shardwise: {instead}."})
+
+
+def unavailable_function(qualname: str, instead: str) -> Any:
+    """A function named like DeepSpeed's whose call raises naming ``qualname`` and ``instead``."""
+
+    def function(*args: Any, **kwargs: Any) -> NoReturn:
+        _raise(qualname, instead)
+
+    function.__name__ = function.__qualname__ = qualname.rpartition(".")[2]
+    function.__doc__ = f"Not provided by shardwise: {instead}."
+    return function
+
+
+PipelineModule = unavailable_class("deepspeed.pipe.PipelineModule", _PIPE)
+LayerSpec = unavailable_class("deepspeed.pipe.LayerSpec", _PIPE)
+TiedLayerSpec = unavailable_class("deepspeed.pipe.TiedLayerSpec", _PIPE)
+PipeModelDataParallelTopology = unavailable_class("deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology", _PIPE)
+PipelineEngine = unavailable_class("deepspeed.runtime.pipe.engine.PipelineEngine", _PIPE)
+MoE = unavailable_class("deepspeed.moe.layer.MoE", _MOE)
+split_params_into_different_moe_groups_for_optimizer = unavailable_function(
+    "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer", _MOE)
+is_moe_param = unavailable_function("deepspeed.moe.utils.is_moe_param", _MOE)
+
+DeepSpeedZeroOptimizer = unavailable_class("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", _ZERO)
+DeepSpeedZeroOptimizer_Stage3 = unavailable_class("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", _ZERO)
+FP16_Optimizer = unavailable_class("deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer", _ZERO)
+FP16_UnfusedOptimizer = unavailable_class("deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer", _ZERO)
+BF16_Optimizer = unavailable_class("deepspeed.runtime.bf16_optimizer.BF16_Optimizer", _ZERO)
+MultipleAllGatherHandles = unavailable_class(
+    "deepspeed.runtime.zero.partition_parameters.MultipleAllGatherHandles",
+    "shardwise's stage 3 gathers through FSDP2; use deepspeed.zero.GatheredParameters to read full parameters")
+partitioned_param_data_shape = unavailable_function(
+    "deepspeed.runtime.zero.partition_parameters.partitioned_param_data_shape",
+    "stage-3 parameters are FSDP2 DTensors; read param.to_local().shape for this rank's shard")
+DistributedAttention = unavailable_class("deepspeed.sequence.layer.DistributedAttention", _SP)
+UlyssesSPAttentionHF = unavailable_class("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF", _SP)
+tp_model_init = unavailable_function("deepspeed.tp_model_init", _TP)

@@ -1,0 +1,86 @@
+"""DeepSpeed's config classes over shardwise's validation: DeepSpeedConfig, DeepSpeedZeroConfig,
+DeepSpeedConfigModel, get_bfloat16_config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import Field, ValidationError
+
+from shardwise.compat.config_model import DeepSpeedConfigModel
+from shardwise.compat.ds_config import DeepSpeedConfig, get_bfloat16_config
+from shardwise.compat.zero_config import (
+    DeepSpeedZeroConfig,
+    DeepSpeedZeroOffloadOptimizerConfig,
+    DeepSpeedZeroOffloadParamConfig,
+)
+from shardwise.config.errors import ConfigError
+
+
+def test_zero_config_reads_legacy_and_short_names() -> None:
+    assert isinstance(DeepSpeedZeroConfig(cpu_offload_param=True).offload_param, DeepSpeedZeroOffloadParamConfig)
+    assert DeepSpeedZeroConfig(cpu_offload=True).offload_optimizer.device == "cpu"
+    assert DeepSpeedZeroConfig(stage3_gather_fp16_weights_on_model_save=True).gather_16bit_weights_on_model_save
+    assert DeepSpeedZeroConfig(prefetch_bucket_size=7).stage3_prefetch_bucket_size == 7
+    assert DeepSpeedZeroConfig(stage3_max_reuse_distance=9).max_reuse_distance == 9
+    assert DeepSpeedZeroConfig(stage=3).overlap_comm and not DeepSpeedZeroConfig(stage=2).overlap_comm
+    assert DeepSpeedZeroConfig().offload_param is None
+    assert DeepSpeedZeroOffloadOptimizerConfig(pipeline_write=True).pipeline
+
+
+def test_zero_config_validates_as_shardwise() -> None:
+    with pytest.raises(ValidationError, match="stage"):
+        DeepSpeedZeroConfig(stage=4)
+    with pytest.raises(ValidationError, match="no_such_key"):
+        DeepSpeedZeroConfig(no_such_key=1)
+
+
+class Conf(DeepSpeedConfigModel):
+    param_1: int = 0
+    param_2_old: str | None = Field(
+        None, json_schema_extra={"deprecated": True, "new_param": "param_2", "new_param_fn": lambda x: [x]}
+    )
+    param_2: list[str] | None = None
+    param_3: int = Field(0, alias="param_3_alias")
+
+
+def test_config_model_deprecated_and_alias_fields() -> None:
+    assert Conf(param_2_old="DS").param_2 == ["DS"]
+    assert Conf(param_3_alias=10).param_3 == Conf(param_3=10).param_3 == 10
+    with pytest.raises(AssertionError, match="param_2_old is deprecated"):
+        Conf(param_2=["DS"], param_2_old="DS")
+    for bad in ({"param_1": "DS"}, {"param_1_typo": 0}, {"param_1": True}):
+        with pytest.raises(ValidationError):
+            Conf(**bad)
+
+
+def test_deepspeed_config_from_path_and_dict(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 64}))
+    cfg = DeepSpeedConfig(path)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (64, 64, 1)
+    cfg = DeepSpeedConfig({"train_batch_size": 2, "tensorboard": {"enabled": True, "job_name": "j"},
+                           "zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam", "params": {}}})
+    assert cfg.monitor_config.tensorboard.job_name == "j" and cfg.monitor_config.enabled
+    assert cfg.zero_optimization_stage == 3 and cfg.zero_config.overlap_comm and cfg.zero_enabled
+    assert cfg.optimizer_name == "adam" and cfg.gradient_allreduce_op == "mean"
+    assert cfg.eigenvalue_enabled is False and cfg._param_dict["train_batch_size"] == 2
+    with pytest.raises(AttributeError, match="no_such_setting"):
+        cfg.no_such_setting  # noqa: B018
+
+
+def test_deepspeed_config_refuses_what_shardwise_refuses(tmp_path: Path) -> None:
+    path = tmp_path / "dup.json"
+    path.write_text('{"train_batch_size": 24, "train_batch_size": 24}')
+    with pytest.raises(ValueError):
+        DeepSpeedConfig(path)
+    with pytest.raises(ConfigError, match="gradient_allreduce_op"):
+        DeepSpeedConfig({"train_batch_size": 1, "gradient_allreduce_op": "max"})
+
+
+def test_get_bfloat16_config() -> None:
+    assert get_bfloat16_config({"bf16": {"enabled": True}}).enabled
+    assert get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled
+    assert not get_bfloat16_config({}).enabled

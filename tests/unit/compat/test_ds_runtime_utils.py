@@ -1,0 +1,64 @@
+"""deepspeed.runtime.utils: partitioning, clipping, norms, call_to_str, see_memory_usage."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from shardwise.compat import runtime_utils as ru
+
+
+def _spread(weights: list[float], bounds: list[int]) -> float:
+    sums = [sum(weights[b:e]) for b, e in itertools.pairwise(bounds)]
+    return max(sums) - min(sums)
+
+
+@pytest.mark.parametrize(("weights", "parts", "spread"), [
+    ([1, 2, 1], 4, 2), ([1, 1, 1, 1], 4, 0), ([1, 1, 1, 1, 1], 4, 1), ([1, 1, 1, 1, 0, 1], 4, 1),
+    ([5, 1, 1, 1, 1, 1], 2, 0), ([3, 3, 3, 3, 3, 3, 3, 3], 3, 3),
+])
+def test_partition_balanced(weights: list[float], parts: int, spread: float) -> None:
+    bounds = ru.partition_balanced(weights, parts)
+    assert len(bounds) == parts + 1 and bounds[0] == 0 and bounds[-1] == len(weights)
+    assert bounds == sorted(bounds) and _spread(weights, bounds) == spread
+
+
+def test_partition_uniform() -> None:
+    assert ru.partition_uniform(10, 4) == [0, 3, 6, 8, 10]
+    assert ru.partition_uniform(2, 4) == [0, 1, 2, 2, 2]
+
+
+def test_call_to_str() -> None:
+    assert ru.call_to_str("int") == "int()"
+    assert ru.call_to_str("int", 3, "jeff") == "int(3, 'jeff')"
+    assert ru.call_to_str("hello", 1138, val=3) == "hello(1138, val=3)"
+
+
+def test_clip_grad_norm_matches_torch() -> None:
+    def params() -> list[torch.nn.Parameter]:
+        ps = [torch.nn.Parameter(torch.zeros(1)) for _ in range(2)]
+        for p in ps:
+            p.grad = torch.ones(1)
+        return ps
+
+    expected, actual = params(), params()
+    torch.nn.utils.clip_grad_norm_(expected, 0.1)
+    norm = ru.clip_grad_norm_(actual, max_norm=0.1)
+    assert norm == pytest.approx(2**0.5) and all(torch.equal(e.grad, a.grad) for e, a in zip(expected, actual))
+    with pytest.raises(NotImplementedError, match="mpu"):
+        ru.clip_grad_norm_(actual, 0.1, mpu=object())
+
+
+def test_get_weight_norm() -> None:
+    assert ru.get_weight_norm([torch.tensor([3.0]), torch.tensor([4.0])]) == 5.0
+    assert ru.get_weight_norm([torch.tensor([float("inf")])]) == -1.0
+
+
+def test_see_memory_usage_logs_only_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    said: list[str] = []
+    monkeypatch.setattr(ru.logger, "info", lambda fmt, *args: said.append(fmt % args))
+    ru.see_memory_usage("quiet")
+    ru.see_memory_usage("after init", force=True)
+    assert len(said) == 1 and said[0].startswith("after init | MA ")
