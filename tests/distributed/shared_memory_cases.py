@@ -68,7 +68,8 @@ def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     out["all_gather"] = torch.equal(buffers.mine, expected)
 
     buffers.mine.copy_(values[rank] * 2)
-    pieces = [(a, min(a + 7, shard)) for a in range(0, shard, 7)]  # uneven last piece
+    step = case.get("piece", 7)
+    pieces = [(a, min(a + step, shard)) for a in range(0, shard, step)]  # uneven last piece
     buffers.all_gather(ranges, pieces)
     out["all_gather_pieces"] = torch.equal(
         buffers.mine, torch.cat([values[r][a:b] * 2 for r, (a, b) in enumerate(ranges)])
@@ -80,6 +81,36 @@ def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     out.update(_staged(group, rank, world, shard, values, expected))
     out.update(_released(group, rank, world))
     return out
+
+
+def _rss_shmem_mib() -> float:
+    """This process's resident shared-memory pages (``RssShmem``), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no RssShmem in /proc/self/status")
+
+
+def peer_pages(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """What an all-reduce leaves resident in this process: its own buffer, not the other ranks'
+    (read during the collective, then dropped from this process's page tables)."""
+    group = shm.open_shared_memory(None, CPU)
+    assert not isinstance(group, str), group
+    numel = case["numel"]
+    buffers = group.allocate(numel, torch.float32)
+    shard = numel // world
+    ranges = [(r * shard, (r + 1) * shard) for r in range(world)]
+    buffers.mine.fill_(float(rank + 1))  # this rank's pages are resident from here on
+    before = _rss_shmem_mib()
+    buffers.all_reduce(ranges)
+    after = _rss_shmem_mib()
+    total = float(sum(range(1, world + 1)))
+    return {
+        "grew_mib": after - before,
+        "buffer_mib": numel * 4 / 2**20,
+        "sums": bool((buffers.mine == total).all()),
+        "peers_still_readable": bool((buffers.tensors[(rank + 1) % world] == total).all()),
+    }
 
 
 def _released(group: Any, rank: int, world: int) -> dict[str, bool]:

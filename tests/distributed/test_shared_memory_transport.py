@@ -23,7 +23,8 @@ from shardwise.testing import run_distributed_cases
 
 pytestmark = [pytest.mark.distributed, pytest.mark.numeric]
 
-COLLECTIVE_CASES = [{"shard": 5}, {"shard": (1 << 16) + 3}]  # the second spans two scratch blocks
+# the second spans two scratch blocks; the third two of the blocks read between page drops
+COLLECTIVE_CASES = [{"shard": 5}, {"shard": (1 << 16) + 3}, {"shard": (1 << 20) + 7, "piece": (1 << 19) + 3}]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -52,6 +53,13 @@ def test_collectives_are_rank_order_sums(world: int) -> None:
                 "full_is_an_error",
             ):
                 assert rank[key], key
+
+
+def test_a_collective_leaves_only_this_ranks_buffer_resident() -> None:
+    # 16 MiB per rank: without dropping the other rank's pages the all-reduce would leave it resident too
+    for rank in run_distributed_cases(cases.peer_pages, [{"numel": 1 << 22}], world_size=2, timeout=300)[0]:
+        assert rank["sums"] and rank["peers_still_readable"]
+        assert rank["grew_mib"] < 0.25 * rank["buffer_mib"], rank
 
 
 REFUSALS = [{"kind": k} for k in ("no_space", "two_hosts", "switched_off", "separate_dirs")]

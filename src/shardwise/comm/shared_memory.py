@@ -24,6 +24,12 @@ How:
   so no rank writes a range while another still reads it.
 * Sums are taken in rank order (``b0 + b1 + b2 ...``) by whichever rank owns a range, so all
   ranks end with identical values and the result does not depend on timing.
+* Memory: a rank reads the other ranks' buffers only inside a collective, and drops their pages
+  from its own page tables (``madvise(MADV_DONTNEED)``; their contents stay in their files) as
+  soon as it has read each block of ``_DROP_NUMEL`` elements, so between collectives each rank
+  holds only its own buffer, as over gloo, and during one at most a block of each other rank's.
+  Stage 3's per-unit staging buffers (:meth:`SharedBuffers.gather_shards`,
+  :meth:`SharedBuffers.sum_shards`) are small and keep theirs.
 
 Opt out with ``SHARDWISE_SHM_COLLECTIVES=0`` (gloo then carries everything, as before).
 """
@@ -57,6 +63,9 @@ SHM_DIR = Path("/dev/shm")
 # Ranks 2 and up sum through a scratch block of this many elements (they cannot overwrite their
 # own values before adding them in rank order); small enough to stay in cache.
 _SCRATCH_NUMEL = 1 << 16
+# Elements read from the other ranks' buffers between two page drops (4 MiB of fp32): what a
+# collective keeps resident of each other rank at a time (see SharedBuffers._drop_peer_pages).
+_DROP_NUMEL = 1 << 20
 
 
 def switched_off() -> bool:
@@ -152,7 +161,10 @@ class SharedBuffers:
         if not accumulate and (self.rank <= 1 or not _overlaps(out, self.mine)):
             # out is parts[0], parts[1] or apart from every part: b0 + b1 written in place reads
             # each element before writing it, then the later ranks are added in order
-            _add_in_rank_order(parts, out)
+            for a in range(0, hi - lo, _DROP_NUMEL):
+                b = min(a + _DROP_NUMEL, hi - lo)
+                _add_in_rank_order([part[a:b] for part in parts], out[a:b])
+                self._drop_peer_range(lo + a, lo + b)
             return
         scratch = torch.empty(min(_SCRATCH_NUMEL, hi - lo), dtype=out.dtype)
         for a in range(0, hi - lo, _SCRATCH_NUMEL):
@@ -163,6 +175,7 @@ class SharedBuffers:
                 out[a:b].add_(block)
             else:
                 out[a:b].copy_(block)
+            self._drop_peer_range(lo + a, lo + b)
 
     def reduce_scatter(
         self, ranges: Sequence[tuple[int, int]], out: torch.Tensor | None = None, accumulate: bool = False
@@ -175,6 +188,7 @@ class SharedBuffers:
         self.barrier()
         self._sum(*ranges[self.rank], out=out, accumulate=accumulate)
         self.barrier()
+        self._drop_peer_pages()
         if record is not None:
             record.complete()
 
@@ -193,6 +207,7 @@ class SharedBuffers:
             if record is not None:
                 record.complete()
         self.barrier()
+        self._drop_peer_pages()
 
     def all_reduce(self, ranges: Sequence[tuple[int, int]]) -> None:
         """The union of ``ranges`` (one per rank, together covering the span to reduce) becomes
@@ -204,6 +219,7 @@ class SharedBuffers:
         self.barrier()
         self._copy_others(ranges)
         self.barrier()
+        self._drop_peer_pages()
         if record is not None:
             record.complete()
 
@@ -257,11 +273,30 @@ class SharedBuffers:
         nbytes = max(0, span[1] - span[0]) * self.mine.element_size()
         return COMMS_LOGGER.start(op, nbytes, len(self.tensors), False)
 
+    def _drop_peer_pages(self) -> None:
+        """Take the other ranks' buffers out of this process's resident memory (their contents stay,
+        in their files: the next collective maps them in again), so between collectives a rank holds
+        only its own buffer, as it would over gloo."""
+        for r, tensor in enumerate(self.tensors):
+            if r != self.rank:
+                _dont_need(tensor)
+
+    def _drop_peer_range(self, lo: int, hi: int) -> None:
+        """:meth:`_drop_peer_pages` for elements ``[lo, hi)`` only, as soon as they are read, so a
+        collective holds at most about ``_DROP_NUMEL`` elements of each other rank at a time."""
+        for r, tensor in enumerate(self.tensors):
+            if r != self.rank:
+                _dont_need(tensor[lo:hi])
+
     def _copy_others(self, ranges: Sequence[tuple[int, int]]) -> None:
         mine = self.mine
         for r, (lo, hi) in enumerate(ranges):
-            if r != self.rank and hi > lo:
-                mine[lo:hi].copy_(self.tensors[r][lo:hi])
+            if r == self.rank:
+                continue
+            for a in range(lo, hi, _DROP_NUMEL):
+                b = min(a + _DROP_NUMEL, hi)
+                mine[a:b].copy_(self.tensors[r][a:b])
+                _dont_need(self.tensors[r][a:b])
 
 
 def _add_in_rank_order(parts: Sequence[torch.Tensor], out: torch.Tensor) -> None:
@@ -278,6 +313,22 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_MADV_DONTNEED = 4
+
+
+def _dont_need(tensor: torch.Tensor) -> None:
+    """``madvise(MADV_DONTNEED)`` over the whole pages inside a file-mapped (contiguous) tensor:
+    they leave this process's page tables (a shared file mapping keeps its data; a later read maps
+    it again), so they stop counting in this process's resident memory."""
+    first = tensor.data_ptr()
+    start = -(-first // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (first + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end <= start:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(ctypes.c_void_p(start), end - start, _MADV_DONTNEED) != 0:
+        logger.debug("could not drop a peer's shared-memory pages: %s", os.strerror(ctypes.get_errno()))
 
 
 def _punch_hole(fd: int, nbytes: int) -> bool:
