@@ -34,19 +34,30 @@ def _prefix(path: str | Path) -> str:
 class Boundary:
     """Decides whether a path is outside the repository and every allowed root.
 
-    ``dot_entries_of`` names folders (the home directory) whose hidden entries are all allowed, present
-    or not: tools' settings and caches (``~/.cache``, ``~/.config``, ``~/.pdbrc``, ``~/.netrc``, ...).
+    A path beside the checkout (under the repository's parent folder, not in the repository) is
+    outside even when an allowed root holds it (a clone inside the temporary directory), unless that
+    parent is itself an allowed root or holds one (``/``, the temporary directory): siblings and other
+    programs' files cannot be told apart there. ``dot_entries_of`` names folders (the home directory)
+    whose hidden entries are all allowed, present or not: tools' settings and caches (``~/.cache``,
+    ``~/.config``, ``~/.pdbrc``, ``~/.netrc``, ...).
     """
 
     def __init__(
         self, repo: Path, allowed: Iterable[str | Path], dot_entries_of: Iterable[str | Path] = ()
     ) -> None:
-        self.roots = tuple(_prefix(p) for p in (repo, *allowed))
+        self.repo = _prefix(repo)
+        self.roots = tuple(_prefix(p) for p in allowed)
         self.dot_parents = tuple(_prefix(p) for p in dot_entries_of)
+        parent = _prefix(Path(repo).parent)
+        self.beside = None if any(root.startswith(parent) for root in self.roots) else parent
 
     def outside(self, path: str) -> bool:
         """True when ``path`` (absolute, or relative to the working directory) is under no root."""
         candidate = _prefix(path)
+        if candidate.startswith(self.repo):
+            return False
+        if self.beside is not None and candidate.startswith(self.beside):
+            return True
         if any(candidate.startswith(root) for root in self.roots):
             return False
         return not any(

@@ -29,6 +29,19 @@ def test_boundary_allows_the_repository_and_the_given_roots_only(tmp_path: Path)
         os.chdir(cwd)
 
 
+def test_a_sibling_of_the_checkout_is_outside_even_inside_an_allowed_root(tmp_path: Path) -> None:
+    repo = tmp_path / "clone" / "main"  # a clone in the temporary directory, as CI may make one
+    boundary = Boundary(repo, [tmp_path])
+    assert boundary.outside(str(repo.parent / "shared" / "corpus" / "x.json"))
+    assert not boundary.outside(str(repo / "tests" / "data" / "x.json"))
+    assert not boundary.outside(str(tmp_path / "pytest-of-root" / "t0" / "out.json"))  # the tests' own
+    # where the parent holds an allowed root (the repository right in /tmp), the allowed roots decide
+    beside_tmp = Boundary(tmp_path / "main", [tmp_path / "work"])
+    assert beside_tmp.beside is None
+    assert not beside_tmp.outside(str(tmp_path / "work" / "f"))
+    assert beside_tmp.outside(str(tmp_path / "other" / "f"))
+
+
 def test_default_roots_cover_the_interpreter_and_the_temporary_directory() -> None:
     boundary = conftest.WATCHER.boundary  # the session's
     assert not boundary.outside(os.__file__)  # the standard library
