@@ -17,8 +17,8 @@ from zero_reference import config, make_model, train_step
 import shardwise
 from shardwise.comm import shared_memory as shm
 from shardwise.comm import shm_barrier
+from shardwise.comm.fsdp_shared_hooks import SharedAllGather, SharedReduceScatter
 from shardwise.comm.host_transport import PeerBuffer
-from shardwise.zero.stage3_shared_comm import SharedAllGather, SharedReduceScatter
 
 CPU = torch.device("cpu")
 

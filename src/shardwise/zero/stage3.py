@@ -29,7 +29,7 @@ Two things FSDP2 does not do by itself, measured on the benchmark GPT (2 gloo ra
   also stay gathered until the next micro step (``set_reshard_after_backward``): the
   weights cannot change before the step, so the next forward needs no all-gather;
 - on CPU, when all ranks share a host, FSDP2's all-gathers and reduce-scatters go through
-  shared memory (:mod:`shardwise.zero.stage3_shared_comm`); otherwise reduce-scatters are
+  shared memory (:mod:`shardwise.comm.fsdp_shared_hooks`); otherwise reduce-scatters are
   issued asynchronously during backward and waited when it ends
   (:class:`DeferredReduceScatter`), so they overlap the rest of backward (~12% per step at
   GAS 4); gradients are then moved out of ``param.grad`` into accumulators, in the order
@@ -47,6 +47,7 @@ from torch import nn
 
 from shardwise.comm import collectives
 from shardwise.comm.fsdp_internals import is_dtensor, local_tensor
+from shardwise.comm.fsdp_shared_hooks import open_unit_comms
 from shardwise.comm.group_type import Group
 from shardwise.comm.init import group_source_rank
 from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
@@ -61,7 +62,6 @@ from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_model import ShardedModel
 from shardwise.zero.sharded_optimizer import OptimizerFactory
 from shardwise.zero.stage3_memory import breakdown
-from shardwise.zero.stage3_shared_comm import open_unit_comms
 from shardwise.zero.state_layout import (
     GRADIENTS_UNAVAILABLE,
     GradientLayout,

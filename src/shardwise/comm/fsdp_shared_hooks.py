@@ -1,8 +1,8 @@
-"""Stage 3 on one host: FSDP2's all-gathers and reduce-scatters through shared memory.
+"""ZeRO stage 3 on one host: FSDP2's all-gathers and reduce-scatters through shared memory.
 
-Stages 0-2 keep their flat buffers in shared memory (their
-:class:`~shardwise.comm.host_transport.HostTransport` allocates them). Stage 3's buffers belong to FSDP2, which allocates them per unit and per collective, so here
-the collectives themselves are replaced through FSDP2's hooks (``set_custom_all_gather`` and
+ZeRO's stages 0-2 keep their flat buffers in shared memory (their
+:class:`~shardwise.comm.host_transport.HostTransport` allocates them). Stage 3's buffers belong
+to FSDP2, which allocates them per unit and per collective, so here the collectives themselves are replaced through FSDP2's hooks (``set_custom_all_gather`` and
 ``set_custom_reduce_scatter``), with a small staging buffer per rank in shared memory
 (:mod:`shardwise.comm.host_transport` opens it):
 
