@@ -89,7 +89,7 @@ class Checkpointer:
             error, self._error = self._error, None
             raise RuntimeError(f"the previous asynchronous checkpoint save failed: {error}") from error
 
-    def _group_for_async(self, base: Any) -> Any:
+    def _group_for_async(self, base: Group) -> Group:
         # A background thread must not issue collectives on the group training uses (gloo and
         # nccl both require one issuing order per group), so async saves get their own gloo group.
         if self._async_group is None and comm.get_world_size(base) > 1:

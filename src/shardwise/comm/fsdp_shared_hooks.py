@@ -112,7 +112,7 @@ def _largest_unit_shard(fsdp_modules: Sequence[Any]) -> int:
     return largest
 
 
-def _unit_group(fsdp_modules: Sequence[Any]) -> Any:
+def _unit_group(fsdp_modules: Sequence[Any]) -> Group:
     """The process group FSDP2 gathers and reduces the units over (one for all units), or None."""
     groups = {id(group): group for module in fsdp_modules for group in unit_shard_groups(module)}
     return next(iter(groups.values())) if len(groups) == 1 else None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardwise.comm.group_type import Group
 from shardwise.comm.groups import current_topology, set_topology
 from shardwise.comm.topology import Topology, build_topology
 
@@ -43,7 +44,7 @@ def _ensure_divisibility(numerator: int, denominator: int) -> None:
     assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
 
 
-def _get_data_parallel_group() -> Any:
+def _get_data_parallel_group() -> Group:
     """The data-parallel group (``None``: the world)."""
     return _topology().dp_group
 
@@ -63,7 +64,7 @@ def _get_model_parallel_world_size() -> int:
     return _topology().mp_size
 
 
-def _get_sequence_parallel_group() -> Any:
+def _get_sequence_parallel_group() -> Group:
     """The sequence-parallel group (``None`` without Ulysses)."""
     return _topology().sp_group
 
@@ -78,7 +79,7 @@ def _get_sequence_parallel_rank() -> int:
     return _topology().sp_rank
 
 
-def _get_sequence_data_parallel_group() -> Any:
+def _get_sequence_data_parallel_group() -> Group:
     """The group ZeRO shards over (data x sequence parallel)."""
     return _topology().shard_group
 
@@ -93,7 +94,7 @@ def _get_sequence_data_parallel_rank() -> int:
     return _topology().shard_rank
 
 
-def get_data_parallel_group() -> Any:
+def get_data_parallel_group() -> Group:
     """The data-parallel group (the mpu's, else the world's)."""
     return _get_data_parallel_group()
 
@@ -108,7 +109,7 @@ def get_data_parallel_rank() -> int:
     return _get_data_parallel_rank()
 
 
-def get_model_parallel_group() -> Any:
+def get_model_parallel_group() -> Group:
     """The model-parallel group (``None`` without an mpu)."""
     return _topology().mp_group
 
@@ -177,13 +178,17 @@ def _get_expert_parallel_ranks(
             dp_ranks = list(range(stage_start + tp_index, stage_start + stage_size, tensor_parallel_size_))
             if use_data_before_expert_parallel_:
                 stride = dp_size // expert_parallel_size_
-                dp_ranks = [dp_ranks[d + e * stride] for d in range(stride) for e in range(expert_parallel_size_)]
+                dp_ranks = [
+                    dp_ranks[d + e * stride] for d in range(stride) for e in range(expert_parallel_size_)
+                ]
             runs = [dp_ranks[i : i + expert_parallel_size_] for i in range(0, dp_size, expert_parallel_size_)]
             expert_groups.extend(runs)
             expert_data_groups.extend([list(position) for position in zip(*runs)])
     return expert_groups, expert_data_groups
 
 
-def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False) -> None:
+def _create_expert_and_data_parallel(
+    expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False
+) -> None:
     """Expert groups come with MoE: size 1 needs none (the data-parallel groups serve), larger sizes raise."""
     _require_no_experts("_create_expert_and_data_parallel", expert_parallel_size_)
