@@ -134,8 +134,8 @@ class AutotuningHook:
         self._flops: Any = None
 
     def adjust_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: ForwardContext
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, args: tuple[object, ...], kwargs: dict[str, object], context: ForwardContext
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """The arguments pass unchanged."""
         return args, kwargs
 
@@ -194,11 +194,11 @@ class AutotuningHook:
             write_json_atomically(self.settings.model_info_path, info)
         self.exit_run()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """Nothing to keep: an experiment does not checkpoint."""
         return {}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Nothing to restore."""
 
 

@@ -62,8 +62,8 @@ class FlopsProfilerHook:
         self.profiling = False
 
     def adjust_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: ForwardContext
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, args: tuple[object, ...], kwargs: dict[str, object], context: ForwardContext
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """Start profiling at the profiled step's first training forward; the arguments pass unchanged."""
         if context.training and not self.profiling and context.global_step == self.settings.profile_step:
             self.profiler.start_profile()
@@ -91,11 +91,11 @@ class FlopsProfilerHook:
         )
         self.profiler.end_profile()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """Nothing to keep: a resumed run past ``profile_step`` does not profile again."""
         return {}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Nothing to restore."""
 
 

@@ -15,7 +15,7 @@ current value. A model whose ``forward`` cannot take the two keyword arguments i
 
 Example:
     >>> from shardwise.config import load_config
-    >>> from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
+    >>> from shardwise.runtime.step_hooks import ForwardContext, StepOutcome, state_number
     >>> cfg = load_config({"train_batch_size": 2,
     ...                    "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.1}}).config
     >>> hook = build_progressive_layer_drop_hook(cfg.progressive_layer_drop, lambda x, **kw: x)
@@ -37,7 +37,7 @@ import torch
 
 from shardwise.config.errors import ConfigError
 from shardwise.config.sections.legacy import ProgressiveLayerDropConfig
-from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
+from shardwise.runtime.step_hooks import ForwardContext, StepOutcome, state_number
 
 __all__ = [
     "ProgressiveLayerDropHook",
@@ -89,8 +89,8 @@ class ProgressiveLayerDropHook:
         self.theta = 1.0
 
     def adjust_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: ForwardContext
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, args: tuple[object, ...], kwargs: dict[str, object], context: ForwardContext
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """Add ``progressive_layer_drop=True, pld_theta=theta`` to training forwards."""
         if not context.training:
             return args, kwargs
@@ -100,13 +100,13 @@ class ProgressiveLayerDropHook:
         """Update theta from the step count before this step (DeepSpeed's order)."""
         self.theta = pld_theta(outcome.global_step - 1, self.target, self.gamma)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """The current theta."""
         return {"theta": self.theta}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore the current theta."""
-        self.theta = float(state["theta"])
+        self.theta = state_number(state, "theta", self.name)
 
 
 def _accepts(forward: Callable[..., Any], names: tuple[str, ...]) -> bool:
