@@ -149,7 +149,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         return self.precision.loss_scaler.loss_scale
 
     # ------------------------------------------------------------------ forward / backward
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         """Call the wrapped module: step hooks adjust the arguments, then inputs are cast under
         ``fp16.auto_cast`` and autocast applies if configured."""
         training = self.module.training

@@ -137,7 +137,7 @@ class RawAwareReader(FileSystemReader):
     """DCP's file reader that reads raw tensor items itself (see the module docstring)."""
 
     def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+        self, metadata: Metadata, is_coordinator: bool, *args: object, **kwargs: object
     ) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}

@@ -93,7 +93,7 @@ class Boundaries:
         self.drop_last = drop_last
         self.calls = 0
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: object) -> Any:
         from shardwise.checkpointing.rng import tracker_restored
 
         recompute = self.calls > 0

@@ -33,7 +33,7 @@ __all__ = [
 noop_context = contextlib.nullcontext
 
 
-def call_to_str(base: str, *args: Any, **kwargs: Any) -> str:
+def call_to_str(base: str, *args: object, **kwargs: object) -> str:
     """``base(arg, ..., key=value)`` with each value's ``repr``.
 
     Example:

@@ -69,7 +69,7 @@ class OnDevice:
                 torch.set_default_dtype(self.dtype)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
         if self._saved_dtype is not None:

@@ -29,7 +29,7 @@ def _raise(qualname: str, instead: str) -> NoReturn:
 def unavailable_class(qualname: str, instead: str) -> type:
     """A class named like DeepSpeed's whose construction raises naming ``qualname`` and ``instead``."""
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: Any, *args: object, **kwargs: object) -> None:
         _raise(qualname, instead)
 
     module, _, name = qualname.rpartition(".")
@@ -40,7 +40,7 @@ def unavailable_class(qualname: str, instead: str) -> type:
 def unavailable_function(qualname: str, instead: str) -> Any:
     """A function named like DeepSpeed's whose call raises naming ``qualname`` and ``instead``."""
 
-    def function(*args: Any, **kwargs: Any) -> NoReturn:
+    def function(*args: object, **kwargs: object) -> NoReturn:
         _raise(qualname, instead)
 
     function.__name__ = function.__qualname__ = qualname.rpartition(".")[2]

@@ -55,7 +55,7 @@ class SeqlenTruncation(nn.Module):
         self.module = module
         self.seq_dim = seq_dim
 
-    def forward(self, *args: Any, curriculum_seqlen: int | None = None, **kwargs: Any) -> Any:
+    def forward(self, *args: object, curriculum_seqlen: int | None = None, **kwargs: object) -> Any:
         """Call the model on the inputs cut to ``curriculum_seqlen`` positions."""
         args = truncate_to_seqlen(args, curriculum_seqlen, self.seq_dim)
         kwargs = truncate_to_seqlen(kwargs, curriculum_seqlen, self.seq_dim)

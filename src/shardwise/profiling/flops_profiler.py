@@ -59,8 +59,8 @@ def _cpu_flash_attention_flop(
     query_shape: Sequence[int],
     key_shape: Sequence[int],
     value_shape: Sequence[int],
-    *args: Any,
-    **kwargs: Any,
+    *args: object,
+    **kwargs: object,
 ) -> int:
     """FLOPs of the CPU flash-attention kernel: the same two batched products as on GPU."""
     return int(sdpa_flop_count(query_shape, key_shape, value_shape))

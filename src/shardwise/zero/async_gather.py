@@ -144,7 +144,7 @@ class PendingGathers:
         self._handles = []
         self._module_keys = {}
 
-    def _wait_everything_hook(self, *args: Any, **kwargs: Any) -> None:
+    def _wait_everything_hook(self, *args: object, **kwargs: object) -> None:
         self.wait_all()
 
     def _module_hook(self, module_id: int, keys: tuple[BucketKey, ...]) -> Callable[..., None]:

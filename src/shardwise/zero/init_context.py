@@ -270,7 +270,7 @@ class Init:
         Init._active.append(self)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
         for handle in self._handles:
@@ -457,7 +457,7 @@ class GatheredParameters:
                 return param.detach().full_tensor().clone()  # type: ignore[attr-defined]
         return None
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
         keep = self.modifier_rank is not None and exc[0] is None
