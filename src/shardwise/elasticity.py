@@ -88,7 +88,7 @@ _DEFAULTS: dict[str, Any] = {
 _SUPPORTED_VERSIONS = (0.1, 0.2)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

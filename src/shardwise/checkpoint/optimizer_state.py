@@ -318,7 +318,7 @@ def _presented(
     )
 
 
-def _is_elementwise(key: str, value: Any, tensor: torch.Tensor) -> bool:
+def _is_elementwise(key: str, value: object, tensor: torch.Tensor) -> bool:
     """Optimizer state with one value per element of ``tensor`` (exp_avg...), as opposed to ``step``."""
     return key != "step" and torch.is_tensor(value) and value.shape == tensor.shape
 

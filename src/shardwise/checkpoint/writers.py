@@ -150,7 +150,7 @@ def _write_pt(path: Path, specs: Mapping[str, Spec], tensors: Iterable[tuple[str
     }
 
     class _Pickler(pickle.Pickler):
-        def persistent_id(self, obj: Any) -> Any:
+        def persistent_id(self, obj: object) -> Any:
             if isinstance(obj, _StorageRef):
                 return ("storage", _storage_class(obj.dtype), obj.key, "cpu", obj.numel)
             return None

@@ -200,7 +200,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     def section(title: str) -> None:
         lines.extend(["-" * 72, title, "-" * 72])
 
-    def row(name: str, value: Any) -> None:
+    def row(name: str, value: object) -> None:
         lines.append(f"{name} {'.' * max(width - len(name), 3)} {value}")
 
     section("versions")

@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 
-def _refuse(what: str, value: Any) -> None:
+def _refuse(what: str, value: object) -> None:
     if value:
         raise NotImplementedError(
             f"zero_to_fp32 {what}={value!r} is not supported by shardwise: `shardwise checkpoint export` streams "

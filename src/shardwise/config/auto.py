@@ -102,7 +102,7 @@ def get_path(tree: Mapping[str, Any], path: str, default: Any = None) -> Any:
     return node
 
 
-def set_path(tree: dict[str, Any], path: str, value: Any) -> None:
+def set_path(tree: dict[str, Any], path: str, value: object) -> None:
     """Set a dotted path, creating dicts on the way."""
     parts = path.split(".")
     node = tree
@@ -248,7 +248,7 @@ class AutoResolver:
             self._resolve_one(raw, path)
 
     def _set(
-        self, raw: dict[str, Any], path: str, value: Any, note: str, source: Source = Source.AUTO
+        self, raw: dict[str, Any], path: str, value: object, note: str, source: Source = Source.AUTO
     ) -> None:
         set_path(raw, path, value)
         self.provenance[path] = Provenance(source, note)

@@ -234,7 +234,7 @@ def _check_group(tech: str, key: str, params: dict[str, Any], shared: dict[str, 
         _check_ratio(f"{key}.params.dense_ratio", params["dense_ratio"])
 
 
-def _patterns(key: str, value: Any) -> tuple[str, ...]:
+def _patterns(key: str, value: object) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):

@@ -55,7 +55,7 @@ def _parse_text(text: str, origin: str) -> dict[str, Any]:
     return _to_plain(data)
 
 
-def _to_plain(obj: Any) -> Any:
+def _to_plain(obj: object) -> Any:
     if isinstance(obj, Mapping):
         return {str(k): _to_plain(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):

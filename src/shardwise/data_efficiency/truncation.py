@@ -22,7 +22,7 @@ from torch import nn
 __all__ = ["SeqlenTruncation", "truncate_to_seqlen"]
 
 
-def truncate_to_seqlen(value: Any, seqlen: int | None, dim: int = 1) -> Any:
+def truncate_to_seqlen(value: object, seqlen: int | None, dim: int = 1) -> Any:
     """Slice every tensor in ``value`` (nested tuples, lists and dicts too) whose dimension
     ``dim`` is longer than ``seqlen`` to its first ``seqlen`` positions; other values pass.
     ``seqlen=None`` returns ``value`` unchanged."""

@@ -70,7 +70,7 @@ class PrecisionPolicy:
         if not self.cast_inputs:
             return args, kwargs
 
-        def cast(value: Any) -> Any:
+        def cast(value: object) -> Any:
             if torch.is_tensor(value) and value.is_floating_point():
                 return value.to(self.param_dtype)
             if isinstance(value, list | tuple):

@@ -172,7 +172,7 @@ class FlopsProfiler:
         self._counter.__enter__()
         self._excluded = 0
 
-    def _exit_root(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _exit_root(self, module: nn.Module, args: Any, output: object) -> None:
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._counter = None
@@ -184,7 +184,7 @@ class FlopsProfiler:
         return hook
 
     def _post(self, stats: ModuleStats) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: Any, output: object) -> None:
             if not stats._starts:
                 return
             flops0, t0 = stats._starts.pop()
@@ -199,7 +199,7 @@ class FlopsProfiler:
             self._ignore_start = self._raw()
         self._ignore_depth += 1
 
-    def _ignored_post(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _ignored_post(self, module: nn.Module, args: Any, output: object) -> None:
         self._ignore_depth -= 1
         if self._ignore_depth == 0:
             self._excluded += self._raw() - self._ignore_start

@@ -167,7 +167,7 @@ class PendingGathers:
         self._seen_order = []
         self._fired = set()
 
-    def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _root_post_hook(self, module: nn.Module, args: Any, output: object) -> None:
         if self._recording:
             self._recording = False
             self.learned = True
