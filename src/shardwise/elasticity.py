@@ -357,7 +357,7 @@ def get_compatible_gpus_v02(
     return final, [current_dp], _pick_micro_batch(micro_batches, final // current_dp, prefer_larger)
 
 
-def _elasticity_block(ds_config: Any) -> ElasticityConfig:
+def _elasticity_block(ds_config: object) -> ElasticityConfig:
     if not isinstance(ds_config, Mapping):
         raise ElasticityConfigError(f"ds_config must be a dict, got {type(ds_config).__name__}.")
     if "elasticity" not in ds_config:

@@ -37,7 +37,7 @@ class Stateful(Protocol):
         """Picklable plain values that restore the object."""
         ...
 
-    def load_state_dict(self, state: Any) -> None:
+    def load_state_dict(self, state: object) -> None:
         """Restore what :meth:`state_dict` returned."""
         ...
 

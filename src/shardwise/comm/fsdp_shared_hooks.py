@@ -83,7 +83,7 @@ class SharedReduceScatter(FsdpHook):
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
         group: Group,
-        op: Any,
+        op: object,
         async_op: bool = False,
     ) -> None:
         self._input_next = True

@@ -7,8 +7,6 @@ comms logger; these are the plain calls user scripts make through ``deepspeed.co
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -34,7 +32,7 @@ def all_gather(
 
 
 def reduce(
-    tensor: torch.Tensor, dst: int, op: Any = dist.ReduceOp.SUM, group: Group = None, async_op: bool = False
+    tensor: torch.Tensor, dst: int, op: object = dist.ReduceOp.SUM, group: Group = None, async_op: bool = False
 ) -> dist.Work | None:
     """Reduce ``tensor`` over the group into rank ``dst``."""
     return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
@@ -43,7 +41,7 @@ def reduce(
 def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],
-    op: Any = dist.ReduceOp.SUM,
+    op: object = dist.ReduceOp.SUM,
     group: Group = None,
     async_op: bool = False,
 ) -> dist.Work | None:

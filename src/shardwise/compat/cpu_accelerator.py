@@ -262,7 +262,7 @@ class CpuAccelerator:
     def capture_to_graph(
         self,
         graph: torch.cuda.CUDAGraph,
-        pool: Any = None,  # torch.cuda.graph_pool_handle(), a private torch type
+        pool: object = None,  # torch.cuda.graph_pool_handle(), a private torch type
         stream: torch.cuda.Stream | None = None,
     ) -> contextlib.AbstractContextManager[object]:
         """A context that does nothing."""

@@ -12,14 +12,12 @@ its expert groups are the data-parallel ones at size 1, a larger size raises nam
 
 from __future__ import annotations
 
-from typing import Any
-
 from shardwise.comm.group_type import Group
 from shardwise.comm.groups import current_topology, set_topology
 from shardwise.comm.topology import Topology, build_topology
 
 
-def initialize(ep_size: int = 1, mpu: Any = None) -> None:
+def initialize(ep_size: int = 1, mpu: object = None) -> None:
     """Register the layout ``mpu`` describes (none: keep the current one); ``ep_size`` > 1 needs MoE,
     which shardwise lacks (raises)."""
     _require_no_experts("groups.initialize", ep_size)

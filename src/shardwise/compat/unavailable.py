@@ -29,7 +29,7 @@ def _raise(qualname: str, instead: str) -> NoReturn:
 def unavailable_class(qualname: str, instead: str) -> type:
     """A class named like DeepSpeed's whose construction raises naming ``qualname`` and ``instead``."""
 
-    def __init__(self: Any, *args: object, **kwargs: object) -> None:
+    def __init__(self: object, *args: object, **kwargs: object) -> None:
         _raise(qualname, instead)
 
     module, _, name = qualname.rpartition(".")

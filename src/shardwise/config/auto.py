@@ -92,7 +92,7 @@ class ResolutionContext:
 # ---------------------------------------------------------------- dotted paths
 
 
-def get_path(tree: Mapping[str, Any], path: str, default: Any = None) -> Any:
+def get_path(tree: Mapping[str, Any], path: str, default: object = None) -> Any:
     """Value at a dotted path, or ``default``."""
     node: Any = tree
     for part in path.split("."):
@@ -125,7 +125,7 @@ def delete_path(tree: dict[str, Any], path: str) -> None:
         node.pop(parts[-1], None)
 
 
-def find_auto_paths(tree: Any, prefix: str = "") -> list[str]:
+def find_auto_paths(tree: object, prefix: str = "") -> list[str]:
     """All dotted paths whose value is the string ``"auto"`` (any case)."""
     found: list[str] = []
     if isinstance(tree, Mapping):
@@ -147,7 +147,7 @@ def find_auto_paths(tree: Any, prefix: str = "") -> list[str]:
 # ---------------------------------------------------------------- model introspection
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
+def _model_in(annotation: object) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in typing.get_args(annotation):
@@ -157,7 +157,7 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _is_dict_of_models(annotation: Any) -> type[BaseModel] | None:
+def _is_dict_of_models(annotation: object) -> type[BaseModel] | None:
     for candidate in (annotation, *typing.get_args(annotation)):
         if typing.get_origin(candidate) is dict:
             args = typing.get_args(candidate)

@@ -82,7 +82,7 @@ def train_loader_options(
     dp_rank: int,
     dp_size: int,
     gradient_accumulation_steps: int,
-    data_sampler: Any,
+    data_sampler: object,
     num_workers: int | None,
     pin_memory: bool,
 ) -> TrainLoaderOptions:

@@ -205,7 +205,7 @@ def _diagnose(exc: BaseException) -> str | None:
         return f"(hang diagnosis failed: {type(diag_error).__name__}: {diag_error})"
 
 
-def _exit_code(code: Any) -> int:
+def _exit_code(code: object) -> int:
     if code is None:
         return 0
     if isinstance(code, int):

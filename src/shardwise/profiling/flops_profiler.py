@@ -165,26 +165,26 @@ class FlopsProfiler:
             self._sync()
         return time.perf_counter()
 
-    def _enter_root(self, module: nn.Module, args: Any) -> None:
+    def _enter_root(self, module: nn.Module, args: object) -> None:
         # A fresh counter per root call: FlopCounterMode resets on entry, so the
         # module totals below are accumulated in ModuleStats, not in the counter.
         self._counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FORMULAS)
         self._counter.__enter__()
         self._excluded = 0
 
-    def _exit_root(self, module: nn.Module, args: Any, output: object) -> None:
+    def _exit_root(self, module: nn.Module, args: object, output: object) -> None:
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._counter = None
 
     def _pre(self, stats: ModuleStats) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: object) -> None:
             stats._starts.append((self._effective(), self._clock()))
 
         return hook
 
     def _post(self, stats: ModuleStats) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: object) -> None:
+        def hook(module: nn.Module, args: object, output: object) -> None:
             if not stats._starts:
                 return
             flops0, t0 = stats._starts.pop()
@@ -194,12 +194,12 @@ class FlopsProfiler:
 
         return hook
 
-    def _ignored_pre(self, module: nn.Module, args: Any) -> None:
+    def _ignored_pre(self, module: nn.Module, args: object) -> None:
         if self._ignore_depth == 0:
             self._ignore_start = self._raw()
         self._ignore_depth += 1
 
-    def _ignored_post(self, module: nn.Module, args: Any, output: object) -> None:
+    def _ignored_post(self, module: nn.Module, args: object, output: object) -> None:
         self._ignore_depth -= 1
         if self._ignore_depth == 0:
             self._excluded += self._raw() - self._ignore_start

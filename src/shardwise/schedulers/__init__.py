@@ -155,7 +155,7 @@ def _check_params(type_name: str, cls: type, params: dict[str, Any], skip: set[s
         )
 
 
-def build_scheduler(type_name: str, params: dict[str, Any] | None, optimizer: Any) -> Any:
+def build_scheduler(type_name: str, params: dict[str, Any] | None, optimizer: object) -> Any:
     """Build the scheduler named by a config's ``scheduler.type`` for ``optimizer``.
 
     Args:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Any
 
 from shardwise.config.errors import KeyedValueError
 from shardwise.utils.logging import logger
@@ -72,7 +71,7 @@ def check_real(name: str, value: object, *, minimum: float | None = 0.0, fix: st
     return float(value)
 
 
-def resolve_warmup_type(warmup_type: Any) -> str:
+def resolve_warmup_type(warmup_type: object) -> str:
     """Return ``warmup_type`` if DeepSpeed knows it, else warn and return ``"log"`` (as DeepSpeed does)."""
     if warmup_type in WARMUP_TYPES:
         return str(warmup_type)

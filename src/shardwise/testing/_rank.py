@@ -150,7 +150,7 @@ def worker_main(spec: RankSpec, conn: Connection) -> None:
     os._exit(0)
 
 
-def _describe_case(index: int, total: int, case: Any) -> str:
+def _describe_case(index: int, total: int, case: object) -> str:
     text = repr(case)
     if len(text) > _CASE_REPR_LIMIT:
         text = text[: _CASE_REPR_LIMIT - 3] + "..."

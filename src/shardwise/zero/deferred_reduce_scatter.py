@@ -39,7 +39,7 @@ class DeferredReduceScatter(FsdpHook):
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
         group: Group,
-        op: Any,
+        op: object,
         async_op: bool = False,
     ) -> Any:
         # shard_model forces SUM with a divide factor of 1

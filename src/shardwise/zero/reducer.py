@@ -225,7 +225,7 @@ class GradientReducer(ABC):
 
         self._in_flight(work, after)
 
-    def _in_flight(self, work: Any, after: Callable[[], None]) -> None:
+    def _in_flight(self, work: object, after: Callable[[], None]) -> None:
         """Remember a launched reduction; ``after`` runs once it is done (in ``finish``)."""
         self._inflight.append(_Inflight(work, after))
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 
-def is_numeric_annotation(annotation: Any) -> bool:
+def is_numeric_annotation(annotation: object) -> bool:
     """True for ``int``, ``float``, integer ``Literal``s and unions/optionals containing one.
 
     Example:
@@ -39,7 +39,7 @@ def _reject_bool_numbers(cls: type[BaseModel], value: object, info: ValidationIn
     return value
 
 
-def _allows_bool(annotation: Any) -> bool:
+def _allows_bool(annotation: object) -> bool:
     if annotation is bool:
         return True
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
