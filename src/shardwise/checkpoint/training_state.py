@@ -82,8 +82,8 @@ def saved_parts(parts: Mapping[str, StatePart]) -> tuple[dict[str, Any], dict[st
 
 def restore_parts(
     parts: Mapping[str, StatePart],
-    common: Mapping[str, Any],
-    per_rank: Mapping[str, Any] | None,
+    common: Mapping[str, object],
+    per_rank: Mapping[str, object] | None,
     *,
     with_optimizer: bool,
     with_scheduler: bool,

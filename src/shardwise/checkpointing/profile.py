@@ -79,7 +79,7 @@ class Boundaries:
 
     def __init__(
         self,
-        function: Callable[..., Any],
+        function: Callable[..., object],
         *,
         profile: bool,
         synchronize: bool,

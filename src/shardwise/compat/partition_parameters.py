@@ -31,7 +31,7 @@ _orig_torch_arange = torch.arange
 
 
 def zero_wrapper_for_fp_tensor_constructor(
-    fn: Callable[..., Any], *args: object, **kwargs: object
+    fn: Callable[..., object], *args: object, **kwargs: object
 ) -> Callable[..., Any]:
     """Returns ``fn`` unchanged: shardwise's ``zero.Init`` leaves tensor constructors alone."""
     return fn

@@ -92,7 +92,7 @@ class ResolutionContext:
 # ---------------------------------------------------------------- dotted paths
 
 
-def get_path(tree: Mapping[str, Any], path: str, default: object = None) -> Any:
+def get_path(tree: Mapping[str, object], path: str, default: object = None) -> Any:
     """Value at a dotted path, or ``default``."""
     node: Any = tree
     for part in path.split("."):
@@ -102,7 +102,7 @@ def get_path(tree: Mapping[str, Any], path: str, default: object = None) -> Any:
     return node
 
 
-def set_path(tree: dict[str, Any], path: str, value: object) -> None:
+def set_path(tree: dict[str, object], path: str, value: object) -> None:
     """Set a dotted path, creating dicts on the way."""
     parts = path.split(".")
     node = tree
@@ -115,7 +115,7 @@ def set_path(tree: dict[str, Any], path: str, value: object) -> None:
     node[parts[-1]] = value
 
 
-def delete_path(tree: dict[str, Any], path: str) -> None:
+def delete_path(tree: dict[str, object], path: str) -> None:
     """Remove a dotted path if present."""
     parts = path.split(".")
     node: Any = tree
@@ -222,7 +222,7 @@ class AutoResolver:
     warnings: list[str] = field(default_factory=list)
     batch_autos: set[str] = field(default_factory=set)
 
-    def apply_overrides(self, raw: dict[str, Any]) -> None:
+    def apply_overrides(self, raw: dict[str, object]) -> None:
         """Fill ``"auto"`` or missing keys from the caller's overrides; conflicts are errors."""
         for path, value in self.ctx.overrides.items():
             current = get_path(raw, path, default=_MISSING)
@@ -238,7 +238,7 @@ class AutoResolver:
                     value=current,
                 )
 
-    def resolve(self, raw: dict[str, Any]) -> None:
+    def resolve(self, raw: dict[str, object]) -> None:
         """Replace every remaining ``"auto"`` in ``raw`` (in place)."""
         self.apply_overrides(raw)
         autos = find_auto_paths(raw)
@@ -248,12 +248,12 @@ class AutoResolver:
             self._resolve_one(raw, path)
 
     def _set(
-        self, raw: dict[str, Any], path: str, value: object, note: str, source: Source = Source.AUTO
+        self, raw: dict[str, object], path: str, value: object, note: str, source: Source = Source.AUTO
     ) -> None:
         set_path(raw, path, value)
         self.provenance[path] = Provenance(source, note)
 
-    def _resolve_one(self, raw: dict[str, Any], path: str) -> None:
+    def _resolve_one(self, raw: dict[str, object], path: str) -> None:
         ctx = self.ctx
         if path in BATCH_KEYS:
             self.batch_autos.add(path)  # resolved with the batch triple
@@ -297,7 +297,7 @@ class AutoResolver:
             value=AUTO,
         )
 
-    def _optimizer_param(self, raw: dict[str, Any], path: str) -> None:
+    def _optimizer_param(self, raw: dict[str, object], path: str) -> None:
         key = path.split(".", 2)[2]
         hparams = self.ctx.optimizer_hparams or {}
         if key in hparams:
@@ -312,7 +312,7 @@ class AutoResolver:
         opt_type = str(get_path(raw, "optimizer.type", ""))
         self._set(raw, path, _optimizer_default(opt_type, key), f"{opt_type} default")
 
-    def _scheduler_param(self, raw: dict[str, Any], path: str) -> None:
+    def _scheduler_param(self, raw: dict[str, object], path: str) -> None:
         key = path.split(".", 2)[2]
         if key in ("warmup_max_lr", "cycle_max_lr"):
             lr = get_path(raw, "optimizer.params.lr")

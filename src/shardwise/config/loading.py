@@ -21,7 +21,7 @@ import hjson
 from shardwise.config.errors import ConfigError
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     duplicates = []
     for key, value in pairs:
@@ -85,7 +85,7 @@ def _read_file(path: Path) -> str:
         ) from exc
 
 
-def read_config_source(source: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+def read_config_source(source: str | os.PathLike[str] | Mapping[str, object]) -> tuple[dict[str, Any], str]:
     """Return ``(config dict, description of where it came from)``.
 
     The caller's dict is deep-copied, so resolution never modifies it.

@@ -39,7 +39,7 @@ class WandbMonitor(Monitor):
     name = "wandb"
 
     def __init__(
-        self, project: str, group: str | None, team: str | None, run_config: dict[str, Any] | None = None
+        self, project: str, group: str | None, team: str | None, run_config: dict[str, object] | None = None
     ) -> None:
         wandb = import_optional("wandb", "wandb", "wandb")
         self.run: Any = wandb.init(project=project, group=group, entity=team, config=run_config)

@@ -46,7 +46,7 @@ class GradientExchangingOptimizer(Protocol):
         """This rank's own state (error buffers), saved per rank."""
         ...
 
-    def load_rank_state_dict(self, state: dict[str, Any] | None) -> bool | None:
+    def load_rank_state_dict(self, state: dict[str, object] | None) -> bool | None:
         """Restore :meth:`rank_state_dict` (None: no saved state for this rank; start afresh).
 
         Returns True when it rewrote the parameters' values (they are then re-published)."""

@@ -83,7 +83,7 @@ class OneBitExchange:
             return self._reduce.state_dict()
         return self._pending
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+    def load_state_dict(self, state: dict[str, object] | None) -> None:
         """Restore :meth:`state_dict` (applied when the all-reduce is built; None: start at zero)."""
         self._reduce = None
         self._pending = state

@@ -11,7 +11,7 @@ not profiled. It keeps no state across a checkpoint.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -53,7 +53,7 @@ class FlopsProfilerHook:
         profiler: FlopsProfiler,
         settings: FlopsProfilerConfig,
         timers: WallClockTimers,
-        context: Mapping[str, Any],
+        context: Mapping[str, object],
     ) -> None:
         self.profiler = profiler
         self.settings = settings
@@ -104,7 +104,7 @@ def build_flops_profiler_hook(
     model: nn.Module,
     rank: int,
     timers: WallClockTimers,
-    context: Mapping[str, Any],
+    context: Mapping[str, object],
 ) -> FlopsProfilerHook | None:
     """The profiler hook where the config enables it (rank 0, ``profile_step >= 0``), else None.
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 
@@ -109,7 +108,7 @@ class ProgressiveLayerDropHook:
         self.theta = state_number(state, "theta", self.name)
 
 
-def _accepts(forward: Callable[..., Any], names: tuple[str, ...]) -> bool:
+def _accepts(forward: Callable[..., object], names: tuple[str, ...]) -> bool:
     try:
         params = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
@@ -121,7 +120,7 @@ def _accepts(forward: Callable[..., Any], names: tuple[str, ...]) -> bool:
 
 
 def build_progressive_layer_drop_hook(
-    section: ProgressiveLayerDropConfig | None, forward: Callable[..., Any]
+    section: ProgressiveLayerDropConfig | None, forward: Callable[..., object]
 ) -> ProgressiveLayerDropHook | None:
     """The hook for an enabled ``progressive_layer_drop`` section, else None.
 

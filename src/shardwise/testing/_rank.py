@@ -48,7 +48,7 @@ _parent_conn: Connection | None = None
 _current_case: str | None = None
 
 
-def send_message(conn: Connection, message: tuple[Any, ...]) -> None:
+def send_message(conn: Connection, message: tuple[object, ...]) -> None:
     # Plain pickle, not the connection's ForkingPickler: importing torch registers
     # shared-memory reductions there, and a tensor sent that way can be lost when the child
     # exits before the parent has mapped it. Plain pickle copies tensors by value.
@@ -160,10 +160,10 @@ def _describe_case(index: int, total: int, case: object) -> str:
 def run_cases(
     rank: int,
     world_size: int,
-    fn: Callable[..., Any],
-    cases: Sequence[Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    fn: Callable[..., object],
+    cases: Sequence[object],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
 ) -> list[Any]:
     """Rank-side loop of ``run_distributed_cases``: one result per case."""
     global _current_case
