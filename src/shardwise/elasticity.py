@@ -72,7 +72,7 @@ HCN_LIST: tuple[int, ...] = (
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 """Top-level batch keys that elasticity computes and therefore overrides."""
 
-_DEFAULTS: dict[str, Any] = {
+_DEFAULTS: dict[str, object] = {
     "enabled": False,
     "max_train_batch_size": 2000,
     "micro_batch_sizes": [2, 4, 6],

@@ -56,7 +56,7 @@ def replace_config_arg(user_args: Sequence[str], path: str) -> list[str]:
 
 
 def _lookup(config: Mapping[str, object], dotted: str) -> Any:
-    node: Any = config
+    node: object = config
     for part in dotted.split("."):
         if not isinstance(node, Mapping) or part not in node:
             raise KeyError(dotted)

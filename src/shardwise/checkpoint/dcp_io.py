@@ -342,7 +342,7 @@ class StreamingReader:
         entry = self.entries.get(key)
         if entry is None:
             raise KeyError(f"{key!r} is not in the checkpoint at {self.path}")
-        target: dict[str, Any] = {
+        target: dict[str, object] = {
             key: torch.empty(entry.shape, dtype=entry.dtype) if entry.is_tensor else None  # type: ignore[arg-type]
         }
         self.read_into(target)

@@ -42,8 +42,8 @@ class CheckpointedEngine(Protocol):
     counters: EngineCounters
     step_hooks: StepHooks
     checkpointer: Checkpointer
-    lr_scheduler: Any  # the client's or the config's scheduler: anything Stateful, or None
-    training_dataloader: Any  # the engine's loader (Stateful when it is shardwise's), or None
+    lr_scheduler: object  # the client's or the config's scheduler: anything Stateful, or None
+    training_dataloader: object  # the engine's loader (Stateful when it is shardwise's), or None
 
     @property
     def topology(self) -> Topology:
@@ -317,7 +317,7 @@ def consolidated_16bit_state_dict(
     state = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
     compute = engine.precision.param_dtype if engine.zero_optimization_stage() == 3 else None
     rank0 = comm.get_rank() == 0
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, value in state.items():
         full = full_tensor(value)  # collective
         if rank0:

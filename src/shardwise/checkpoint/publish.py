@@ -90,7 +90,7 @@ def _share_metadata(staging: Path, group: Group) -> None:
 
 def snapshot(items: dict[str, object]) -> dict[str, Any]:
     """Copies that training cannot change while a background thread writes them."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, value in items.items():
         if isinstance(value, dcp_io.FlatShards):
             out[key] = value.snapshot()

@@ -81,7 +81,7 @@ def _checked(
 
 
 def _safetensors_header(specs: Mapping[str, Spec], metadata: Mapping[str, str] | None) -> bytes:
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
     for key, spec in specs.items():
         shape, dtype = spec
@@ -127,7 +127,7 @@ class _TensorRef:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         stride = tuple(math.prod(self.shape[i + 1 :]) for i in range(len(self.shape)))
-        args: tuple[Any, ...] = (
+        args: tuple[object, ...] = (
             self.storage,
             0,
             torch.Size(self.shape),

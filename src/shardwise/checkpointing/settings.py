@@ -53,7 +53,7 @@ class CheckpointingSettings:
     number_checkpoints: int | None = None
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
-    mpu: Any = None
+    mpu: object = None
     mp_group: Group = None
     mp_rank: int = 0
     mp_size: int = 1

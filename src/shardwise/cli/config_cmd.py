@@ -46,7 +46,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep:

@@ -36,7 +36,7 @@ LITERAL_AUTO_FIELDS = {"data_types.keep_in_fp32_modules", "pipeline.stages"}
 
 # optimizer hyperparameter defaults by JSON name (lower case); torch classes are introspected
 _ADAM_LIKE = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
-OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
+OPTIMIZER_DEFAULTS: dict[str, dict[str, object]] = {
     "adam": _ADAM_LIKE,
     "adamw": _ADAM_LIKE,
     "onebitadam": _ADAM_LIKE,
@@ -46,7 +46,7 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
     "lion": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},
     "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
 }
-SCHEDULER_DEFAULTS: dict[str, Any] = {
+SCHEDULER_DEFAULTS: dict[str, object] = {
     "warmup_min_lr": 0.0,
     "warmup_num_steps": 1000,
     "warmup_type": "log",
@@ -82,8 +82,8 @@ class ResolutionContext:
     """
 
     world_size: int = 1
-    overrides: Mapping[str, Any] = field(default_factory=dict)
-    optimizer_hparams: Mapping[str, Any] | None = None
+    overrides: Mapping[str, object] = field(default_factory=dict)
+    optimizer_hparams: Mapping[str, object] | None = None
     hidden_size: int | None = None
     loader_batch_size: int | None = None
     total_training_steps: int | None = None
@@ -94,7 +94,7 @@ class ResolutionContext:
 
 def get_path(tree: Mapping[str, object], path: str, default: object = None) -> Any:
     """Value at a dotted path, or ``default``."""
-    node: Any = tree
+    node: object = tree
     for part in path.split("."):
         if not isinstance(node, Mapping) or part not in node:
             return default
@@ -118,7 +118,7 @@ def set_path(tree: dict[str, object], path: str, value: object) -> None:
 def delete_path(tree: dict[str, object], path: str) -> None:
     """Remove a dotted path if present."""
     parts = path.split(".")
-    node: Any = tree
+    node: object = tree
     for part in parts[:-1]:
         node = node.get(part) if isinstance(node, dict) else None
     if isinstance(node, dict):

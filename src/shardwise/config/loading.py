@@ -22,7 +22,7 @@ from shardwise.config.errors import ConfigError
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
+    seen: dict[str, object] = {}
     duplicates = []
     for key, value in pairs:
         if key in seen:

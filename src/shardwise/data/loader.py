@@ -168,7 +168,7 @@ class ShardwiseDataLoader:
 
         self._generator = torch.Generator()
         self._skipper = _SkippingSampler(sampler) if sampler is not None else None
-        self.dataloader: DataLoader[Any] = DataLoader(
+        self.dataloader: DataLoader[object] = DataLoader(
             dataset,
             batch_size=batch_size,
             sampler=self._skipper,
@@ -225,7 +225,7 @@ class ShardwiseDataLoader:
 
         if self._skipper is not None:
             self._skipper.skip = self._skip
-            batches: Iterator[Any] = iter(self.dataloader)
+            batches: Iterator[object] = iter(self.dataloader)
         else:
             batches = iter(self.dataloader)
             if self._resumed_batches:
@@ -363,7 +363,7 @@ class RepeatingLoader:
 
     def __init__(self, loader: ShardwiseDataLoader | DataLoader[Any]) -> None:
         self.loader = loader
-        self._iterator: Iterator[Any] | None = None
+        self._iterator: Iterator[object] | None = None
 
     def __iter__(self) -> RepeatingLoader:
         return self

@@ -39,7 +39,7 @@ class OneBitExchange:
         self.group: Group = None
         self.world_size = 1
         self._reduce: CompressedAllReduce | None = None
-        self._pending: dict[str, Any] | None = None
+        self._pending: dict[str, object] | None = None
 
     def attach(self, group: Group) -> None:
         """Average over ``group`` (None: the world; one rank when torch.distributed is not up)."""

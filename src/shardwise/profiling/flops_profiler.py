@@ -66,7 +66,7 @@ def _cpu_flash_attention_flop(
     return int(sdpa_flop_count(query_shape, key_shape, value_shape))
 
 
-_EXTRA_FORMULAS: dict[Any, Callable[..., int]] = {}
+_EXTRA_FORMULAS: dict[object, Callable[..., int]] = {}
 if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
     _EXTRA_FORMULAS[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_attention_flop
 
@@ -514,7 +514,7 @@ def get_model_profile(
         call_args = [torch.ones(tuple(input_shape), dtype=dtype, device=device), *call_args]
     if not call_args and not call_kwargs:
         raise ValueError("get_model_profile needs input_shape=... or args=/kwargs= for the model's forward")
-    run: Callable[..., Any] = getattr(model, "generate") if mode == "generate" else model  # noqa: B009 - not every module has it
+    run: Callable[..., object] = getattr(model, "generate") if mode == "generate" else model  # noqa: B009 - not every module has it
 
     with torch.no_grad():
         for _ in range(warm_up):

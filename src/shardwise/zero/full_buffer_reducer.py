@@ -13,8 +13,6 @@ all-reduce. Otherwise (stage 1 with a native reduce-scatter) whole buckets go, i
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from shardwise.comm import collectives
@@ -83,7 +81,7 @@ class FullBufferReducer(GradientReducer):
         assert group.grad_buffer is not None
         source = group.grad_buffer[start:end]
         wire = self._wire(source)
-        work: Any
+        work: object
         if self._piece_exchange:
             owned = self._owned_in(gi, bucket, start, end)
             work = collectives.reduce_scatter_ranges(wire, owned, self.process_group, async_op=True)

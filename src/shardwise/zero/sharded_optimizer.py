@@ -128,7 +128,7 @@ class ZeroOptimizer(ZeroStrategy):
         """One :class:`FlatGroup` per user group and parameter kind (device, dtype, tensor
         parallel); returns the inner optimizer's groups over their masters."""
         policy = self.policy
-        inner_groups: list[dict[str, Any]] = []
+        inner_groups: list[dict[str, object]] = []
         self.transport = self._choose_transport(param_groups)
         for gi, group in enumerate(param_groups):
             params = [p for p in group["params"] if p.requires_grad]

@@ -99,8 +99,8 @@ class Stage3Policy:
 class UnitHooks:
     """The custom collectives FSDP2 runs for every unit (None: FSDP2's own)."""
 
-    reduce_scatter: Any = None
-    all_gather: Any = None
+    reduce_scatter: object = None
+    all_gather: object = None
 
 
 def choose_unit_hooks(record: ShardedModel, policy: Stage3Policy) -> UnitHooks:
@@ -116,14 +116,14 @@ def choose_unit_hooks(record: ShardedModel, policy: Stage3Policy) -> UnitHooks:
     shared = None  # ranks on one host: FSDP2's collectives through shared memory
     if cpu_fp32 and not policy.quantized_gradients and policy.world_size > 1:
         shared = open_unit_comms(record.fsdp_modules(), policy.rank)
-    reduce_scatter: Any = None
+    reduce_scatter: object = None
     if policy.quantized_gradients:
         reduce_scatter = QuantizedReduceScatter()
     elif shared is not None:
         reduce_scatter = shared[1]
     elif cpu_fp32 and record.swapper is None:
         reduce_scatter = DeferredReduceScatter()
-    gather: Any = all_gather_hook(policy.quantized_weights)  # qwZ, or a logged plain one, or FSDP2's own
+    gather: object = all_gather_hook(policy.quantized_weights)  # qwZ, or a logged plain one, or FSDP2's own
     if shared is not None and not policy.quantized_weights:
         gather = shared[0]
     return UnitHooks(reduce_scatter, gather)
@@ -214,7 +214,7 @@ class Stage3Optimizer(ZeroStrategy):
     ) -> list[dict[str, Any]]:
         """The inner optimizer's groups: the user's hyperparameters over plain fp32 tensors (a sharded
         parameter's local shard, the replicated ones' masters); fills ``sharded``/``masters``."""
-        inner_groups: list[dict[str, Any]] = []
+        inner_groups: list[dict[str, object]] = []
         for group, members in zip(param_groups, group_members):
             hyper = {k: v for k, v in group.items() if k != "params"}
             tensors = []
