@@ -77,7 +77,7 @@ class _SavedActivations:
             model.register_forward_hook(self._exit),
         ]
 
-    def _pack(self, tensor: Any) -> Any:
+    def _pack(self, tensor: Any) -> object:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key not in self._params and key not in self._seen:

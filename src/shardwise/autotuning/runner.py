@@ -23,7 +23,6 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from shardwise.autotuning.records import FAILED, OK, OOM, TIMEOUT
 
@@ -55,7 +54,7 @@ def replace_config_arg(user_args: Sequence[str], path: str) -> list[str]:
     return [*out, "--deepspeed_config", path]
 
 
-def _lookup(config: Mapping[str, object], dotted: str) -> Any:
+def _lookup(config: Mapping[str, object], dotted: str) -> object:
     node: object = config
     for part in dotted.split("."):
         if not isinstance(node, Mapping) or part not in node:

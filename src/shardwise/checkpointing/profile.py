@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -93,7 +92,7 @@ class Boundaries:
         self.drop_last = drop_last
         self.calls = 0
 
-    def __call__(self, *args: object) -> Any:
+    def __call__(self, *args: object) -> object:
         from shardwise.checkpointing.rng import tracker_restored
 
         recompute = self.calls > 0

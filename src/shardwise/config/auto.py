@@ -22,7 +22,6 @@ from __future__ import annotations
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -92,7 +91,7 @@ class ResolutionContext:
 # ---------------------------------------------------------------- dotted paths
 
 
-def get_path(tree: Mapping[str, object], path: str, default: object = None) -> Any:
+def get_path(tree: Mapping[str, object], path: str, default: object = None) -> object:
     """Value at a dotted path, or ``default``."""
     node: object = tree
     for part in path.split("."):
@@ -190,7 +189,7 @@ def model_field_at(root: type[BaseModel], path: str) -> tuple[type[BaseModel], s
 # ---------------------------------------------------------------- the rules
 
 
-def _optimizer_default(opt_type: str, key: str) -> Any:
+def _optimizer_default(opt_type: str, key: str) -> object:
     table = OPTIMIZER_DEFAULTS.get(opt_type.lower())
     if table is not None and key in table:
         return table[key]

@@ -34,7 +34,7 @@ Applies = Callable[[ShardwiseConfig, Any, int], bool]
 _ABSENT = object()
 
 
-def _value_at(cfg: BaseModel, path: str) -> Any:
+def _value_at(cfg: BaseModel, path: str) -> object:
     node: Any = cfg
     for part in path.split("."):
         if not isinstance(node, BaseModel) or part not in type(node).model_fields:
@@ -43,7 +43,7 @@ def _value_at(cfg: BaseModel, path: str) -> Any:
     return node
 
 
-def _default_at(path: str) -> Any:
+def _default_at(path: str) -> object:
     from shardwise.config.auto import _model_in
 
     model: Any = ShardwiseConfig

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
@@ -31,7 +31,7 @@ def is_numeric_annotation(annotation: object) -> bool:
     return False
 
 
-def _reject_bool_numbers(cls: type[BaseModel], value: object, info: ValidationInfo) -> Any:
+def _reject_bool_numbers(cls: type[BaseModel], value: object, info: ValidationInfo) -> object:
     if isinstance(value, bool) and info.field_name is not None:
         annotation = cls.model_fields[info.field_name].annotation
         if is_numeric_annotation(annotation) and not _allows_bool(annotation):
@@ -54,7 +54,7 @@ class Section(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_numbers(cls, value: object, info: ValidationInfo) -> Any:
+    def _no_bool_numbers(cls, value: object, info: ValidationInfo) -> object:
         return _reject_bool_numbers(cls, value, info)
 
 
@@ -65,5 +65,5 @@ class OpenSection(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_numbers(cls, value: object, info: ValidationInfo) -> Any:
+    def _no_bool_numbers(cls, value: object, info: ValidationInfo) -> object:
         return _reject_bool_numbers(cls, value, info)
