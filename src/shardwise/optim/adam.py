@@ -17,6 +17,7 @@ registry uses torch's own fused kernels instead.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,7 +49,7 @@ class AdamNoBiasCorrection(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, object]],
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,

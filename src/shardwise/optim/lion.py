@@ -13,6 +13,7 @@ suggests a 3-10x smaller lr than AdamW, but we keep DeepSpeed's numbers so confi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,7 +43,7 @@ class Lion(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, object]],
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
