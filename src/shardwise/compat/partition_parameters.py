@@ -32,6 +32,6 @@ _orig_torch_arange = torch.arange
 
 def zero_wrapper_for_fp_tensor_constructor(
     fn: Callable[..., object], *args: object, **kwargs: object
-) -> Callable[..., Any]:
+) -> Callable[..., object]:
     """Returns ``fn`` unchanged: shardwise's ``zero.Init`` leaves tensor constructors alone."""
     return fn

@@ -82,7 +82,7 @@ def load_state_dict_from_zero_checkpoint(
     return model
 
 
-def _natural_key(path: str) -> list[Any]:
+def _natural_key(path: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
 
 

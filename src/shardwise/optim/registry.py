@@ -344,7 +344,7 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
 # --------------------------------------------------------------------------- param groups
 
 
-def _clean_param_groups(model_parameters: Iterable[Any]) -> list[Any]:
+def _clean_param_groups(model_parameters: Iterable[Any]) -> list[object]:
     """Materialise ``model_parameters``, drop empty param groups, reject duplicated params."""
     items = list(model_parameters)
     items = [g for g in items if not (isinstance(g, dict) and len(list(g.get("params", []))) == 0)]

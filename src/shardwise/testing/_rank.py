@@ -164,7 +164,7 @@ def run_cases(
     cases: Sequence[object],
     args: tuple[object, ...],
     kwargs: dict[str, object],
-) -> list[Any]:
+) -> list[object]:
     """Rank-side loop of ``run_distributed_cases``: one result per case."""
     global _current_case
     results = []
