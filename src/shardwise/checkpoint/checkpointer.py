@@ -173,7 +173,7 @@ class Checkpointer:
 
     def _collect(
         self, state: TrainingState, client_state: dict[str, Any], exclude_frozen: bool, tag: str
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         names = param_names(state.module)
         frozen = {n for n, p in state.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
         prefix = _mp_prefix(state)
@@ -390,7 +390,7 @@ def _mp_prefix(state: TrainingState) -> str:
 
 def _summary(
     state: TrainingState, tag: str, exclude_frozen: bool, items: Mapping[str, Any]
-) -> dict[str, Any]:
+) -> dict[str, object]:
     from shardwise import __version__
 
     seen: set[int] = set()

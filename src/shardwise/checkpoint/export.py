@@ -201,7 +201,7 @@ def checkpoint_info(path: str | os.PathLike[str], *, verify: bool = False) -> di
     return {"dir": str(root), "latest": latest, "tags": tags}
 
 
-def _describe(tag_dir: Path, kind: str | None) -> dict[str, Any]:
+def _describe(tag_dir: Path, kind: str | None) -> dict[str, object]:
     """Layout, sizes and contents of one tag, from its summary and index (no tensor data)."""
     info: dict[str, object] = {}
     if kind == "shardwise":

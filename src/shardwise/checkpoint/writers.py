@@ -138,7 +138,7 @@ class _TensorRef:
         return (torch._utils._rebuild_tensor_v2, args)
 
 
-def _storage_class(dtype: torch.dtype) -> Any:
+def _storage_class(dtype: torch.dtype) -> object:
     """The legacy storage class torch's pickles name for ``dtype`` (e.g. ``torch.FloatStorage``)."""
     return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
 

@@ -64,7 +64,7 @@ def non_reentrant_checkpoint(function: Callable[..., object], *args: object) -> 
     return _checkpoint(function, args, reentrant=False)
 
 
-def _checkpoint(function: Callable[..., object], args: tuple[object, ...], reentrant: bool) -> Any:
+def _checkpoint(function: Callable[..., object], args: tuple[object, ...], reentrant: bool) -> object:
     if not torch.is_grad_enabled():
         return function(*args)  # no graph: nothing is saved, nothing to recompute
     settings = current_settings()

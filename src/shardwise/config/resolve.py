@@ -101,7 +101,7 @@ class ResolvedConfig(DeepSpeedKeyView):
         return _flatten(self.to_ds_dict())
 
 
-def _flatten(tree: object, prefix: str = "") -> dict[str, Any]:
+def _flatten(tree: object, prefix: str = "") -> dict[str, object]:
     out: dict[str, Any] = {}
     if isinstance(tree, Mapping) and tree:
         for key, value in tree.items():

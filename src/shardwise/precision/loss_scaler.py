@@ -117,7 +117,7 @@ class LossScaler(ABC):
     def update_scale(self, overflow: bool) -> None:
         """Record one optimizer step; ``overflow`` means its gradients held inf/NaN and it was skipped."""
 
-    def _settings(self) -> dict[str, Any]:
+    def _settings(self) -> dict[str, object]:
         """The configured values, as plain Python (part of ``state_dict``)."""
         return {}
 
@@ -237,7 +237,7 @@ class DynamicLossScaler(LossScaler):
         super().__init__(initial)
         self.cur_hysteresis = self.hysteresis
 
-    def _settings(self) -> dict[str, Any]:
+    def _settings(self) -> dict[str, object]:
         return {
             "initial_scale_power": self.initial_scale_power,
             "loss_scale_window": self.loss_scale_window,
@@ -346,7 +346,7 @@ class StaticLossScaler(LossScaler):
     def __init__(self, scale: float) -> None:
         super().__init__(as_positive_float("fp16.loss_scale", scale))
 
-    def _settings(self) -> dict[str, Any]:
+    def _settings(self) -> dict[str, object]:
         return {"loss_scale": self.cur_scale}
 
     def _apply_loaded_state(self, state: Mapping[str, Any]) -> None:

@@ -124,7 +124,7 @@ class ZeroOptimizer(ZeroStrategy):
         self.gathers = self._pending_gathers(module)
 
     # ------------------------------------------------------------------ construction steps
-    def _build_flat_groups(self, param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _build_flat_groups(self, param_groups: Sequence[dict[str, Any]]) -> list[dict[str, object]]:
         """One :class:`FlatGroup` per user group and parameter kind (device, dtype, tensor
         parallel); returns the inner optimizer's groups over their masters."""
         policy = self.policy

@@ -211,7 +211,7 @@ class Stage3Optimizer(ZeroStrategy):
 
     def _inner_groups(
         self, param_groups: Sequence[dict[str, Any]], group_members: list[list[tuple[str, nn.Parameter]]]
-    ) -> list[dict[str, Any]]:
+    ) -> list[dict[str, object]]:
         """The inner optimizer's groups: the user's hyperparameters over plain fp32 tensors (a sharded
         parameter's local shard, the replicated ones' masters); fills ``sharded``/``masters``."""
         inner_groups: list[dict[str, object]] = []
