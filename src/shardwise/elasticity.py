@@ -372,7 +372,7 @@ def _elasticity_block(ds_config: object) -> ElasticityConfig:
 
 @overload
 def compute_elastic_config(
-    ds_config: Mapping[str, Any],
+    ds_config: Mapping[str, object],
     world_size: int = 0,
     return_microbatch: Literal[False] = False,
     *,
@@ -380,7 +380,7 @@ def compute_elastic_config(
 ) -> tuple[int, list[int]]: ...
 @overload
 def compute_elastic_config(
-    ds_config: Mapping[str, Any],
+    ds_config: Mapping[str, object],
     world_size: int = 0,
     *,
     return_microbatch: Literal[True],
@@ -388,14 +388,14 @@ def compute_elastic_config(
 ) -> tuple[int, list[int], int]: ...
 @overload
 def compute_elastic_config(
-    ds_config: Mapping[str, Any],
+    ds_config: Mapping[str, object],
     world_size: int = 0,
     return_microbatch: bool = False,
     *,
     target_deepspeed_version: str | None = None,
 ) -> tuple[int, list[int]] | tuple[int, list[int], int]: ...
 def compute_elastic_config(
-    ds_config: Mapping[str, Any],
+    ds_config: Mapping[str, object],
     world_size: int = 0,
     return_microbatch: bool = False,
     *,
@@ -484,7 +484,7 @@ def elastic_batch_for_world_size(ds_config: Mapping[str, Any], world_size: int) 
     return final, micro, final // (micro * dp_size)
 
 
-def reject_explicit_batch_keys(ds_config: Mapping[str, Any]) -> None:
+def reject_explicit_batch_keys(ds_config: Mapping[str, object]) -> None:
     """Raise when the config sets batch keys that elasticity would silently override (spec 10.5 step 3).
 
     Raises:
@@ -506,7 +506,7 @@ def reject_explicit_batch_keys(ds_config: Mapping[str, Any]) -> None:
 
 
 def check_scheduler_elastic_config(
-    ds_config: Mapping[str, Any], scheduler_config: str | Mapping[str, Any] | None
+    ds_config: Mapping[str, object], scheduler_config: str | Mapping[str, object] | None
 ) -> None:
     """Check the scheduler's elasticity settings against the runtime config (spec 10.5 step 2).
 

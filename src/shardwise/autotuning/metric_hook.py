@@ -42,7 +42,7 @@ FWD_BWD_FLOPS_FACTOR = 3.0
 """Backward costs about twice the forward: fwd+bwd FLOPs = 3 x the profiler's forward count."""
 
 
-def write_json_atomically(path: str, data: Mapping[str, Any]) -> None:
+def write_json_atomically(path: str, data: Mapping[str, object]) -> None:
     """Write ``data`` as JSON to ``path`` through a temporary file and a rename."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -92,7 +92,7 @@ class _SavedActivations:
         self._context = self._torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._context.__enter__()
 
-    def _exit(self, module: Any, args: Any, output: Any) -> None:
+    def _exit(self, module: object, args: object, output: object) -> None:
         if self._context is None:
             return
         self._context.__exit__(None, None, None)

@@ -197,12 +197,12 @@ def save_checkpoint(
 def load_checkpoint(
     engine: CheckpointedEngine,
     load_dir: str | Path,
-    tag: Any = None,
+    tag: object = None,
     load_module_strict: bool = True,
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
-    custom_load_fn: Callable[..., Any] | None = None,
+    custom_load_fn: Callable[..., object] | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """``engine.load_checkpoint``: returns ``(path, client_state)``, or ``(None, None)`` without ``latest``.
 

@@ -163,7 +163,7 @@ class OptimizerState:
         return out
 
     def _gather_scalars(
-        self, places: list[tuple[str, ParamPlace]], kinds: Mapping[str, Any]
+        self, places: list[tuple[str, ParamPlace]], kinds: Mapping[str, object]
     ) -> dict[str, Any]:
         """Scalar state (``step``) per name: only the ranks owning part of a parameter hold it,
         so a MAX all-reduce over float64 (missing = -inf) shares it exactly (ints < 2**53)."""

@@ -117,7 +117,7 @@ class RawWriter(FileSystemWriter):
                 os.fsync(stream.fileno())
         return results
 
-    def _write_item(self, stream: BinaryIO, name: str, item: WriteItem, data: Any) -> WriteResult:
+    def _write_item(self, stream: BinaryIO, name: str, item: WriteItem, data: object) -> WriteResult:
         """Append one item to ``stream``: a Python object's bytes, or a tensor's raw bytes."""
         offset = stream.tell()
         if item.type == WriteItemType.BYTE_IO:

@@ -125,7 +125,7 @@ class _TensorRef:
     def __init__(self, storage: _StorageRef, shape: tuple[int, ...]) -> None:
         self.storage, self.shape = storage, shape
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: object) -> Any:
         stride = tuple(math.prod(self.shape[i + 1 :]) for i in range(len(self.shape)))
         args: tuple[object, ...] = (
             self.storage,

@@ -119,7 +119,7 @@ def _unit_group(fsdp_modules: Sequence[Any]) -> Group:
 
 
 def open_unit_comms(
-    fsdp_modules: Sequence[Any], rank: int
+    fsdp_modules: Sequence[object], rank: int
 ) -> tuple[SharedAllGather, SharedReduceScatter] | None:
     """The two hooks when every rank of the units' group runs on this host over gloo on CPU;
     None otherwise (``comm.host_transport`` says why on rank 0). Collective."""

@@ -113,7 +113,7 @@ class Topology:
         return DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
 
 
-def _call(mpu: Any, name: str, default: Any = None) -> Any:
+def _call(mpu: object, name: str, default: object = None) -> Any:
     method = getattr(mpu, name, None)
     return method() if callable(method) else default
 

@@ -9,7 +9,6 @@ exists because transformers swaps it around every ZeRO-3 model build
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 

@@ -239,7 +239,7 @@ class ShardwiseDataLoader:
                 batches = itertools.islice(batches, self._resumed_batches, None)
         return self._run_pass(batches, self._pass_id)
 
-    def _run_pass(self, batches: Iterator[Any], pass_id: int) -> Iterator[object]:
+    def _run_pass(self, batches: Iterator[object], pass_id: int) -> Iterator[object]:
         for batch in batches:
             if pass_id != self._pass_id:
                 return  # a newer pass (or a load_state_dict) superseded this iterator

@@ -247,7 +247,7 @@ class DynamicLossScaler(LossScaler):
             "raise_error_at_min_scale": self.raise_error_at_min_scale,
         }
 
-    def _apply_loaded_state(self, state: Mapping[str, Any]) -> None:
+    def _apply_loaded_state(self, state: Mapping[str, object]) -> None:
         super()._apply_loaded_state(state)
         # The config may have changed the bounds since the save: keep the state inside them.
         if self.cur_scale < self.min_loss_scale:
@@ -349,7 +349,7 @@ class StaticLossScaler(LossScaler):
     def _settings(self) -> dict[str, object]:
         return {"loss_scale": self.cur_scale}
 
-    def _apply_loaded_state(self, state: Mapping[str, Any]) -> None:
+    def _apply_loaded_state(self, state: Mapping[str, object]) -> None:
         # The scale *is* the setting, so the config's value stays (a difference was logged).
         pass
 
@@ -387,7 +387,7 @@ class NoOpLossScaler(LossScaler):
         """Return ``loss`` unchanged (no multiply kernel for a factor of 1)."""
         return loss
 
-    def _apply_loaded_state(self, state: Mapping[str, Any]) -> None:
+    def _apply_loaded_state(self, state: Mapping[str, object]) -> None:
         pass  # nothing but the counters to restore
 
     def update_scale(self, overflow: bool) -> None:

@@ -415,7 +415,7 @@ class FlopsProfiler:
         top_modules: int = 1,
         detailed: bool = True,
         output_file: str | None = None,
-        context: dict[str, Any] | None = None,
+        context: dict[str, object] | None = None,
     ) -> str:
         """Log the report (or write it to ``output_file``) and return it."""
         text = self.format_profile(profile_step, module_depth, top_modules, detailed, context)
@@ -465,8 +465,8 @@ def _table(rows: list[ModuleStats], total_params: int, total_flops: int, total_s
 def get_model_profile(
     model: nn.Module,
     input_shape: Sequence[int] | None = None,
-    args: Sequence[Any] | None = None,
-    kwargs: dict[str, Any] | None = None,
+    args: Sequence[object] | None = None,
+    kwargs: dict[str, object] | None = None,
     print_profile: bool = True,
     detailed: bool = True,
     module_depth: int = -1,

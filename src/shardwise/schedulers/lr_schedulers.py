@@ -79,7 +79,7 @@ def _group_lr(group: dict[str, Any]) -> float:
     return float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
 
 
-def update_lr(param_groups: Sequence[dict[str, Any]], lrs: Sequence[float]) -> list[float]:
+def update_lr(param_groups: Sequence[dict[str, object]], lrs: Sequence[float]) -> list[float]:
     """Write ``lrs`` into ``param_groups`` and return them.
 
     A tensor-valued ``lr`` (used with capturable/compiled optimizers) is filled in place so

@@ -23,7 +23,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
 
 # Longest repr of a grid case quoted in messages.
 _CASE_REPR_LIMIT = 200

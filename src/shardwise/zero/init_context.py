@@ -196,7 +196,7 @@ def _set_on_owners(owners: list[tuple[nn.Module, str]], value: nn.Parameter) -> 
 # --------------------------------------------------------------------------- Init
 
 
-def _data_parallel_group(data_parallel_group: Group, mpu: Any) -> Group:
+def _data_parallel_group(data_parallel_group: Group, mpu: object) -> Group:
     if data_parallel_group is not None:
         return data_parallel_group
     if mpu is not None and hasattr(mpu, "get_data_parallel_group"):

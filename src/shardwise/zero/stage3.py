@@ -210,7 +210,7 @@ class Stage3Optimizer(ZeroStrategy):
         return group_members, replicated_params
 
     def _inner_groups(
-        self, param_groups: Sequence[dict[str, Any]], group_members: list[list[tuple[str, nn.Parameter]]]
+        self, param_groups: Sequence[dict[str, object]], group_members: list[list[tuple[str, nn.Parameter]]]
     ) -> list[dict[str, object]]:
         """The inner optimizer's groups: the user's hyperparameters over plain fp32 tensors (a sharded
         parameter's local shard, the replicated ones' masters); fills ``sharded``/``masters``."""
@@ -231,7 +231,7 @@ class Stage3Optimizer(ZeroStrategy):
             inner_groups.append({**hyper, "params": tensors})
         return inner_groups
 
-    def _build_inner_optimizer(self, inner_groups: list[dict[str, Any]], factory: OptimizerFactory) -> None:
+    def _build_inner_optimizer(self, inner_groups: list[dict[str, object]], factory: OptimizerFactory) -> None:
         """The inner optimizer, behind an offload store when ``offload_optimizer`` asks for one;
         with NVMe parameters and NVMe state, masters are swapped in next to their state."""
         self.store: OffloadStore | None = None
