@@ -72,7 +72,7 @@ HCN_LIST: tuple[int, ...] = (
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 """Top-level batch keys that elasticity computes and therefore overrides."""
 
-_DEFAULTS: dict[str, Any] = {
+_DEFAULTS: dict[str, object] = {
     "enabled": False,
     "max_train_batch_size": 2000,
     "micro_batch_sizes": [2, 4, 6],
@@ -88,7 +88,7 @@ _DEFAULTS: dict[str, Any] = {
 _SUPPORTED_VERSIONS = (0.1, 0.2)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -357,7 +357,7 @@ def get_compatible_gpus_v02(
     return final, [current_dp], _pick_micro_batch(micro_batches, final // current_dp, prefer_larger)
 
 
-def _elasticity_block(ds_config: Any) -> ElasticityConfig:
+def _elasticity_block(ds_config: object) -> ElasticityConfig:
     if not isinstance(ds_config, Mapping):
         raise ElasticityConfigError(f"ds_config must be a dict, got {type(ds_config).__name__}.")
     if "elasticity" not in ds_config:
@@ -372,7 +372,7 @@ def _elasticity_block(ds_config: Any) -> ElasticityConfig:
 
 @overload
 def compute_elastic_config(
-    ds_config: Mapping[str, Any],
+    ds_config: Mapping[str, object],
     world_size: int = 0,
     return_microbatch: Literal[False] = False,
     *,
@@ -380,7 +380,7 @@ def compute_elastic_config(
 ) -> tuple[int, list[int]]: ...
 @overload
 def compute_elastic_config(
-    ds_config: Mapping[str, Any],
+    ds_config: Mapping[str, object],
     world_size: int = 0,
     *,
     return_microbatch: Literal[True],
@@ -388,14 +388,14 @@ def compute_elastic_config(
 ) -> tuple[int, list[int], int]: ...
 @overload
 def compute_elastic_config(
-    ds_config: Mapping[str, Any],
+    ds_config: Mapping[str, object],
     world_size: int = 0,
     return_microbatch: bool = False,
     *,
     target_deepspeed_version: str | None = None,
 ) -> tuple[int, list[int]] | tuple[int, list[int], int]: ...
 def compute_elastic_config(
-    ds_config: Mapping[str, Any],
+    ds_config: Mapping[str, object],
     world_size: int = 0,
     return_microbatch: bool = False,
     *,
@@ -484,7 +484,7 @@ def elastic_batch_for_world_size(ds_config: Mapping[str, Any], world_size: int) 
     return final, micro, final // (micro * dp_size)
 
 
-def reject_explicit_batch_keys(ds_config: Mapping[str, Any]) -> None:
+def reject_explicit_batch_keys(ds_config: Mapping[str, object]) -> None:
     """Raise when the config sets batch keys that elasticity would silently override (spec 10.5 step 3).
 
     Raises:
@@ -506,7 +506,7 @@ def reject_explicit_batch_keys(ds_config: Mapping[str, Any]) -> None:
 
 
 def check_scheduler_elastic_config(
-    ds_config: Mapping[str, Any], scheduler_config: str | Mapping[str, Any] | None
+    ds_config: Mapping[str, object], scheduler_config: str | Mapping[str, object] | None
 ) -> None:
     """Check the scheduler's elasticity settings against the runtime config (spec 10.5 step 2).
 

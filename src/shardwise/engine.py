@@ -12,7 +12,7 @@ in one :class:`~shardwise.runtime.counters.EngineCounters`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -149,7 +149,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         return self.precision.loss_scaler.loss_scale
 
     # ------------------------------------------------------------------ forward / backward
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         """Call the wrapped module: step hooks adjust the arguments, then inputs are cast under
         ``fp16.auto_cast`` and autocast applies if configured."""
         training = self.module.training
@@ -220,7 +220,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
             self._in_no_sync = False
 
     # ------------------------------------------------------------------ the step
-    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+    def step(self, lr_kwargs: Mapping[str, object] | None = None) -> None:
         """Call after every micro batch's backward; at the accumulation boundary it updates the model
         (a non-finite gradient norm skips the update, counted in ``skipped_steps``), then calls the
         step hooks.
@@ -258,7 +258,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
             outcome = StepOutcome(self.global_steps, self.global_samples, result.applied, result.grad_norm)
             self.step_hooks.after_optimizer_step(outcome)
 
-    def _optimizer_step(self, optimizer: ZeroStrategy, lr_kwargs: dict[str, Any] | None) -> StepResult:
+    def _optimizer_step(self, optimizer: ZeroStrategy, lr_kwargs: Mapping[str, object] | None) -> StepResult:
         result = optimizer.step(loss_scale=self.loss_scale)
         scaler = self.precision.loss_scaler
         adapts = result.overflow and scaler_adapts(scaler)  # before the scaler moves
@@ -276,7 +276,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         self._nonfinite.record(step=counters.global_steps, applied=result.applied, scaler_adapts=adapts)
         return result
 
-    def _step_scheduler(self, lr_kwargs: dict[str, Any] | None) -> None:
+    def _step_scheduler(self, lr_kwargs: Mapping[str, object] | None) -> None:
         try:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         except TypeError:

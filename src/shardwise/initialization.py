@@ -42,7 +42,7 @@ from shardwise.utils.report import report_logger
 from shardwise.zero.strategy import ZeroStrategy
 
 
-def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+def _config_source(args: object, config: object, config_params: object) -> Any:
     """Where the config comes from: ``config=``, its alias ``config_params=``, or ``args``."""
     if config is None and config_params is not None:
         config = config_params
@@ -85,7 +85,7 @@ def _hidden_size(model: nn.Module) -> int | None:
     return None
 
 
-def _client_hparams(optimizer: Any) -> dict[str, Any] | None:
+def _client_hparams(optimizer: object) -> dict[str, Any] | None:
     if isinstance(optimizer, torch.optim.Optimizer):
         group = optimizer.param_groups[0]
         return {k: v for k, v in group.items() if k in ("lr", "betas", "eps", "weight_decay", "momentum")}
@@ -106,7 +106,7 @@ def _user_param_groups(
 
 
 def _optimizer_factory(
-    section: OptimizerConfig | None, offload: bool, client_optimizer: Any
+    section: OptimizerConfig | None, offload: bool, client_optimizer: object
 ) -> Callable[[list[dict[str, Any]]], Any] | None:
     """How to build the inner optimizer over the tensors ZeRO hands it (masters/shards):
     the client's (``optimizer=``), else the config's ``optimizer`` section (``section``;
@@ -161,8 +161,8 @@ def _place_and_build_zero(
     topology: Topology,
     device: torch.device,
     model: nn.Module,
-    model_parameters: Any,
-    client_optimizer: Any,
+    model_parameters: object,
+    client_optimizer: object,
 ) -> tuple[nn.Module, ZeroStrategy | None]:
     """Place (stage 3: shard) the model and build the ZeRO optimizer, handing each builder the
     sections and values it reads. Returns the model and the optimizer (None without one)."""
@@ -189,7 +189,7 @@ def _place_and_build_zero(
     if factory is None:
         return prepared.module, None
 
-    def checked(groups: list[dict[str, Any]]) -> Any:
+    def checked(groups: list[dict[str, object]]) -> Any:
         inner = factory(groups)
         _check_zero_optimizer(root, inner)
         return inner
@@ -325,9 +325,9 @@ def _build_engine(
     topology: Topology,
     precision: PrecisionPolicy,
     zero_optimizer: ZeroStrategy | None,
-    scheduler: Any,
+    scheduler: object,
     device: torch.device,
-    collate_fn: Any,
+    collate_fn: object,
 ) -> ShardwiseEngine:
     """Telemetry, step hooks and the checkpointer, then the engine with every part injected."""
     telemetry = build_telemetry(

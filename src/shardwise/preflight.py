@@ -112,7 +112,7 @@ def component_problems(cfg: ShardwiseConfig) -> tuple[list[ConfigError], list[st
 
     errors: list[ConfigError] = []
     probe = torch.nn.Parameter(torch.zeros(1))
-    optimizer: Any = None
+    optimizer: object = None
     with _captured_log() as warnings:
         if cfg.optimizer is not None:
             offload = cfg.zero_optimization.offload_optimizer_device != "none"

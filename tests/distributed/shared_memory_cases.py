@@ -17,7 +17,8 @@ from zero_reference import config, make_model, train_step
 import shardwise
 from shardwise.comm import shared_memory as shm
 from shardwise.comm import shm_barrier
-from shardwise.zero.stage3_shared_comm import SharedAllGather, SharedReduceScatter
+from shardwise.comm.fsdp_shared_hooks import SharedAllGather, SharedReduceScatter
+from shardwise.comm.host_transport import PeerBuffer
 
 CPU = torch.device("cpu")
 
@@ -229,14 +230,15 @@ def _transport(strategy: Any) -> dict[str, Any]:
     """Which buffers (stages 0-2) or FSDP2 hooks (stage 3) go through shared memory."""
     if hasattr(strategy, "groups"):
         return {
-            "shared_params": [g.shared_params is not None for g in strategy.groups],
-            "shared_grads": [g.shared_grads is not None for g in strategy.groups],
-            "staged": [g.shared_staging is not None for g in strategy.groups],
+            "shared_params": [isinstance(g.param_store, PeerBuffer) for g in strategy.groups],
+            "shared_grads": [isinstance(g.grad_store, PeerBuffer) for g in strategy.groups],
+            "staged": [any(isinstance(s, PeerBuffer) for s in g.staging) for g in strategy.groups],
             # the staging buffer holds no memory between steps (its file's allocated blocks)
             "staging_blocks": [
-                os.fstat(g.shared_staging.own_fd).st_blocks if g.shared_staging is not None else 0
+                os.fstat(s.buffers.own_fd).st_blocks
                 for g in strategy.groups
-                if g.shared_staging is not None and g.shared_staging.own_fd is not None
+                for s in g.staging
+                if isinstance(s, PeerBuffer) and s.buffers.own_fd is not None
             ],
         }
     hooks = [

@@ -91,7 +91,7 @@ class TuneResult:
     seconds: float = 0.0
 
 
-def _load_settings(raw: Mapping[str, Any]) -> Any:
+def _load_settings(raw: Mapping[str, object]) -> Any:
     from shardwise.config import load_config
 
     block = raw.get("autotuning") or {}
@@ -105,7 +105,7 @@ def _load_settings(raw: Mapping[str, Any]) -> Any:
     return settings
 
 
-def _has_lists(raw: Mapping[str, Any]) -> bool:
+def _has_lists(raw: Mapping[str, object]) -> bool:
     zero = raw.get("zero_optimization")
     return isinstance(zero, Mapping) and any(isinstance(v, list) or v == "all" for v in zero.values())
 
@@ -138,7 +138,7 @@ class Autotuner:
         )
 
     # ---------------------------------------------------------------------------------- experiments
-    def _config_for(self, base: Mapping[str, Any], folder: str) -> dict[str, Any]:
+    def _config_for(self, base: Mapping[str, object], folder: str) -> dict[str, Any]:
         block = dict(self.raw.get("autotuning") or {})
         block.update(
             enabled=True,
@@ -151,7 +151,7 @@ class Autotuner:
         block.pop("model_info_path", None)
         return {**base, "autotuning": block}
 
-    def _experiment(self, name: str, settings: Mapping[str, Any], base: Mapping[str, Any]) -> Record:
+    def _experiment(self, name: str, settings: Mapping[str, object], base: Mapping[str, object]) -> Record:
         if not self.settings.overwrite:
             done = self.store.finished(name)
             if done is not None:

@@ -50,7 +50,7 @@ class ModelInfo:
         return cls(int(params), float(data.get("activation_mem_per_sample") or 0.0))
 
 
-def predicted_bytes(ds_config: Mapping[str, Any], info: ModelInfo, world_size: int, *, on_gpu: bool) -> int:
+def predicted_bytes(ds_config: Mapping[str, object], info: ModelInfo, world_size: int, *, on_gpu: bool) -> int:
     """Bytes one rank needs for this config: model states plus activations.
 
     Raises:

@@ -42,7 +42,7 @@ FWD_BWD_FLOPS_FACTOR = 3.0
 """Backward costs about twice the forward: fwd+bwd FLOPs = 3 x the profiler's forward count."""
 
 
-def write_json_atomically(path: str, data: Mapping[str, Any]) -> None:
+def write_json_atomically(path: str, data: Mapping[str, object]) -> None:
     """Write ``data`` as JSON to ``path`` through a temporary file and a rename."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -77,7 +77,7 @@ class _SavedActivations:
             model.register_forward_hook(self._exit),
         ]
 
-    def _pack(self, tensor: Any) -> Any:
+    def _pack(self, tensor: Any) -> object:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key not in self._params and key not in self._seen:
@@ -92,7 +92,7 @@ class _SavedActivations:
         self._context = self._torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._context.__enter__()
 
-    def _exit(self, module: Any, args: Any, output: Any) -> None:
+    def _exit(self, module: object, args: object, output: object) -> None:
         if self._context is None:
             return
         self._context.__exit__(None, None, None)
@@ -134,8 +134,8 @@ class AutotuningHook:
         self._flops: Any = None
 
     def adjust_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: ForwardContext
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, args: tuple[object, ...], kwargs: dict[str, object], context: ForwardContext
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """The arguments pass unchanged."""
         return args, kwargs
 
@@ -194,11 +194,11 @@ class AutotuningHook:
             write_json_atomically(self.settings.model_info_path, info)
         self.exit_run()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """Nothing to keep: an experiment does not checkpoint."""
         return {}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Nothing to restore."""
 
 

@@ -81,7 +81,7 @@ class ExperimentStore:
         os.makedirs(path, exist_ok=True)
         return path
 
-    def describe(self, name: str, settings: Mapping[str, Any], ds_config: Mapping[str, Any]) -> str:
+    def describe(self, name: str, settings: Mapping[str, object], ds_config: Mapping[str, object]) -> str:
         """Write the experiment's description and its ds_config; returns the ds_config's path."""
         write_json_atomically(
             os.path.join(self.exps_dir, f"{name}.json"),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from shardwise.autotuning.metric_hook import write_json_atomically
 from shardwise.autotuning.records import OK, PRUNED, Record
@@ -43,9 +42,9 @@ def summary_table(records: Sequence[Record], metric: str, best: str | None) -> s
 def write_best(
     results_dir: str,
     best: Record | None,
-    best_config: Mapping[str, Any] | None,
+    best_config: Mapping[str, object] | None,
     records: Sequence[Record],
-    facts: Mapping[str, Any],
+    facts: Mapping[str, object],
 ) -> str | None:
     """Write ``ds_config_optimal.json`` (the best config, its ``autotuning`` block removed so it
     trains normally) and ``summary.json``; returns the config's path (None: nothing succeeded)."""

@@ -23,7 +23,6 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from shardwise.autotuning.records import FAILED, OK, OOM, TIMEOUT
 
@@ -55,8 +54,8 @@ def replace_config_arg(user_args: Sequence[str], path: str) -> list[str]:
     return [*out, "--deepspeed_config", path]
 
 
-def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = config
+def _lookup(config: Mapping[str, object], dotted: str) -> object:
+    node: object = config
     for part in dotted.split("."):
         if not isinstance(node, Mapping) or part not in node:
             raise KeyError(dotted)
@@ -65,7 +64,7 @@ def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
 
 
 def apply_arg_mappings(
-    user_args: Sequence[str], mappings: Mapping[str, str] | None, ds_config: Mapping[str, Any]
+    user_args: Sequence[str], mappings: Mapping[str, str] | None, ds_config: Mapping[str, object]
 ) -> list[str]:
     """Set each mapped script argument to the config key's value (``"a.b"`` reaches nested keys).
 
@@ -111,13 +110,13 @@ class ExperimentLaunch:
     arg_mappings: Mapping[str, str] | None = None
     timeout_s: float = 900.0
 
-    def script_args(self, config_path: str, ds_config: Mapping[str, Any]) -> list[str]:
+    def script_args(self, config_path: str, ds_config: Mapping[str, object]) -> list[str]:
         """The script's arguments for one experiment."""
         return apply_arg_mappings(
             replace_config_arg(self.user_args, config_path), self.arg_mappings, ds_config
         )
 
-    def command(self, config_path: str, ds_config: Mapping[str, Any]) -> list[str]:
+    def command(self, config_path: str, ds_config: Mapping[str, object]) -> list[str]:
         """The full command line of one experiment."""
         return [
             sys.executable,

@@ -89,7 +89,7 @@ class Checkpointer:
             error, self._error = self._error, None
             raise RuntimeError(f"the previous asynchronous checkpoint save failed: {error}") from error
 
-    def _group_for_async(self, base: Any) -> Any:
+    def _group_for_async(self, base: Group) -> Group:
         # A background thread must not issue collectives on the group training uses (gloo and
         # nccl both require one issuing order per group), so async saves get their own gloo group.
         if self._async_group is None and comm.get_world_size(base) > 1:
@@ -144,7 +144,7 @@ class Checkpointer:
             self._write_and_publish(items, root, tag, summary, save_latest, state.process_group)
         return root / tag
 
-    def _background(self, *args: Any) -> None:
+    def _background(self, *args: object) -> None:
         try:
             self._write_and_publish(*args)
         except BaseException as error:  # handed to the next wait()
@@ -172,8 +172,8 @@ class Checkpointer:
             logger.warning("%s; every rank must pass the same tag", message)
 
     def _collect(
-        self, state: TrainingState, client_state: dict[str, Any], exclude_frozen: bool, tag: str
-    ) -> dict[str, Any]:
+        self, state: TrainingState, client_state: dict[str, object], exclude_frozen: bool, tag: str
+    ) -> dict[str, object]:
         names = param_names(state.module)
         frozen = {n for n, p in state.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
         prefix = _mp_prefix(state)
@@ -211,7 +211,7 @@ class Checkpointer:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
-        custom_load_fn: Callable[..., Any] | None = None,
+        custom_load_fn: Callable[..., object] | None = None,
     ) -> LoadResult | None:
         """Restore ``state`` from a checkpoint of any world size and stage (collective).
 
@@ -267,7 +267,7 @@ class Checkpointer:
         with_optimizer: bool,
         with_scheduler: bool,
         module_only: bool,
-        custom_load_fn: Callable[..., Any] | None,
+        custom_load_fn: Callable[..., object] | None,
     ) -> LoadResult:
         summary = layout.read_summary(path)
         prefix = _mp_prefix(state)
@@ -389,8 +389,8 @@ def _mp_prefix(state: TrainingState) -> str:
 
 
 def _summary(
-    state: TrainingState, tag: str, exclude_frozen: bool, items: Mapping[str, Any]
-) -> dict[str, Any]:
+    state: TrainingState, tag: str, exclude_frozen: bool, items: Mapping[str, object]
+) -> dict[str, object]:
     from shardwise import __version__
 
     seen: set[int] = set()

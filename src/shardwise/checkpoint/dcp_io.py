@@ -174,7 +174,7 @@ class ShardLoadPlanner(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=False)
 
     def set_up_planner(
-        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+        self, state_dict: dict[str, object], metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
         self.original_state_dict = state_dict
         self.state_dict = state_dict
@@ -257,7 +257,7 @@ def _item_name(index: MetadataIndex) -> str:
 
 
 def save(
-    state: dict[str, Any],
+    state: dict[str, object],
     path: str | os.PathLike[str],
     *,
     process_group: Group = None,
@@ -286,7 +286,7 @@ def save(
 
 
 def load(
-    targets: dict[str, Any], path: str | os.PathLike[str], *, process_group: Group = None, no_dist: bool = False
+    targets: dict[str, object], path: str | os.PathLike[str], *, process_group: Group = None, no_dist: bool = False
 ) -> None:
     """Fill ``targets`` in place from the checkpoint at ``path`` (collective unless ``no_dist``).
 
@@ -342,13 +342,13 @@ class StreamingReader:
         entry = self.entries.get(key)
         if entry is None:
             raise KeyError(f"{key!r} is not in the checkpoint at {self.path}")
-        target: dict[str, Any] = {
+        target: dict[str, object] = {
             key: torch.empty(entry.shape, dtype=entry.dtype) if entry.is_tensor else None  # type: ignore[arg-type]
         }
         self.read_into(target)
         return target[key]
 
-    def read_into(self, targets: dict[str, Any]) -> None:
+    def read_into(self, targets: dict[str, object]) -> None:
         """Fill ``targets`` (any subset of keys; tensors, FlatShards, or placeholders)."""
         planner = ShardLoadPlanner()
         planner.set_up_planner(targets, self.metadata, is_coordinator=True)

@@ -45,7 +45,7 @@ class ForeignObject:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.args, self.kwargs = args, kwargs
 
-    def __setstate__(self, state: Any) -> None:
+    def __setstate__(self, state: object) -> None:
         self.state = state
 
     def get(self, name: str, position: int | None = None) -> Any:
@@ -84,7 +84,7 @@ def load_file(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> Any:
     """The number behind a stand-in enum (``ZeroStageEnum(2)`` -> 2)."""
     if isinstance(value, ForeignObject) and value.args:
         return value.args[0]
@@ -99,7 +99,7 @@ def _fragment(value: Any) -> tuple[int, int]:
     return int(start), int(numel)
 
 
-def _elementwise_keys(state: Mapping[str, Any], numel: int) -> list[str]:
+def _elementwise_keys(state: Mapping[str, object], numel: int) -> list[str]:
     return [k for k, v in state.items() if k != "step" and torch.is_tensor(v) and v.numel() == numel]
 
 

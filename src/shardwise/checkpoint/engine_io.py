@@ -42,8 +42,8 @@ class CheckpointedEngine(Protocol):
     counters: EngineCounters
     step_hooks: StepHooks
     checkpointer: Checkpointer
-    lr_scheduler: Any  # the client's or the config's scheduler: anything Stateful, or None
-    training_dataloader: Any  # the engine's loader (Stateful when it is shardwise's), or None
+    lr_scheduler: object  # the client's or the config's scheduler: anything Stateful, or None
+    training_dataloader: object  # the engine's loader (Stateful when it is shardwise's), or None
 
     @property
     def topology(self) -> Topology:
@@ -197,12 +197,12 @@ def save_checkpoint(
 def load_checkpoint(
     engine: CheckpointedEngine,
     load_dir: str | Path,
-    tag: Any = None,
+    tag: object = None,
     load_module_strict: bool = True,
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
-    custom_load_fn: Callable[..., Any] | None = None,
+    custom_load_fn: Callable[..., object] | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """``engine.load_checkpoint``: returns ``(path, client_state)``, or ``(None, None)`` without ``latest``.
 
@@ -317,7 +317,7 @@ def consolidated_16bit_state_dict(
     state = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
     compute = engine.precision.param_dtype if engine.zero_optimization_stage() == 3 else None
     rank0 = comm.get_rank() == 0
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, value in state.items():
         full = full_tensor(value)  # collective
         if rank0:

@@ -192,7 +192,7 @@ def checkpoint_info(path: str | os.PathLike[str], *, verify: bool = False) -> di
     for tag_dir in integrity.tag_dirs(root):
         kind = layout.detect_kind(tag_dir)
         verdict = integrity.verify_tag(tag_dir, read=integrity.read_all if verify else integrity.read_none)
-        info: dict[str, Any] = {"tag": tag_dir.name, "kind": kind, "bytes": layout.dir_bytes(tag_dir)}
+        info: dict[str, object] = {"tag": tag_dir.name, "kind": kind, "bytes": layout.dir_bytes(tag_dir)}
         info.update(integrity=verdict.status, problems=verdict.problems, checked=verdict.detail)
         index_damaged = any(p.startswith((layout.SUMMARY, layout.DCP_METADATA)) for p in verdict.problems)
         if not verdict.damaged or (kind == "shardwise" and not index_damaged):
@@ -201,9 +201,9 @@ def checkpoint_info(path: str | os.PathLike[str], *, verify: bool = False) -> di
     return {"dir": str(root), "latest": latest, "tags": tags}
 
 
-def _describe(tag_dir: Path, kind: str | None) -> dict[str, Any]:
+def _describe(tag_dir: Path, kind: str | None) -> dict[str, object]:
     """Layout, sizes and contents of one tag, from its summary and index (no tensor data)."""
-    info: dict[str, Any] = {}
+    info: dict[str, object] = {}
     if kind == "shardwise":
         summary = layout.read_summary(tag_dir)
         for key in (

@@ -77,7 +77,7 @@ def _crc32_hex(crc: int) -> str:
     return f"{crc & 0xFFFFFFFF:08x}"
 
 
-def seal_summary(summary: Mapping[str, Any]) -> bytes:
+def seal_summary(summary: Mapping[str, object]) -> bytes:
     """The summary as JSON bytes carrying their own CRC-32 under ``summary_crc32``."""
     body = {**summary, SEAL_KEY: _PLACEHOLDER}
     text = json.dumps(body, indent=1, sort_keys=True, default=str).encode()
@@ -86,7 +86,7 @@ def seal_summary(summary: Mapping[str, Any]) -> bytes:
     return text.replace(marker, f'\n "{SEAL_KEY}": "{_crc32_hex(zlib.crc32(text))}"'.encode())
 
 
-def write_sealed_summary(tag_dir: Path, summary: Mapping[str, Any]) -> None:
+def write_sealed_summary(tag_dir: Path, summary: Mapping[str, object]) -> None:
     """Write the summary (atomically) with its seal."""
     layout.atomic_write_bytes(tag_dir / layout.SUMMARY, seal_summary(summary))
 

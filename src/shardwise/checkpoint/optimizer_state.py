@@ -163,7 +163,7 @@ class OptimizerState:
         return out
 
     def _gather_scalars(
-        self, places: list[tuple[str, ParamPlace]], kinds: Mapping[str, Any]
+        self, places: list[tuple[str, ParamPlace]], kinds: Mapping[str, object]
     ) -> dict[str, Any]:
         """Scalar state (``step``) per name: only the ranks owning part of a parameter hold it,
         so a MAX all-reduce over float64 (missing = -inf) shares it exactly (ints < 2**53)."""
@@ -318,7 +318,7 @@ def _presented(
     )
 
 
-def _is_elementwise(key: str, value: Any, tensor: torch.Tensor) -> bool:
+def _is_elementwise(key: str, value: object, tensor: torch.Tensor) -> bool:
     """Optimizer state with one value per element of ``tensor`` (exp_avg...), as opposed to ``step``."""
     return key != "step" and torch.is_tensor(value) and value.shape == tensor.shape
 

@@ -50,7 +50,7 @@ def param_layout(optimizer: torch.optim.Optimizer, param_of: Mapping[int, Any] |
     or a whole tensor; separate where it does not share the parameter's storage."""
     param_of = dict(param_of or {})
     places: list[ParamPlace] = []
-    copies: list[tuple[torch.Tensor, Any]] = []  # (separate master, its parameter)
+    copies: list[tuple[torch.Tensor, object]] = []  # (separate master, its parameter)
     groups: list[tuple[int, ...]] = []
     for group in optimizer.param_groups:
         groups.append(tuple(range(len(places), len(places) + len(group["params"]))))

@@ -30,10 +30,10 @@ def is_publisher(node_local: bool) -> bool:
 
 
 def write_and_publish(
-    items: dict[str, Any],
+    items: dict[str, object],
     root: Path,
     tag: str,
-    summary: dict[str, Any],
+    summary: dict[str, object],
     save_latest: bool,
     group: Group,
     *,
@@ -88,9 +88,9 @@ def _share_metadata(staging: Path, group: Group) -> None:
         layout.atomic_write_bytes(staging / layout.DCP_METADATA, payload.numpy().tobytes())
 
 
-def snapshot(items: dict[str, Any]) -> dict[str, Any]:
+def snapshot(items: dict[str, object]) -> dict[str, Any]:
     """Copies that training cannot change while a background thread writes them."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, value in items.items():
         if isinstance(value, dcp_io.FlatShards):
             out[key] = value.snapshot()

@@ -117,7 +117,7 @@ class RawWriter(FileSystemWriter):
                 os.fsync(stream.fileno())
         return results
 
-    def _write_item(self, stream: BinaryIO, name: str, item: WriteItem, data: Any) -> WriteResult:
+    def _write_item(self, stream: BinaryIO, name: str, item: WriteItem, data: object) -> WriteResult:
         """Append one item to ``stream``: a Python object's bytes, or a tensor's raw bytes."""
         offset = stream.tell()
         if item.type == WriteItemType.BYTE_IO:
@@ -137,7 +137,7 @@ class RawAwareReader(FileSystemReader):
     """DCP's file reader that reads raw tensor items itself (see the module docstring)."""
 
     def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+        self, metadata: Metadata, is_coordinator: bool, *args: object, **kwargs: object
     ) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}

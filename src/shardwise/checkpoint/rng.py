@@ -22,7 +22,7 @@ def capture() -> dict[str, Any]:
         >>> state = capture(); x = torch.rand(1); restore(state); bool(torch.rand(1) == x)
         True
     """
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    state: dict[str, object] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     try:
         import numpy as np
 

@@ -37,7 +37,7 @@ class Stateful(Protocol):
         """Picklable plain values that restore the object."""
         ...
 
-    def load_state_dict(self, state: Any) -> None:
+    def load_state_dict(self, state: object) -> None:
         """Restore what :meth:`state_dict` returned."""
         ...
 
@@ -66,9 +66,9 @@ class StatePart:
     per_rank: bool = False
 
 
-COMMON_PARTS: dict[str, Any] = {"counters": {}, "lr_scheduler": None, "loss_scaler": None, "step_hooks": {}}
+COMMON_PARTS: dict[str, object] = {"counters": {}, "lr_scheduler": None, "loss_scaler": None, "step_hooks": {}}
 """The common entry's part names and what the format writes for a run without that part."""
-RANK_PARTS: dict[str, Any] = {"data_loader": None}
+RANK_PARTS: dict[str, object] = {"data_loader": None}
 """The per-rank entry's part names, likewise."""
 
 
@@ -82,8 +82,8 @@ def saved_parts(parts: Mapping[str, StatePart]) -> tuple[dict[str, Any], dict[st
 
 def restore_parts(
     parts: Mapping[str, StatePart],
-    common: Mapping[str, Any],
-    per_rank: Mapping[str, Any] | None,
+    common: Mapping[str, object],
+    per_rank: Mapping[str, object] | None,
     *,
     with_optimizer: bool,
     with_scheduler: bool,
@@ -129,7 +129,7 @@ class TrainingState:
     mp_world_size: int = 1
     gradient_accumulation_steps: int = 1
     pending_micro_batches: int = 0
-    ds_config: dict[str, Any] = field(default_factory=dict)
+    ds_config: dict[str, object] = field(default_factory=dict)
     process_group: Group = None
 
     @property
@@ -144,7 +144,7 @@ class LoadResult:
     """What a load restored: where from, the client state, and the counters to apply."""
 
     path: Path
-    client_state: dict[str, Any]
+    client_state: dict[str, object]
     counters: dict[str, int]
 
 

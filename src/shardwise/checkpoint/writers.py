@@ -81,7 +81,7 @@ def _checked(
 
 
 def _safetensors_header(specs: Mapping[str, Spec], metadata: Mapping[str, str] | None) -> bytes:
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
     for key, spec in specs.items():
         shape, dtype = spec
@@ -125,9 +125,9 @@ class _TensorRef:
     def __init__(self, storage: _StorageRef, shape: tuple[int, ...]) -> None:
         self.storage, self.shape = storage, shape
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: object) -> Any:
         stride = tuple(math.prod(self.shape[i + 1 :]) for i in range(len(self.shape)))
-        args: tuple[Any, ...] = (
+        args: tuple[object, ...] = (
             self.storage,
             0,
             torch.Size(self.shape),
@@ -138,7 +138,7 @@ class _TensorRef:
         return (torch._utils._rebuild_tensor_v2, args)
 
 
-def _storage_class(dtype: torch.dtype) -> Any:
+def _storage_class(dtype: torch.dtype) -> object:
     """The legacy storage class torch's pickles name for ``dtype`` (e.g. ``torch.FloatStorage``)."""
     return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
 
@@ -150,7 +150,7 @@ def _write_pt(path: Path, specs: Mapping[str, Spec], tensors: Iterable[tuple[str
     }
 
     class _Pickler(pickle.Pickler):
-        def persistent_id(self, obj: Any) -> Any:
+        def persistent_id(self, obj: object) -> Any:
             if isinstance(obj, _StorageRef):
                 return ("storage", _storage_class(obj.dtype), obj.key, "cpu", obj.numel)
             return None

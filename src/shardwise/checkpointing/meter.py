@@ -45,7 +45,7 @@ class _Counted:
             self.meter._drop(self.key)
 
 
-def record_stored(owner: Any, nbytes: int) -> None:
+def record_stored(owner: object, nbytes: int) -> None:
     """Count ``nbytes`` in every active meter until ``owner`` is garbage collected."""
     import weakref
 

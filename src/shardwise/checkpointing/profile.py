@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -79,7 +78,7 @@ class Boundaries:
 
     def __init__(
         self,
-        function: Callable[..., Any],
+        function: Callable[..., object],
         *,
         profile: bool,
         synchronize: bool,
@@ -93,7 +92,7 @@ class Boundaries:
         self.drop_last = drop_last
         self.calls = 0
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: object) -> object:
         from shardwise.checkpointing.rng import tracker_restored
 
         recompute = self.calls > 0

@@ -45,7 +45,7 @@ from shardwise.checkpointing.storage import active_storage
 __all__ = ["checkpoint", "non_reentrant_checkpoint"]
 
 
-def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+def checkpoint(function: Callable[..., object], *args: object) -> Any:
     """DeepSpeed's ``deepspeed.checkpointing.checkpoint``: reentrant recompute in backward.
 
     Args:
@@ -58,13 +58,13 @@ def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     return _checkpoint(function, args, reentrant=True)
 
 
-def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+def non_reentrant_checkpoint(function: Callable[..., object], *args: object) -> Any:
     """DeepSpeed's ``non_reentrant_checkpoint``: the recompute runs from the saved-tensor hooks,
     so nested checkpoints, ``torch.autograd.grad`` and frozen inputs work."""
     return _checkpoint(function, args, reentrant=False)
 
 
-def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], reentrant: bool) -> Any:
+def _checkpoint(function: Callable[..., object], args: tuple[object, ...], reentrant: bool) -> object:
     if not torch.is_grad_enabled():
         return function(*args)  # no graph: nothing is saved, nothing to recompute
     settings = current_settings()

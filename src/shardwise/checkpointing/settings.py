@@ -53,7 +53,7 @@ class CheckpointingSettings:
     number_checkpoints: int | None = None
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
-    mpu: Any = None
+    mpu: object = None
     mp_group: Group = None
     mp_rank: int = 0
     mp_size: int = 1
@@ -78,7 +78,7 @@ def is_configured() -> bool:
     return _configured
 
 
-def _section(deepspeed_config: Any) -> ActivationCheckpointingConfig:
+def _section(deepspeed_config: object) -> ActivationCheckpointingConfig:
     """The ``activation_checkpointing`` section of a path, dict, JSON text or validated config."""
     if deepspeed_config is None:
         return ActivationCheckpointingConfig()
@@ -179,8 +179,8 @@ def check_section(section: ActivationCheckpointingConfig) -> None:
 
 
 def configure(
-    mpu_: Any,
-    deepspeed_config: Any = None,
+    mpu_: object,
+    deepspeed_config: object = None,
     partition_activations: bool | None = None,
     contiguous_checkpointing: bool | None = None,
     num_checkpoints: int | None = None,
@@ -288,7 +288,7 @@ def describe(settings: CheckpointingSettings | None = None) -> str:
     return "activation checkpointing: " + (", ".join(parts) if parts else "default (inputs kept as they are)")
 
 
-def configure_for_engine(section: ActivationCheckpointingConfig, mpu: Any) -> CheckpointingSettings | None:
+def configure_for_engine(section: ActivationCheckpointingConfig, mpu: object) -> CheckpointingSettings | None:
     """What ``initialize`` does: apply the config's section, so config-only users get it.
 
     A section that sets anything replaces earlier settings (as a ``configure`` call with that

@@ -45,8 +45,8 @@ def add_parser(subparsers: Any) -> None:
         p.set_defaults(func=_run)
 
 
-def _overrides(pairs: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _overrides(pairs: list[str]) -> dict[str, object]:
+    out: dict[str, object] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep:

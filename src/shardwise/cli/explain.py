@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from shardwise.config.provenance import Source
 from shardwise.config.resolve import ResolvedConfig
@@ -19,7 +18,7 @@ _TITLES = {
 }
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: object) -> str:
     if isinstance(value, float) and value.is_integer() and abs(value) >= 1e6:
         return f"{value:.0e}"
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**6:

@@ -42,7 +42,7 @@ def _config_subparsers(subparsers: Any) -> Any:
     raise RuntimeError("the 'config' command has no sub-commands to add 'plan' to")
 
 
-def add_parser(subparsers: Any) -> None:
+def add_parser(subparsers: object) -> None:
     """Register ``config plan`` under the existing ``config`` command."""
     parser = _config_subparsers(subparsers).add_parser(
         "plan", help="model-state memory per rank (params, grads, optimizer state, offload)"

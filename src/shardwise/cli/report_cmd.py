@@ -72,7 +72,7 @@ def _memory() -> dict[str, int]:
 
 
 def _cpu() -> dict[str, Any]:
-    info: dict[str, Any] = {"logical_cores": os.cpu_count()}
+    info: dict[str, object] = {"logical_cores": os.cpu_count()}
     if hasattr(os, "sched_getaffinity"):
         info["usable_cores"] = len(os.sched_getaffinity(0))
     try:
@@ -98,7 +98,7 @@ def _torch_part() -> dict[str, Any]:
         from shardwise.comm.init import available_backends
     except Exception as exc:  # a broken torch install is exactly what a report must show
         return {"error": f"{type(exc).__name__}: {exc}"}
-    part: dict[str, Any] = {"version": torch.__version__, "cuda_build": torch.version.cuda}
+    part: dict[str, object] = {"version": torch.__version__, "cuda_build": torch.version.cuda}
     part["hip_build"] = getattr(torch.version, "hip", None)
     backends = available_backends()
     part["backends"] = backends
@@ -107,7 +107,7 @@ def _torch_part() -> dict[str, Any]:
             part["nccl_version"] = ".".join(str(v) for v in torch.cuda.nccl.version())
         except Exception:  # the NCCL library is not loadable on this machine
             part["nccl_version"] = None
-    devices: list[dict[str, Any]] = []
+    devices: list[dict[str, object]] = []
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
@@ -200,7 +200,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     def section(title: str) -> None:
         lines.extend(["-" * 72, title, "-" * 72])
 
-    def row(name: str, value: Any) -> None:
+    def row(name: str, value: object) -> None:
         lines.append(f"{name} {'.' * max(width - len(name), 3)} {value}")
 
     section("versions")

@@ -169,7 +169,7 @@ class PendingComm:
     on_cuda: bool
     end: float | None = None
 
-    def watch(self, work: Any) -> None:
+    def watch(self, work: object) -> None:
         """Take the completion time from ``work``'s future (CPU backends run the callback on completion)."""
         if self.on_cuda or work is None or not hasattr(work, "get_future"):
             return
@@ -178,7 +178,7 @@ class PendingComm:
         except RuntimeError:  # backends without futures: the wait time is used instead
             return
 
-        def completed(_: Any) -> None:
+        def completed(_: object) -> None:
             if self.end is None:
                 self.end = time.perf_counter()
 
@@ -396,13 +396,13 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def configure_comms_logger(section: Any) -> None:
+def configure_comms_logger(section: object) -> None:
     """Switch the process-wide comms logger on or off from a ``comms_logger`` section or dict."""
     COMMS_LOGGER.configure(section)
 
 
 def configure(
-    config: Any = None,
+    config: object = None,
     *,
     enabled: bool | None = None,
     prof_all: bool | None = None,

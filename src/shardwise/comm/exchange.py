@@ -97,7 +97,7 @@ class ExchangeHandle:
         self._finish = finish
         self._done = False
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: object = None) -> bool:
         """Block until every message arrived and the result is in place."""
         if not self._done:
             self._finish()

@@ -47,7 +47,7 @@ _FULLY_SHARD_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"  # priv
 
 
 # --------------------------------------------------------------------------------- DTensor
-def is_dtensor(tensor: Any) -> bool:
+def is_dtensor(tensor: object) -> bool:
     """Whether ``tensor`` is a DTensor (FSDP2's sharded parameters and their optimizer state). Public API."""
     from torch.distributed.tensor import DTensor
 

@@ -134,7 +134,7 @@ def init_distributed(
     timeout: timedelta | None = None,
     init_method: str | None = None,
     dist_init_required: bool | None = None,
-    config: Any = None,
+    config: object = None,
     rank: int = -1,
     world_size: int = -1,
 ) -> None:

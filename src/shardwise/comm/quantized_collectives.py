@@ -100,7 +100,7 @@ class FsdpHook:
         return torch.empty(*size, dtype=dtype, device=device)
 
     @staticmethod
-    def reduce_op_name(op: Any, hook: str) -> Literal["sum", "avg"]:
+    def reduce_op_name(op: object, hook: str) -> Literal["sum", "avg"]:
         """``"sum"`` or ``"avg"`` for FSDP2's ``ReduceOp``; anything else (NCCL-only ops such as
         PREMUL_SUM, which never reach these CPU hooks) is an error naming ``hook``."""
         if op == dist.ReduceOp.SUM:
@@ -145,7 +145,7 @@ class QuantizedReduceScatter(FsdpHook):
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
         group: Group,
-        op: Any,
+        op: object,
         async_op: bool = False,
     ) -> None:
         average = self.reduce_op_name(op, "quantized reduce-scatter (qgZ)") == "avg"

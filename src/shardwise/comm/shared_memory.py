@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import shm_barrier
-from shardwise.comm.comms_logger import COMMS_LOGGER
+from shardwise.comm.comms_logger import COMMS_LOGGER, PendingComm
 from shardwise.comm.env import timeout_from_env
 from shardwise.comm.group_type import Group
 
@@ -265,7 +265,7 @@ class SharedBuffers:
         if record is not None:
             record.complete()
 
-    def _record(self, op: str, span: tuple[int, int]) -> Any:
+    def _record(self, op: str, span: tuple[int, int]) -> PendingComm | None:
         """Time the collective for the comms logger (under the name and size of the torch
         collective it replaces: the output shard, the input shard, the whole span), when it is on."""
         if not COMMS_LOGGER.enabled:

@@ -30,12 +30,15 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from shardwise.comm.init import get_rank, get_world_group, get_world_size
 from shardwise.comm.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ParallelDims", "Topology", "build_topology"]
 
@@ -98,7 +101,7 @@ class Topology:
         )
         assert (dims.dp, dims.sp) == (self.dp_size, self.sp_size), (dims, self)
 
-    def data_parallel_mesh(self, device_type: str) -> Any:
+    def data_parallel_mesh(self, device_type: str) -> DeviceMesh:
         """The 1-D ``DeviceMesh`` named ``dp_shard`` over the data-parallel group (the world when None).
 
         FSDP2 (stage 3) shards over it; hpZ's secondary groups are its runs
@@ -110,7 +113,7 @@ class Topology:
         return DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
 
 
-def _call(mpu: Any, name: str, default: Any = None) -> Any:
+def _call(mpu: object, name: str, default: object = None) -> Any:
     method = getattr(mpu, name, None)
     return method() if callable(method) else default
 

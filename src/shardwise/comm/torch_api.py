@@ -7,8 +7,6 @@ comms logger; these are the plain calls user scripts make through ``deepspeed.co
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -28,14 +26,14 @@ __all__ = [
 
 def all_gather(
     tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group = None, async_op: bool = False
-) -> Any:
+) -> dist.Work | None:
     """Every rank's ``tensor`` into ``tensor_list`` (one entry per rank)."""
     return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
 
 def reduce(
-    tensor: torch.Tensor, dst: int, op: Any = dist.ReduceOp.SUM, group: Group = None, async_op: bool = False
-) -> Any:
+    tensor: torch.Tensor, dst: int, op: object = dist.ReduceOp.SUM, group: Group = None, async_op: bool = False
+) -> dist.Work | None:
     """Reduce ``tensor`` over the group into rank ``dst``."""
     return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
 
@@ -43,10 +41,10 @@ def reduce(
 def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],
-    op: Any = dist.ReduceOp.SUM,
+    op: object = dist.ReduceOp.SUM,
     group: Group = None,
     async_op: bool = False,
-) -> Any:
+) -> dist.Work | None:
     """Reduce ``input_list`` over the group; rank ``r`` gets the reduced ``input_list[r]`` in ``output``."""
     return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
 
@@ -58,7 +56,7 @@ def all_to_all_single(
     input_split_sizes: list[int] | None = None,
     group: Group = None,
     async_op: bool = False,
-) -> Any:
+) -> dist.Work | None:
     """Split ``tensor`` over ranks and gather each rank's piece into ``output``."""
     return dist.all_to_all_single(
         output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op
@@ -75,11 +73,13 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag:
     return dist.recv(tensor, src, group=group, tag=tag)
 
 
-def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> Any:
+def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> dist.Work | None:
     """Non-blocking send; returns the work handle."""
     return dist.isend(tensor, dst, group=group, tag=tag)
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> Any:
+def irecv(
+    tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0
+) -> dist.Work | None:
     """Non-blocking receive; returns the work handle."""
     return dist.irecv(tensor, src, group=group, tag=tag)

@@ -13,9 +13,13 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+# What DeepSpeed's accelerator methods take as a device: an index, a name ("cuda:1") or a device.
+DeviceIndex = int | str | torch.device | None
+T = TypeVar("T")
 
 SUPPORTED_ACCELERATORS = ("cpu", "cuda")
 """The ``DS_ACCELERATOR`` values shardwise runs on (DeepSpeed also lists xpu, npu, mps, hpu, mlu, sdaa)."""
@@ -37,7 +41,9 @@ def _total_and_available_bytes() -> tuple[int, int]:
     """Host memory: total and available bytes (``/proc/meminfo``, else ``sysconf``)."""
     try:
         fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        kib = {key: int(value.split()[0]) for key, value in fields.items() if key in ("MemTotal", "MemAvailable")}
+        kib = {
+            key: int(value.split()[0]) for key, value in fields.items() if key in ("MemTotal", "MemAvailable")
+        }
         return kib["MemTotal"] * 1024, kib["MemAvailable"] * 1024
     except (OSError, KeyError, ValueError):
         page = os.sysconf("SC_PAGE_SIZE")
@@ -106,7 +112,7 @@ class CpuAccelerator:
         local_size = int(os.environ.get("LOCAL_SIZE", 0))
         return local_size if local_size > 0 else _numa_nodes_with_cores()
 
-    def synchronize(self, device_index: Any = None) -> None:
+    def synchronize(self, device_index: DeviceIndex = None) -> None:
         """No-op on CPU."""
 
     def is_available(self) -> bool:
@@ -118,19 +124,19 @@ class CpuAccelerator:
         """``torch.random``."""
         return torch.random
 
-    def set_rng_state(self, new_state: torch.Tensor, device_index: Any = None) -> None:
+    def set_rng_state(self, new_state: torch.Tensor, device_index: DeviceIndex = None) -> None:
         """Restore the host generator's state."""
         torch.set_rng_state(new_state)
 
-    def get_rng_state(self, device_index: Any = None) -> torch.Tensor:
+    def get_rng_state(self, device_index: DeviceIndex = None) -> torch.Tensor:
         """The host generator's state."""
         return torch.get_rng_state()
 
-    def manual_seed(self, seed: int) -> Any:
+    def manual_seed(self, seed: int) -> torch.Generator | None:
         """Seed the host generator."""
         return torch.manual_seed(seed)
 
-    def manual_seed_all(self, seed: int) -> Any:
+    def manual_seed_all(self, seed: int) -> torch.Generator | None:
         """Seed the host generator (there is one)."""
         return torch.manual_seed(seed)
 
@@ -138,7 +144,7 @@ class CpuAccelerator:
         """The host generator's initial seed."""
         return torch.initial_seed()
 
-    def default_generator(self, device_index: Any = None) -> torch.Generator:
+    def default_generator(self, device_index: DeviceIndex = None) -> torch.Generator:
         """``torch.default_generator``."""
         return torch.default_generator
 
@@ -148,15 +154,15 @@ class CpuAccelerator:
         """``None``: no stream class on CPU."""
         return None
 
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+    def stream(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
         """A context that does nothing."""
         return contextlib.nullcontext()
 
-    def current_stream(self, device_index: Any = None) -> Any:
+    def current_stream(self, device_index: DeviceIndex = None) -> torch.cuda.Stream | None:
         """``None``."""
         return None
 
-    def default_stream(self, device_index: Any = None) -> Any:
+    def default_stream(self, device_index: DeviceIndex = None) -> torch.cuda.Stream | None:
         """``None``."""
         return None
 
@@ -179,16 +185,16 @@ class CpuAccelerator:
         self.max_mem = _resident_bytes()
         return self.max_mem
 
-    def memory_allocated(self, device_index: Any = None) -> int:
+    def memory_allocated(self, device_index: DeviceIndex = None) -> int:
         """Resident bytes."""
         return self.get_rss()
 
-    def max_memory_allocated(self, device_index: Any = None) -> int:
+    def max_memory_allocated(self, device_index: DeviceIndex = None) -> int:
         """Peak resident bytes since the last reset."""
         self.get_rss()
         return self.max_mem
 
-    def reset_max_memory_allocated(self, device_index: Any = None) -> None:
+    def reset_max_memory_allocated(self, device_index: DeviceIndex = None) -> None:
         """Reset the peak."""
         self.reset_rss()
 
@@ -196,16 +202,16 @@ class CpuAccelerator:
     max_memory_cached = max_memory_reserved = max_memory_allocated
     reset_max_memory_cached = reset_peak_memory_stats = reset_max_memory_allocated
 
-    def memory_stats(self, device_index: Any = None) -> dict[str, int]:
+    def memory_stats(self, device_index: DeviceIndex = None) -> dict[str, int]:
         """``allocated_bytes.all.current`` and ``.peak`` (resident bytes)."""
         current = self.get_rss()
         return {"allocated_bytes.all.current": current, "allocated_bytes.all.peak": self.max_mem}
 
-    def total_memory(self, device_index: Any = None) -> int:
+    def total_memory(self, device_index: DeviceIndex = None) -> int:
         """Host memory in bytes."""
         return _total_and_available_bytes()[0]
 
-    def available_memory(self, device_index: Any = None) -> int:
+    def available_memory(self, device_index: DeviceIndex = None) -> int:
         """Host memory available now, in bytes."""
         return _total_and_available_bytes()[1]
 
@@ -234,13 +240,13 @@ class CpuAccelerator:
         return torch.amp
 
     # misc
-    def range_push(self, msg: str, domain: Any = None, category: Any = None) -> None:
+    def range_push(self, msg: str, domain: object = None, category: object = None) -> None:
         """No-op on CPU (no NVTX)."""
 
-    def range_pop(self, domain: Any = None) -> None:
+    def range_pop(self, domain: object = None) -> None:
         """No-op on CPU."""
 
-    def lazy_call(self, callback: Callable[[], Any]) -> Any:
+    def lazy_call(self, callback: Callable[[], T]) -> T:
         """Call ``callback`` now."""
         return callback()
 
@@ -249,15 +255,20 @@ class CpuAccelerator:
         return self._communication_backend_name
 
     # graphs: none on CPU
-    def create_graph(self) -> Any:
+    def create_graph(self) -> torch.cuda.CUDAGraph | None:
         """``None``."""
         return None
 
-    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Any:
+    def capture_to_graph(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        pool: object = None,  # torch.cuda.graph_pool_handle(), a private torch type
+        stream: torch.cuda.Stream | None = None,
+    ) -> contextlib.AbstractContextManager[object]:
         """A context that does nothing."""
         return contextlib.nullcontext()
 
-    def replay_graph(self, graph: Any) -> None:
+    def replay_graph(self, graph: torch.cuda.CUDAGraph) -> None:
         """No-op."""
 
     # tensor types: torch's legacy CPU classes, as DeepSpeed's CPU accelerator
@@ -269,7 +280,7 @@ class CpuAccelerator:
     IntTensor = property(lambda self: torch.IntTensor)
     LongTensor = property(lambda self: torch.LongTensor)
 
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1, **_: Any) -> torch.Tensor:
+    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1, **_: object) -> torch.Tensor:
         """``tensor`` itself: CPU tensors are not pinned to any device."""
         return tensor
 
@@ -325,5 +336,7 @@ class CpuAccelerator:
         """Choose the ``torch.compile`` backend; an unknown one raises naming the known ones."""
         known = torch._dynamo.list_backends(exclude_tags=())
         if backend not in known:
-            raise ValueError(f"{backend} not supported by {self.device_name()}. Supported Backends are {known}")
+            raise ValueError(
+                f"{backend} not supported by {self.device_name()}. Supported Backends are {known}"
+            )
         self._compile_backend = backend

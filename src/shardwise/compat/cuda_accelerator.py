@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from shardwise.compat.cpu_accelerator import CpuAccelerator
+from shardwise.compat.cpu_accelerator import CpuAccelerator, DeviceIndex
 
 
 class CudaAccelerator(CpuAccelerator):
@@ -45,7 +45,7 @@ class CudaAccelerator(CpuAccelerator):
         """GPUs visible."""
         return torch.cuda.device_count()
 
-    def synchronize(self, device_index: Any = None) -> None:
+    def synchronize(self, device_index: DeviceIndex = None) -> None:
         """``torch.cuda.synchronize``."""
         torch.cuda.synchronize(device_index)
 
@@ -53,42 +53,46 @@ class CudaAccelerator(CpuAccelerator):
         """``torch.cuda.random``."""
         return torch.cuda.random
 
-    def set_rng_state(self, new_state: torch.Tensor, device_index: Any = None) -> None:
+    def set_rng_state(self, new_state: torch.Tensor, device_index: DeviceIndex = None) -> None:
         """Restore a GPU generator's state."""
         torch.cuda.set_rng_state(new_state, "cuda" if device_index is None else device_index)
 
-    def get_rng_state(self, device_index: Any = None) -> torch.Tensor:
+    def get_rng_state(self, device_index: DeviceIndex = None) -> torch.Tensor:
         """A GPU generator's state."""
         return torch.cuda.get_rng_state("cuda" if device_index is None else device_index)
 
-    def manual_seed(self, seed: int) -> Any:
+    def manual_seed(self, seed: int) -> torch.Generator | None:
         """Seed the current GPU's generator."""
-        return torch.cuda.manual_seed(seed)
+        torch.cuda.manual_seed(seed)
+        return None
 
-    def manual_seed_all(self, seed: int) -> Any:
+    def manual_seed_all(self, seed: int) -> torch.Generator | None:
         """Seed every GPU's generator."""
-        return torch.cuda.manual_seed_all(seed)
+        torch.cuda.manual_seed_all(seed)
+        return None
 
     def initial_seed(self) -> int:
         """The current GPU generator's initial seed."""
         return torch.cuda.initial_seed()
 
-    def default_generator(self, device_index: Any = None) -> torch.Generator:
+    def default_generator(self, device_index: DeviceIndex = None) -> torch.Generator:
         """A GPU's default generator."""
+        if isinstance(device_index, (str, torch.device)):
+            device_index = torch.device(device_index).index
         return torch.cuda.default_generators[device_index or 0]
 
     Stream = property(lambda self: torch.cuda.Stream)
     Event = property(lambda self: torch.cuda.Event)
 
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+    def stream(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
         """``torch.cuda.stream(stream)``."""
         return torch.cuda.stream(stream)
 
-    def current_stream(self, device_index: Any = None) -> Any:
+    def current_stream(self, device_index: DeviceIndex = None) -> torch.cuda.Stream | None:
         """``torch.cuda.current_stream``."""
         return torch.cuda.current_stream(device_index)
 
-    def default_stream(self, device_index: Any = None) -> Any:
+    def default_stream(self, device_index: DeviceIndex = None) -> torch.cuda.Stream | None:
         """``torch.cuda.default_stream``."""
         return torch.cuda.default_stream(device_index)
 
@@ -96,38 +100,38 @@ class CudaAccelerator(CpuAccelerator):
         """``torch.cuda.empty_cache``."""
         torch.cuda.empty_cache()
 
-    def memory_allocated(self, device_index: Any = None) -> int:
+    def memory_allocated(self, device_index: DeviceIndex = None) -> int:
         """Bytes held by tensors."""
         return torch.cuda.memory_allocated(device_index)
 
-    def max_memory_allocated(self, device_index: Any = None) -> int:
+    def max_memory_allocated(self, device_index: DeviceIndex = None) -> int:
         """Peak bytes held by tensors."""
         return torch.cuda.max_memory_allocated(device_index)
 
-    def reset_max_memory_allocated(self, device_index: Any = None) -> None:
+    def reset_max_memory_allocated(self, device_index: DeviceIndex = None) -> None:
         """Reset the tensor peak."""
         torch.cuda.reset_peak_memory_stats(device_index)
 
-    def memory_reserved(self, device_index: Any = None) -> int:
+    def memory_reserved(self, device_index: DeviceIndex = None) -> int:
         """Bytes held by the caching allocator."""
         return torch.cuda.memory_reserved(device_index)
 
-    def max_memory_reserved(self, device_index: Any = None) -> int:
+    def max_memory_reserved(self, device_index: DeviceIndex = None) -> int:
         """Peak bytes held by the caching allocator."""
         return torch.cuda.max_memory_reserved(device_index)
 
     memory_cached, max_memory_cached = memory_reserved, max_memory_reserved
     reset_max_memory_cached = reset_peak_memory_stats = reset_max_memory_allocated
 
-    def memory_stats(self, device_index: Any = None) -> dict[str, Any]:
+    def memory_stats(self, device_index: DeviceIndex = None) -> dict[str, Any]:
         """``torch.cuda.memory_stats``."""
         return torch.cuda.memory_stats(device_index)
 
-    def total_memory(self, device_index: Any = None) -> int:
+    def total_memory(self, device_index: DeviceIndex = None) -> int:
         """The GPU's memory in bytes."""
         return torch.cuda.get_device_properties(device_index or 0).total_memory
 
-    def available_memory(self, device_index: Any = None) -> int:
+    def available_memory(self, device_index: DeviceIndex = None) -> int:
         """Free GPU memory in bytes."""
         return torch.cuda.mem_get_info(device_index)[0]
 
@@ -143,27 +147,34 @@ class CudaAccelerator(CpuAccelerator):
         """fp32, fp16, and bf16 where supported."""
         return [torch.float, torch.half, *([torch.bfloat16] if self.is_bf16_supported() else [])]
 
-    def range_push(self, msg: str, domain: Any = None, category: Any = None) -> None:
+    def range_push(self, msg: str, domain: object = None, category: object = None) -> None:
         """An NVTX range."""
         torch.cuda.nvtx.range_push(msg)
 
-    def range_pop(self, domain: Any = None) -> None:
+    def range_pop(self, domain: object = None) -> None:
         """End the NVTX range."""
         torch.cuda.nvtx.range_pop()
 
-    def create_graph(self) -> Any:
+    def create_graph(self) -> torch.cuda.CUDAGraph | None:
         """A ``torch.cuda.CUDAGraph``."""
         return torch.cuda.CUDAGraph()
 
-    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Any:
+    def capture_to_graph(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        pool: Any = None,  # torch.cuda.graph_pool_handle(), a private torch type
+        stream: torch.cuda.Stream | None = None,
+    ) -> contextlib.AbstractContextManager[object]:
         """``torch.cuda.graph(graph, pool, stream)``."""
         return torch.cuda.graph(graph, pool, stream)
 
-    def replay_graph(self, graph: Any) -> None:
+    def replay_graph(self, graph: torch.cuda.CUDAGraph) -> None:
         """``graph.replay()``."""
         graph.replay()
 
-    BFloat16Tensor = property(lambda self: functools.partial(torch.tensor, dtype=torch.bfloat16, device="cuda"))
+    BFloat16Tensor = property(
+        lambda self: functools.partial(torch.tensor, dtype=torch.bfloat16, device="cuda")
+    )
     ByteTensor = property(lambda self: functools.partial(torch.tensor, dtype=torch.uint8, device="cuda"))
     DoubleTensor = property(lambda self: functools.partial(torch.tensor, dtype=torch.double, device="cuda"))
     FloatTensor = property(lambda self: functools.partial(torch.tensor, dtype=torch.float, device="cuda"))
@@ -171,7 +182,7 @@ class CudaAccelerator(CpuAccelerator):
     IntTensor = property(lambda self: functools.partial(torch.tensor, dtype=torch.int, device="cuda"))
     LongTensor = property(lambda self: functools.partial(torch.tensor, dtype=torch.long, device="cuda"))
 
-    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1, **_: Any) -> torch.Tensor:
+    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1, **_: object) -> torch.Tensor:
         """A page-locked copy of ``tensor``."""
         return tensor.pin_memory()
 

@@ -19,7 +19,7 @@ __all__ = [
 ]
 
 
-def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") -> Any:
+def clone_tensors_for_torch_save(item: object, device: torch.device | str = "cpu") -> Any:
     """A copy of ``item`` (nested dicts/lists/tuples of tensors) whose tensors are detached clones on
     ``device``, so ``torch.save`` writes only their own storage (not a view's whole flat buffer).
 

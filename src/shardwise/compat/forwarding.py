@@ -105,7 +105,7 @@ class ForwardingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Creates a :class:`ForwardingModule` for ``import deepspeed.<path>``."""
 
     def find_spec(
-        self, fullname: str, path: Any = None, target: Any = None
+        self, fullname: str, path: object = None, target: object = None
     ) -> importlib.machinery.ModuleSpec | None:
         if not fullname.startswith(table.ROOT + "."):
             return None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from shardwise.compat.op_builder import COMPATIBLE_OPS
@@ -15,7 +13,7 @@ git_hash, git_branch = "shardwise", "shardwise"
 installed_ops: dict[str, bool] = dict.fromkeys(COMPATIBLE_OPS, False)
 """Pre-built (compiled) ops: none, shardwise compiles nothing."""
 compatible_ops: dict[str, bool] = dict(COMPATIBLE_OPS)
-torch_info: dict[str, Any] = {
+torch_info: dict[str, object] = {
     "version": ".".join(torch.__version__.split("+")[0].split(".")[:2]),
     "bf16_support": True,
     "cuda_version": "0.0" if torch.version.cuda is None else ".".join(torch.version.cuda.split(".")[:2]),

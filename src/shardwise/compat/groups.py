@@ -12,13 +12,12 @@ its expert groups are the data-parallel ones at size 1, a larger size raises nam
 
 from __future__ import annotations
 
-from typing import Any
-
+from shardwise.comm.group_type import Group
 from shardwise.comm.groups import current_topology, set_topology
 from shardwise.comm.topology import Topology, build_topology
 
 
-def initialize(ep_size: int = 1, mpu: Any = None) -> None:
+def initialize(ep_size: int = 1, mpu: object = None) -> None:
     """Register the layout ``mpu`` describes (none: keep the current one); ``ep_size`` > 1 needs MoE,
     which shardwise lacks (raises)."""
     _require_no_experts("groups.initialize", ep_size)
@@ -43,7 +42,7 @@ def _ensure_divisibility(numerator: int, denominator: int) -> None:
     assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
 
 
-def _get_data_parallel_group() -> Any:
+def _get_data_parallel_group() -> Group:
     """The data-parallel group (``None``: the world)."""
     return _topology().dp_group
 
@@ -63,7 +62,7 @@ def _get_model_parallel_world_size() -> int:
     return _topology().mp_size
 
 
-def _get_sequence_parallel_group() -> Any:
+def _get_sequence_parallel_group() -> Group:
     """The sequence-parallel group (``None`` without Ulysses)."""
     return _topology().sp_group
 
@@ -78,7 +77,7 @@ def _get_sequence_parallel_rank() -> int:
     return _topology().sp_rank
 
 
-def _get_sequence_data_parallel_group() -> Any:
+def _get_sequence_data_parallel_group() -> Group:
     """The group ZeRO shards over (data x sequence parallel)."""
     return _topology().shard_group
 
@@ -93,7 +92,7 @@ def _get_sequence_data_parallel_rank() -> int:
     return _topology().shard_rank
 
 
-def get_data_parallel_group() -> Any:
+def get_data_parallel_group() -> Group:
     """The data-parallel group (the mpu's, else the world's)."""
     return _get_data_parallel_group()
 
@@ -108,7 +107,7 @@ def get_data_parallel_rank() -> int:
     return _get_data_parallel_rank()
 
 
-def get_model_parallel_group() -> Any:
+def get_model_parallel_group() -> Group:
     """The model-parallel group (``None`` without an mpu)."""
     return _topology().mp_group
 
@@ -177,13 +176,17 @@ def _get_expert_parallel_ranks(
             dp_ranks = list(range(stage_start + tp_index, stage_start + stage_size, tensor_parallel_size_))
             if use_data_before_expert_parallel_:
                 stride = dp_size // expert_parallel_size_
-                dp_ranks = [dp_ranks[d + e * stride] for d in range(stride) for e in range(expert_parallel_size_)]
+                dp_ranks = [
+                    dp_ranks[d + e * stride] for d in range(stride) for e in range(expert_parallel_size_)
+                ]
             runs = [dp_ranks[i : i + expert_parallel_size_] for i in range(0, dp_size, expert_parallel_size_)]
             expert_groups.extend(runs)
             expert_data_groups.extend([list(position) for position in zip(*runs)])
     return expert_groups, expert_data_groups
 
 
-def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False) -> None:
+def _create_expert_and_data_parallel(
+    expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False
+) -> None:
     """Expert groups come with MoE: size 1 needs none (the data-parallel groups serve), larger sizes raise."""
     _require_no_experts("_create_expert_and_data_parallel", expert_parallel_size_)

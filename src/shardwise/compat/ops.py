@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 
-def _note_ignored(name: str, **settings: tuple[Any, Any]) -> None:
+def _note_ignored(name: str, **settings: tuple[object, object]) -> None:
     """Warn for each DeepSpeed-only argument given a non-default value: ``arg=(value, default)``."""
     for arg, (value, default) in settings.items():
         if value != default:
@@ -78,7 +78,7 @@ class FusedAdam(torch.optim.Adam):
 
     def __new__(
         cls,
-        params: Iterable[Any],
+        params: Iterable[object],
         lr: float = 1e-3,
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -121,7 +121,7 @@ class DeepSpeedCPUAdam(FusedAdam):
 
     def __new__(
         cls,
-        model_params: Iterable[Any],
+        model_params: Iterable[object],
         lr: float = 1e-3,
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),

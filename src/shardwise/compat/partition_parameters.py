@@ -9,7 +9,6 @@ exists because transformers swaps it around every ZeRO-3 model build
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -31,7 +30,7 @@ _orig_torch_arange = torch.arange
 
 
 def zero_wrapper_for_fp_tensor_constructor(
-    fn: Callable[..., Any], *args: Any, **kwargs: Any
-) -> Callable[..., Any]:
+    fn: Callable[..., object], *args: object, **kwargs: object
+) -> Callable[..., object]:
     """Returns ``fn`` unchanged: shardwise's ``zero.Init`` leaves tensor constructors alone."""
     return fn

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 
@@ -33,7 +32,7 @@ __all__ = [
 noop_context = contextlib.nullcontext
 
 
-def call_to_str(base: str, *args: Any, **kwargs: Any) -> str:
+def call_to_str(base: str, *args: object, **kwargs: object) -> str:
     """``base(arg, ..., key=value)`` with each value's ``repr``.
 
     Example:
@@ -123,7 +122,7 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     acc.reset_peak_memory_stats()
 
 
-def _no_mpu(name: str, mpu: Any) -> None:
+def _no_mpu(name: str, mpu: object) -> None:
     if mpu is not None:
         raise NotImplementedError(
             f"deepspeed.runtime.utils.{name}(mpu=...): shardwise does not combine norms across a model-parallel "
@@ -132,14 +131,14 @@ def _no_mpu(name: str, mpu: Any) -> None:
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2,
-                    mpu: Any = None) -> float:
+                    mpu: object = None) -> float:
     """Scale the gradients of ``parameters`` so their total norm is at most ``max_norm``; returns the norm
     before clipping (torch's ``clip_grad_norm_`` rule: coefficient ``max_norm / (norm + 1e-6)``)."""
     _no_mpu("clip_grad_norm_", mpu)
     return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type))
 
 
-def get_weight_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2, mpu: Any = None) -> float:
+def get_weight_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2, mpu: object = None) -> float:
     """The total ``norm_type`` norm of the tensors themselves (not their gradients); -1 when it is inf or NaN."""
     _no_mpu("get_weight_norm", mpu)
     tensors = [parameters] if torch.is_tensor(parameters) else list(parameters)

@@ -22,7 +22,7 @@ def required_torch_version(min_version: str | None = None, max_version: str | No
     return not (max_version is not None and installed > _release(max_version))
 
 
-def _release(text: Any) -> tuple[int, ...]:
+def _release(text: object) -> tuple[int, ...]:
     """``"2.13.0+cpu"`` -> ``(2, 13, 0)``; ``1.8`` -> ``(1, 8)`` (missing parts compare as 0)."""
     parts = [int(p) for p in re.findall(r"\d+", str(text).split("+")[0])[:3]]
     return tuple(parts + [0] * (3 - len(parts)))
@@ -69,7 +69,7 @@ class OnDevice:
                 torch.set_default_dtype(self.dtype)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
         if self._saved_dtype is not None:

@@ -8,7 +8,8 @@ pipeline-parallel and MoE work.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 _PIPE = "pipeline parallelism (deepspeed.pipe) is not in shardwise yet; train the model without PipelineModule"
 _MOE = "mixture of experts (deepspeed.moe) is not in shardwise yet; use the model's own MoE layer without expert parallelism"
@@ -29,7 +30,7 @@ def _raise(qualname: str, instead: str) -> NoReturn:
 def unavailable_class(qualname: str, instead: str) -> type:
     """A class named like DeepSpeed's whose construction raises naming ``qualname`` and ``instead``."""
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: object, *args: object, **kwargs: object) -> None:
         _raise(qualname, instead)
 
     module, _, name = qualname.rpartition(".")
@@ -37,10 +38,10 @@ def unavailable_class(qualname: str, instead: str) -> type:
                            "__doc__": f"Not provided by shardwise: {instead}."})
 
 
-def unavailable_function(qualname: str, instead: str) -> Any:
+def unavailable_function(qualname: str, instead: str) -> Callable[..., NoReturn]:
     """A function named like DeepSpeed's whose call raises naming ``qualname`` and ``instead``."""
 
-    def function(*args: Any, **kwargs: Any) -> NoReturn:
+    def function(*args: object, **kwargs: object) -> NoReturn:
         _raise(qualname, instead)
 
     function.__name__ = function.__qualname__ = qualname.rpartition(".")[2]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -22,7 +21,7 @@ __all__ = [
 ]
 
 
-def _refuse(what: str, value: Any) -> None:
+def _refuse(what: str, value: object) -> None:
     if value:
         raise NotImplementedError(
             f"zero_to_fp32 {what}={value!r} is not supported by shardwise: `shardwise checkpoint export` streams "
@@ -82,7 +81,7 @@ def load_state_dict_from_zero_checkpoint(
     return model
 
 
-def _natural_key(path: str) -> list[Any]:
+def _natural_key(path: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
 
 

@@ -72,7 +72,7 @@ class CompressionRecord:
     related: dict[tuple[str, str], list[str]]
 
 
-def compression_settings(deepspeed_config: Any) -> CompressionSettings:
+def compression_settings(deepspeed_config: object) -> CompressionSettings:
     """Read ``compression_training`` from a path, a JSON string, a dict or a loaded config."""
     if isinstance(deepspeed_config, (str, os.PathLike, Mapping)):
         from shardwise.config.loading import read_config_source
@@ -151,7 +151,7 @@ def _related(model: nn.Module, group: GroupSettings, index: int, names: list[str
 
 
 def init_compression(
-    model: nn.Module, deepspeed_config: Any, teacher_model: nn.Module | None = None, mpu: Any = None
+    model: nn.Module, deepspeed_config: object, teacher_model: nn.Module | None = None, mpu: object = None
 ) -> nn.Module:
     """Prepare ``model`` for compression training as ``compression_training`` describes.
 
@@ -199,7 +199,7 @@ def init_compression(
     return model
 
 
-def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -> nn.Module:
+def redundancy_clean(model: nn.Module, deepspeed_config: object, mpu: object = None) -> nn.Module:
     """Bake quantized weights and remove pruned rows, heads and channels (see :mod:`.clean`).
 
     Raises:

@@ -7,7 +7,6 @@ enables something; its state (the scheduler's) is saved in checkpoints by the st
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from torch import nn
 
@@ -26,17 +25,17 @@ class CompressionHook:
         self.scheduler = scheduler
 
     def adjust_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: ForwardContext
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, args: tuple[object, ...], kwargs: dict[str, object], context: ForwardContext
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         return args, kwargs
 
     def after_optimizer_step(self, outcome: StepOutcome) -> None:
         self.scheduler.step(outcome.global_step)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return self.scheduler.state_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         self.scheduler.load_state_dict(state)
 
 

@@ -61,7 +61,7 @@ class ModuleTechnique:
         """Plain values to resume with (masks and scores are the module's buffers/parameters)."""
         return {"active": self.active}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore :meth:`state_dict`."""
         self.active = bool(state.get("active", self.active))
 

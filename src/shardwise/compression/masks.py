@@ -8,7 +8,6 @@ scores, so learnable scores (method ``topk``) train.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -36,11 +35,11 @@ def topk_values(scores: torch.Tensor, dense_ratio: float) -> torch.Tensor:
 
 class _TopK(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, scores: torch.Tensor, dense_ratio: float) -> torch.Tensor:
+    def forward(ctx: object, scores: torch.Tensor, dense_ratio: float) -> torch.Tensor:
         return topk_values(scores, dense_ratio)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 

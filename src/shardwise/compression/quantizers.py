@@ -8,8 +8,6 @@ magnitude), 2 bits ternary (0.7 x mean magnitude threshold), as in DeepSpeed.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 __all__ = ["quantize", "quantize_values"]
@@ -78,11 +76,11 @@ def quantize_values(
 
 class _StraightThrough(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: object, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         return q
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 

@@ -26,7 +26,7 @@ def check_zero_stage(loaded: Any) -> None:
     check_stage(compression_settings(loaded), loaded.config.zero_stage)
 
 
-def _listed(model_parameters: Any) -> set[int] | None:
+def _listed(model_parameters: object) -> set[int] | None:
     """The ids of the parameters in a list/tuple ``model_parameters`` (None for an iterator: not
     inspected, so it is not consumed)."""
     if not isinstance(model_parameters, (list, tuple)):
@@ -43,7 +43,7 @@ def _listed(model_parameters: Any) -> set[int] | None:
 
 
 def prepare_for_engine(
-    model: nn.Module, loaded: Any, client_optimizer: Any, model_parameters: Any = None
+    model: nn.Module, loaded: object, client_optimizer: object, model_parameters: object = None
 ) -> None:
     """Check the stage and run ``init_compression`` (a no-op on a model already prepared).
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -36,7 +35,7 @@ LITERAL_AUTO_FIELDS = {"data_types.keep_in_fp32_modules", "pipeline.stages"}
 
 # optimizer hyperparameter defaults by JSON name (lower case); torch classes are introspected
 _ADAM_LIKE = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
-OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
+OPTIMIZER_DEFAULTS: dict[str, dict[str, object]] = {
     "adam": _ADAM_LIKE,
     "adamw": _ADAM_LIKE,
     "onebitadam": _ADAM_LIKE,
@@ -46,7 +45,7 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
     "lion": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},
     "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
 }
-SCHEDULER_DEFAULTS: dict[str, Any] = {
+SCHEDULER_DEFAULTS: dict[str, object] = {
     "warmup_min_lr": 0.0,
     "warmup_num_steps": 1000,
     "warmup_type": "log",
@@ -82,8 +81,8 @@ class ResolutionContext:
     """
 
     world_size: int = 1
-    overrides: Mapping[str, Any] = field(default_factory=dict)
-    optimizer_hparams: Mapping[str, Any] | None = None
+    overrides: Mapping[str, object] = field(default_factory=dict)
+    optimizer_hparams: Mapping[str, object] | None = None
     hidden_size: int | None = None
     loader_batch_size: int | None = None
     total_training_steps: int | None = None
@@ -92,9 +91,9 @@ class ResolutionContext:
 # ---------------------------------------------------------------- dotted paths
 
 
-def get_path(tree: Mapping[str, Any], path: str, default: Any = None) -> Any:
+def get_path(tree: Mapping[str, object], path: str, default: object = None) -> object:
     """Value at a dotted path, or ``default``."""
-    node: Any = tree
+    node: object = tree
     for part in path.split("."):
         if not isinstance(node, Mapping) or part not in node:
             return default
@@ -102,7 +101,7 @@ def get_path(tree: Mapping[str, Any], path: str, default: Any = None) -> Any:
     return node
 
 
-def set_path(tree: dict[str, Any], path: str, value: Any) -> None:
+def set_path(tree: dict[str, object], path: str, value: object) -> None:
     """Set a dotted path, creating dicts on the way."""
     parts = path.split(".")
     node = tree
@@ -115,17 +114,17 @@ def set_path(tree: dict[str, Any], path: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def delete_path(tree: dict[str, Any], path: str) -> None:
+def delete_path(tree: dict[str, object], path: str) -> None:
     """Remove a dotted path if present."""
     parts = path.split(".")
-    node: Any = tree
+    node: object = tree
     for part in parts[:-1]:
         node = node.get(part) if isinstance(node, dict) else None
     if isinstance(node, dict):
         node.pop(parts[-1], None)
 
 
-def find_auto_paths(tree: Any, prefix: str = "") -> list[str]:
+def find_auto_paths(tree: object, prefix: str = "") -> list[str]:
     """All dotted paths whose value is the string ``"auto"`` (any case)."""
     found: list[str] = []
     if isinstance(tree, Mapping):
@@ -147,7 +146,7 @@ def find_auto_paths(tree: Any, prefix: str = "") -> list[str]:
 # ---------------------------------------------------------------- model introspection
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
+def _model_in(annotation: object) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in typing.get_args(annotation):
@@ -157,7 +156,7 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _is_dict_of_models(annotation: Any) -> type[BaseModel] | None:
+def _is_dict_of_models(annotation: object) -> type[BaseModel] | None:
     for candidate in (annotation, *typing.get_args(annotation)):
         if typing.get_origin(candidate) is dict:
             args = typing.get_args(candidate)
@@ -190,7 +189,7 @@ def model_field_at(root: type[BaseModel], path: str) -> tuple[type[BaseModel], s
 # ---------------------------------------------------------------- the rules
 
 
-def _optimizer_default(opt_type: str, key: str) -> Any:
+def _optimizer_default(opt_type: str, key: str) -> object:
     table = OPTIMIZER_DEFAULTS.get(opt_type.lower())
     if table is not None and key in table:
         return table[key]
@@ -222,7 +221,7 @@ class AutoResolver:
     warnings: list[str] = field(default_factory=list)
     batch_autos: set[str] = field(default_factory=set)
 
-    def apply_overrides(self, raw: dict[str, Any]) -> None:
+    def apply_overrides(self, raw: dict[str, object]) -> None:
         """Fill ``"auto"`` or missing keys from the caller's overrides; conflicts are errors."""
         for path, value in self.ctx.overrides.items():
             current = get_path(raw, path, default=_MISSING)
@@ -238,7 +237,7 @@ class AutoResolver:
                     value=current,
                 )
 
-    def resolve(self, raw: dict[str, Any]) -> None:
+    def resolve(self, raw: dict[str, object]) -> None:
         """Replace every remaining ``"auto"`` in ``raw`` (in place)."""
         self.apply_overrides(raw)
         autos = find_auto_paths(raw)
@@ -248,12 +247,12 @@ class AutoResolver:
             self._resolve_one(raw, path)
 
     def _set(
-        self, raw: dict[str, Any], path: str, value: Any, note: str, source: Source = Source.AUTO
+        self, raw: dict[str, object], path: str, value: object, note: str, source: Source = Source.AUTO
     ) -> None:
         set_path(raw, path, value)
         self.provenance[path] = Provenance(source, note)
 
-    def _resolve_one(self, raw: dict[str, Any], path: str) -> None:
+    def _resolve_one(self, raw: dict[str, object], path: str) -> None:
         ctx = self.ctx
         if path in BATCH_KEYS:
             self.batch_autos.add(path)  # resolved with the batch triple
@@ -297,7 +296,7 @@ class AutoResolver:
             value=AUTO,
         )
 
-    def _optimizer_param(self, raw: dict[str, Any], path: str) -> None:
+    def _optimizer_param(self, raw: dict[str, object], path: str) -> None:
         key = path.split(".", 2)[2]
         hparams = self.ctx.optimizer_hparams or {}
         if key in hparams:
@@ -312,7 +311,7 @@ class AutoResolver:
         opt_type = str(get_path(raw, "optimizer.type", ""))
         self._set(raw, path, _optimizer_default(opt_type, key), f"{opt_type} default")
 
-    def _scheduler_param(self, raw: dict[str, Any], path: str) -> None:
+    def _scheduler_param(self, raw: dict[str, object], path: str) -> None:
         key = path.split(".", 2)[2]
         if key in ("warmup_max_lr", "cycle_max_lr"):
             lr = get_path(raw, "optimizer.params.lr")

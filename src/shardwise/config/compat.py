@@ -56,7 +56,7 @@ class CompatReport:
 
 
 def _rename(
-    section: dict[str, Any], old: str, new: str, prefix: str, report: CompatReport, note: str = ""
+    section: dict[str, object], old: str, new: str, prefix: str, report: CompatReport, note: str = ""
 ) -> None:
     if old not in section:
         return
@@ -132,7 +132,7 @@ def _normalize_zero(raw: dict[str, Any], report: CompatReport) -> None:
             zero.pop(block)
 
 
-def _normalize_precision(raw: dict[str, Any], report: CompatReport) -> None:
+def _normalize_precision(raw: dict[str, object], report: CompatReport) -> None:
     if "bfloat16" in raw:
         if "bf16" in raw:
             raw.pop("bfloat16")
@@ -176,7 +176,7 @@ def _normalize_precision(raw: dict[str, Any], report: CompatReport) -> None:
         raw.pop("fp32_allreduce")
 
 
-def _normalize_misc(raw: dict[str, Any], report: CompatReport) -> None:
+def _normalize_misc(raw: dict[str, object], report: CompatReport) -> None:
     aio = raw.get("aio")
     if isinstance(aio, dict):
         _rename(aio, "thread_count", "intra_op_parallelism", "aio.", report)

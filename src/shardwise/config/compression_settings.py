@@ -171,7 +171,7 @@ def _merge(key: str, given: Mapping[str, Any], defaults: dict[str, Any]) -> dict
     return out
 
 
-def _check_shared(tech: str, key: str, shared: dict[str, Any]) -> None:
+def _check_shared(tech: str, key: str, shared: dict[str, object]) -> None:
     for name, choices in _CHOICES.items():
         if name in shared and shared[name] not in choices:
             raise ConfigError(f"{key}.{name}", f"must be one of {', '.join(choices)}", "", shared[name])
@@ -210,7 +210,7 @@ def _check_shared(tech: str, key: str, shared: dict[str, Any]) -> None:
         _check_ratio(f"{key}.dense_ratio", shared["dense_ratio"])
 
 
-def _check_ratio(key: str, ratio: Any) -> None:
+def _check_ratio(key: str, ratio: object) -> None:
     if not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:
         raise ConfigError(key, "the kept fraction must be in (0, 1]", "e.g. 0.5 keeps half", ratio)
 
@@ -234,7 +234,7 @@ def _check_group(tech: str, key: str, params: dict[str, Any], shared: dict[str, 
         _check_ratio(f"{key}.params.dense_ratio", params["dense_ratio"])
 
 
-def _patterns(key: str, value: Any) -> tuple[str, ...]:
+def _patterns(key: str, value: object) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
@@ -280,7 +280,7 @@ def _as_dict(section: Any) -> dict[str, Any]:
     return dict(section or {})
 
 
-def read_settings(section: Any) -> CompressionSettings:
+def read_settings(section: object) -> CompressionSettings:
     """Read ``compression_training`` (a dict or the validated section model).
 
     Raises:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable
-from typing import Any
 
 _MISSING = object()
 
@@ -35,12 +34,12 @@ _PLACEHOLDER = re.compile(
 )
 
 
-def looks_like_placeholder(value: Any) -> bool:
+def looks_like_placeholder(value: object) -> bool:
     """True for template leftovers such as ``"CONFIG_BATCH_SIZE"``, ``"${LR}"`` or ``"{{ bs }}"``."""
     return isinstance(value, str) and bool(_PLACEHOLDER.match(value.strip()))
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 
@@ -55,7 +54,7 @@ class ConfigError(ValueError):
         fix: how to correct it.
     """
 
-    def __init__(self, key: str, rule: str, fix: str = "", value: Any = _MISSING) -> None:
+    def __init__(self, key: str, rule: str, fix: str = "", value: object = _MISSING) -> None:
         self.key = key
         self.value = None if value is _MISSING else value
         self.has_value = value is not _MISSING
@@ -103,7 +102,7 @@ class KeyedValueError(ValueError):
 
     _FIX_MARKERS = (" Fix: ", " Did you mean ", " did you mean ")
 
-    def __init__(self, message: str, key: str, value: Any = _MISSING) -> None:
+    def __init__(self, message: str, key: str, value: object = _MISSING) -> None:
         super().__init__(message)
         self.key = key
         self.value = value

@@ -34,7 +34,7 @@ Applies = Callable[[ShardwiseConfig, Any, int], bool]
 _ABSENT = object()
 
 
-def _value_at(cfg: BaseModel, path: str) -> Any:
+def _value_at(cfg: BaseModel, path: str) -> object:
     node: Any = cfg
     for part in path.split("."):
         if not isinstance(node, BaseModel) or part not in type(node).model_fields:
@@ -43,7 +43,7 @@ def _value_at(cfg: BaseModel, path: str) -> Any:
     return node
 
 
-def _default_at(path: str) -> Any:
+def _default_at(path: str) -> object:
     from shardwise.config.auto import _model_in
 
     model: Any = ShardwiseConfig
@@ -57,11 +57,11 @@ def _default_at(path: str) -> Any:
     return default
 
 
-def _enabled(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
+def _enabled(cfg: ShardwiseConfig, value: object, world: int) -> bool:
     return value is not None and bool(getattr(value, "enabled", False))
 
 
-def _present(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
+def _present(cfg: ShardwiseConfig, value: object, world: int) -> bool:
     return value is not None
 
 
@@ -130,11 +130,11 @@ def _hpz_unused(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
     return cfg.zero_stage != 3 or not (value < world and world % value == 0)
 
 
-def _param_offload_below_stage3(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
+def _param_offload_below_stage3(cfg: ShardwiseConfig, value: object, world: int) -> bool:
     return cfg.zero_optimization.offload_param_device != "none"
 
 
-def _set_without_optimizer_offload(cfg: ShardwiseConfig, value: Any, world: int) -> bool:
+def _set_without_optimizer_offload(cfg: ShardwiseConfig, value: object, world: int) -> bool:
     default = _default_at("zero_optimization.sub_group_size")
     return value != default and cfg.zero_optimization.offload_optimizer_device == "none"
 

@@ -21,8 +21,8 @@ import hjson
 from shardwise.config.errors import ConfigError
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, Any]:
+    seen: dict[str, object] = {}
     duplicates = []
     for key, value in pairs:
         if key in seen:
@@ -55,7 +55,7 @@ def _parse_text(text: str, origin: str) -> dict[str, Any]:
     return _to_plain(data)
 
 
-def _to_plain(obj: Any) -> Any:
+def _to_plain(obj: object) -> Any:
     if isinstance(obj, Mapping):
         return {str(k): _to_plain(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
@@ -85,7 +85,7 @@ def _read_file(path: Path) -> str:
         ) from exc
 
 
-def read_config_source(source: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+def read_config_source(source: str | os.PathLike[str] | Mapping[str, object]) -> tuple[dict[str, Any], str]:
     """Return ``(config dict, description of where it came from)``.
 
     The caller's dict is deep-copied, so resolution never modifies it.

@@ -37,7 +37,7 @@ def as_int(key: str, value: Any, minimum: int | None = None, maximum: int | None
     return result
 
 
-def as_positive_float(key: str, value: Any) -> float:
+def as_positive_float(key: str, value: object) -> float:
     """Validate a finite, strictly positive number."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(key, "must be a number", "write a positive number such as 1", value)
@@ -48,11 +48,11 @@ def as_positive_float(key: str, value: Any) -> float:
 
 
 def dynamic_scale_settings(
-    initial_scale_power: Any,
-    loss_scale_window: Any,
-    hysteresis: Any,
-    consecutive_hysteresis: Any,
-    min_loss_scale: Any,
+    initial_scale_power: object,
+    loss_scale_window: object,
+    hysteresis: object,
+    consecutive_hysteresis: object,
+    min_loss_scale: object,
 ) -> tuple[int, int, int, bool, float]:
     """The dynamic scaler's settings, validated: ``(power, window, hysteresis, consecutive, minimum)``.
 

@@ -17,7 +17,7 @@ class DeepSpeedKeyView:
     def to_ds_dict(self) -> dict[str, Any]:  # pragma: no cover - provided by the class it is mixed into
         raise NotImplementedError
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: object = None) -> Any:
         """The resolved value of top-level key ``key`` (DeepSpeed's spelling), or ``default``."""
         return self.to_ds_dict().get(key, default)
 

@@ -101,7 +101,7 @@ class ResolvedConfig(DeepSpeedKeyView):
         return _flatten(self.to_ds_dict())
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def _flatten(tree: object, prefix: str = "") -> dict[str, object]:
     out: dict[str, Any] = {}
     if isinstance(tree, Mapping) and tree:
         for key, value in tree.items():
@@ -217,7 +217,7 @@ def _drop_path(raw: dict[str, Any], loc: tuple[Any, ...]) -> None:
 
 
 def _validate(
-    raw: dict[str, Any], strict: bool, warnings: list[str]
+    raw: dict[str, object], strict: bool, warnings: list[str]
 ) -> tuple[ShardwiseConfig | None, list[ConfigError]]:
     try:
         return ShardwiseConfig.model_validate(raw), []
@@ -236,7 +236,7 @@ def _validate(
         return None, [_translate(e) for e in exc.errors()]
 
 
-def _world_size_for_batch(raw: Mapping[str, Any], world_size: int) -> int:
+def _world_size_for_batch(raw: Mapping[str, object], world_size: int) -> int:
     sp = raw.get("sequence_parallel_size")
     if isinstance(sp, int) and sp > 1:
         if world_size % sp:
@@ -250,7 +250,7 @@ def _world_size_for_batch(raw: Mapping[str, Any], world_size: int) -> int:
     return world_size
 
 
-def _batch_inputs(raw: dict[str, Any], resolver: AutoResolver, ctx: ResolutionContext) -> None:
+def _batch_inputs(raw: dict[str, object], resolver: AutoResolver, ctx: ResolutionContext) -> None:
     """Apply the batch ``"auto"`` rules before the arithmetic (see ``auto`` docstring)."""
     tbs_key, mbs_key, gas_key = BATCH_KEYS
     autos = resolver.batch_autos
@@ -276,7 +276,7 @@ def _batch_inputs(raw: dict[str, Any], resolver: AutoResolver, ctx: ResolutionCo
 
 
 def _apply_elasticity(
-    raw: dict[str, Any], normalized: Mapping[str, Any], world_size: int, resolver: AutoResolver
+    raw: dict[str, object], normalized: Mapping[str, object], world_size: int, resolver: AutoResolver
 ) -> None:
     """With ``elasticity.enabled``, the batch triple comes from the elastic algorithm (spec 10.5)."""
     block = raw.get("elasticity")
@@ -298,8 +298,8 @@ def _apply_elasticity(
 
 
 def _provenance(
-    final: Mapping[str, Any],
-    normalized: Mapping[str, Any],
+    final: Mapping[str, object],
+    normalized: Mapping[str, object],
     resolver: AutoResolver,
     renamed: Mapping[str, str],
     batch: BatchSizes,

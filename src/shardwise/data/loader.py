@@ -168,7 +168,7 @@ class ShardwiseDataLoader:
 
         self._generator = torch.Generator()
         self._skipper = _SkippingSampler(sampler) if sampler is not None else None
-        self.dataloader: DataLoader[Any] = DataLoader(
+        self.dataloader: DataLoader[object] = DataLoader(
             dataset,
             batch_size=batch_size,
             sampler=self._skipper,
@@ -225,7 +225,7 @@ class ShardwiseDataLoader:
 
         if self._skipper is not None:
             self._skipper.skip = self._skip
-            batches: Iterator[Any] = iter(self.dataloader)
+            batches: Iterator[object] = iter(self.dataloader)
         else:
             batches = iter(self.dataloader)
             if self._resumed_batches:
@@ -239,7 +239,7 @@ class ShardwiseDataLoader:
                 batches = itertools.islice(batches, self._resumed_batches, None)
         return self._run_pass(batches, self._pass_id)
 
-    def _run_pass(self, batches: Iterator[Any], pass_id: int) -> Iterator[Any]:
+    def _run_pass(self, batches: Iterator[object], pass_id: int) -> Iterator[object]:
         for batch in batches:
             if pass_id != self._pass_id:
                 return  # a newer pass (or a load_state_dict) superseded this iterator
@@ -363,7 +363,7 @@ class RepeatingLoader:
 
     def __init__(self, loader: ShardwiseDataLoader | DataLoader[Any]) -> None:
         self.loader = loader
-        self._iterator: Iterator[Any] | None = None
+        self._iterator: Iterator[object] | None = None
 
     def __iter__(self) -> RepeatingLoader:
         return self

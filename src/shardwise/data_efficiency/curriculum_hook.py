@@ -52,8 +52,8 @@ class LegacyCurriculumHook:
         self.schedule.set_custom(fn)
 
     def adjust_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: ForwardContext
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, args: tuple[object, ...], kwargs: dict[str, object], context: ForwardContext
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """Update the difficulty to ``global_step + 1`` and pass it as ``curriculum_seqlen``."""
         if not context.training:
             return args, kwargs
@@ -65,11 +65,11 @@ class LegacyCurriculumHook:
     def after_optimizer_step(self, outcome: StepOutcome) -> None:
         """Nothing: the difficulty follows the step counter at the next forward."""
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """The schedule's current difficulty."""
         return self.schedule.state_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore the schedule's current difficulty."""
         self.schedule.load_state_dict(state)
 

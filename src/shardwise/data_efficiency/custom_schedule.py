@@ -12,7 +12,7 @@ __all__ = ["set_custom_schedule"]
 
 
 def set_custom_schedule(
-    hooks: Iterable[Any], loader: Any, schedule: Callable[[int], Any] | Mapping[str, Any]
+    hooks: Iterable[Any], loader: object, schedule: Callable[[int], Any] | Mapping[str, Any]
 ) -> None:
     """Give the legacy curriculum hook a function, or the loader's curriculum sampler ``{metric: fn}``.
 

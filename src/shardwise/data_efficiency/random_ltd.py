@@ -127,7 +127,7 @@ class RandomLTDLayer(nn.Module):
         self.chosen = chosen
         self.kept_tokens: int | None = None
 
-    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, hidden: torch.Tensor, *args: object, **kwargs: object) -> Any:
         """Run the layer on the kept tokens and put its output back among the dropped ones."""
         seq = hidden.shape[self.seq_dim]
         if not self.training or self.kept_tokens is None or self.kept_tokens >= seq:
@@ -135,11 +135,14 @@ class RandomLTDLayer(nn.Module):
         batch = hidden.shape[1 - self.seq_dim]
         indices = sample_kept_indices(batch, seq, int(self.kept_tokens), hidden.device)
         if self.mask_name is not None:
-            if kwargs.get(self.mask_name) is not None:
-                kwargs = {
-                    **kwargs,
-                    self.mask_name: gather_mask(kwargs[self.mask_name], indices, self.model_type),
-                }
+            mask = kwargs.get(self.mask_name)
+            if mask is not None:
+                if not isinstance(mask, torch.Tensor):
+                    raise TypeError(
+                        f"random-LTD: the layer's {self.mask_name!r} argument is a {type(mask).__name__}, "
+                        "not a tensor; pass the attention mask as a tensor"
+                    )
+                kwargs = {**kwargs, self.mask_name: gather_mask(mask, indices, self.model_type)}
             elif args and isinstance(args[0], torch.Tensor):
                 args = (gather_mask(args[0], indices, self.model_type), *args[1:])
         out = self.layer(gather_tokens(hidden, indices, self.seq_dim), *args, **kwargs)

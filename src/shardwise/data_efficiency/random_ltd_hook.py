@@ -17,7 +17,6 @@ on every token. A mismatch is a ConfigError naming the ids on both sides.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from torch import nn
 
@@ -47,8 +46,8 @@ class RandomLTDHook:
         self.layers = layers
 
     def adjust_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: ForwardContext
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, args: tuple[object, ...], kwargs: dict[str, object], context: ForwardContext
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """On a training forward: move the schedule to ``global_step``, set every layer's count."""
         if context.training:
             kept = self.schedule.update(context.global_step)
@@ -59,11 +58,11 @@ class RandomLTDHook:
     def after_optimizer_step(self, outcome: StepOutcome) -> None:
         """Nothing: the count follows the step counter at the next forward."""
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """DeepSpeed's ``random_ltd`` entry."""
-        return self.schedule.state_dict()
+        return {**self.schedule.state_dict()}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore the schedule and the layers' count."""
         self.schedule.load_state_dict(state)
         for layer in self.layers:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from shardwise.config.errors import ConfigError
 from shardwise.config.model import ShardwiseConfig
@@ -69,7 +69,7 @@ def build_curriculum_sampler(
 class TrainLoaderOptions(NamedTuple):
     """What ``engine.deepspeed_io`` hands its loader for the training route."""
 
-    data_sampler: Any
+    data_sampler: object
     num_workers: int | None
     pin_memory: bool
 
@@ -82,7 +82,7 @@ def train_loader_options(
     dp_rank: int,
     dp_size: int,
     gradient_accumulation_steps: int,
-    data_sampler: Any,
+    data_sampler: object,
     num_workers: int | None,
     pin_memory: bool,
 ) -> TrainLoaderOptions:

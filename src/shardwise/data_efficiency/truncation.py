@@ -22,7 +22,7 @@ from torch import nn
 __all__ = ["SeqlenTruncation", "truncate_to_seqlen"]
 
 
-def truncate_to_seqlen(value: Any, seqlen: int | None, dim: int = 1) -> Any:
+def truncate_to_seqlen(value: object, seqlen: int | None, dim: int = 1) -> Any:
     """Slice every tensor in ``value`` (nested tuples, lists and dicts too) whose dimension
     ``dim`` is longer than ``seqlen`` to its first ``seqlen`` positions; other values pass.
     ``seqlen=None`` returns ``value`` unchanged."""
@@ -55,7 +55,7 @@ class SeqlenTruncation(nn.Module):
         self.module = module
         self.seq_dim = seq_dim
 
-    def forward(self, *args: Any, curriculum_seqlen: int | None = None, **kwargs: Any) -> Any:
+    def forward(self, *args: object, curriculum_seqlen: int | None = None, **kwargs: object) -> Any:
         """Call the model on the inputs cut to ``curriculum_seqlen`` positions."""
         args = truncate_to_seqlen(args, curriculum_seqlen, self.seq_dim)
         kwargs = truncate_to_seqlen(kwargs, curriculum_seqlen, self.seq_dim)

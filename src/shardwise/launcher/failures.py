@@ -79,7 +79,7 @@ class FailureRecord:
         return f"rank {self.rank}" + (f" ({', '.join(parts)})" if parts else "")
 
 
-def write_record(run_dir: str, record: Mapping[str, Any]) -> str:
+def write_record(run_dir: str, record: Mapping[str, object]) -> str:
     """Write a rank's record atomically (temp file + rename); returns its path."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, f"rank-{record['rank']}.json")

@@ -36,7 +36,7 @@ import sys
 import time
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import Any, TextIO
+from typing import TextIO
 
 from shardwise.comm.diagnostics import short_error
 from shardwise.launcher.failures import RUN_DIR_VAR, write_record
@@ -205,7 +205,7 @@ def _diagnose(exc: BaseException) -> str | None:
         return f"(hang diagnosis failed: {type(diag_error).__name__}: {diag_error})"
 
 
-def _exit_code(code: Any) -> int:
+def _exit_code(code: object) -> int:
     if code is None:
         return 0
     if isinstance(code, int):
@@ -219,7 +219,7 @@ def _record(exitcode: int, exc: BaseException | None, tb_text: str, diagnosis: s
     else:
         error = f"exited with code {exitcode}"
     now = time.time()
-    data: dict[str, Any] = {
+    data: dict[str, object] = {
         "rank": int(os.environ.get("RANK", "0") or 0),
         "local_rank": int(os.environ.get("LOCAL_RANK", "0") or 0),
         "node_rank": int(os.environ.get("CROSS_RANK", "0") or 0),

@@ -46,7 +46,7 @@ class CSVMonitor(Monitor):
     def __init__(self, output_path: str, job_name: str) -> None:
         self.log_dir = os.path.join(output_path, job_name) if output_path else job_name
         os.makedirs(self.log_dir, exist_ok=True)
-        self._files: dict[str, tuple[IO[str], Any]] = {}
+        self._files: dict[str, tuple[IO[str], object]] = {}
 
     def _writer(self, event_name: str) -> Any:
         entry = self._files.get(event_name)

@@ -13,6 +13,7 @@ only when the section is enabled.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from shardwise.monitor.base import Monitor, import_optional
@@ -39,7 +40,7 @@ class WandbMonitor(Monitor):
     name = "wandb"
 
     def __init__(
-        self, project: str, group: str | None, team: str | None, run_config: dict[str, Any] | None = None
+        self, project: str, group: str | None, team: str | None, run_config: Mapping[str, object] | None = None
     ) -> None:
         wandb = import_optional("wandb", "wandb", "wandb")
         self.run: Any = wandb.init(project=project, group=group, entity=team, config=run_config)

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from shardwise.comm.group_type import Group
@@ -46,7 +47,7 @@ class GradientExchangingOptimizer(Protocol):
         """This rank's own state (error buffers), saved per rank."""
         ...
 
-    def load_rank_state_dict(self, state: dict[str, Any] | None) -> bool | None:
+    def load_rank_state_dict(self, state: Mapping[str, object] | None) -> bool | None:
         """Restore :meth:`rank_state_dict` (None: no saved state for this rank; start afresh).
 
         Returns True when it rewrote the parameters' values (they are then re-published)."""

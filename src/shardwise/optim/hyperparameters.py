@@ -22,7 +22,7 @@ _NON_NEGATIVE = {
 }
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 

@@ -39,7 +39,7 @@ class OneBitExchange:
         self.group: Group = None
         self.world_size = 1
         self._reduce: CompressedAllReduce | None = None
-        self._pending: dict[str, Any] | None = None
+        self._pending: dict[str, object] | None = None
 
     def attach(self, group: Group) -> None:
         """Average over ``group`` (None: the world; one rank when torch.distributed is not up)."""
@@ -83,7 +83,7 @@ class OneBitExchange:
             return self._reduce.state_dict()
         return self._pending
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+    def load_state_dict(self, state: dict[str, object] | None) -> None:
         """Restore :meth:`state_dict` (applied when the all-reduce is built; None: start at zero)."""
         self._reduce = None
         self._pending = state

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -83,7 +83,7 @@ def _fused_devices() -> frozenset[str]:
 
 
 def _kernel_flags(
-    params: dict[str, Any], model_parameters: list[Any], *, offload: bool, cpu_only_fused: bool = False
+    params: dict[str, object], model_parameters: list[object], *, offload: bool, cpu_only_fused: bool = False
 ) -> dict[str, bool]:
     """``{"fused": True}`` where torch has fused kernels for these params, else ``{"foreach": True}``.
 
@@ -114,7 +114,7 @@ def _accepted_keys(cls: type) -> set[str] | None:
     return names
 
 
-def _check_keys(type_name: str, target: str, params: dict[str, Any], accepted: Iterable[str]) -> None:
+def _check_keys(type_name: str, target: str, params: dict[str, object], accepted: Iterable[str]) -> None:
     """Raise a KeyedValueError for the first key of ``params`` not in ``accepted``."""
     accepted = sorted(set(accepted))
     for key in params:
@@ -152,8 +152,8 @@ _ADAM_POPPED = ("adam_w_mode", "torch_adam", "fp32_optimizer_states", "bias_corr
 
 def _build_adam(
     type_name: str,
-    params: dict[str, Any],
-    model_parameters: list[Any],
+    params: dict[str, object],
+    model_parameters: list[object],
     *,
     offload: bool,
     force_adamw: bool = False,
@@ -200,25 +200,25 @@ def _build_adam(
     return _construct(type_name, cls, model_parameters, params, _ADAM_POPPED)
 
 
-def _adam(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
+def _adam(type_name: str, params: dict[str, object], model_parameters: list[object], *, offload: bool):
     return _build_adam(type_name, params, model_parameters, offload=offload)
 
 
-def _adamw(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
+def _adamw(type_name: str, params: dict[str, object], model_parameters: list[object], *, offload: bool):
     return _build_adam(type_name, params, model_parameters, offload=offload, force_adamw=True)
 
 
-def _adagrad(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
+def _adagrad(type_name: str, params: dict[str, object], model_parameters: list[object], *, offload: bool):
     # torch's fused Adagrad exists for CPU only.
     params.update(_kernel_flags(params, model_parameters, offload=offload, cpu_only_fused=True))
     return _construct(type_name, torch.optim.Adagrad, model_parameters, params)
 
 
-def _lamb(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
+def _lamb(type_name: str, params: dict[str, object], model_parameters: list[object], *, offload: bool):
     return _construct(type_name, Lamb, model_parameters, params)
 
 
-def _lion(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
+def _lion(type_name: str, params: dict[str, object], model_parameters: list[object], *, offload: bool):
     return _construct(type_name, Lion, model_parameters, params)
 
 
@@ -228,7 +228,7 @@ _ONEBIT_ADAM_KEYS = frozenset(
 )
 
 
-def _refuse_eps_inside_sqrt(type_name: str, params: dict[str, Any]) -> None:
+def _refuse_eps_inside_sqrt(type_name: str, params: dict[str, object]) -> None:
     if params.pop("eps_inside_sqrt", False):
         raise KeyedValueError(
             f'optimizer "{type_name}": "eps_inside_sqrt": true is not supported for the Adam '
@@ -238,7 +238,7 @@ def _refuse_eps_inside_sqrt(type_name: str, params: dict[str, Any]) -> None:
         )
 
 
-def _onebit_adam(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
+def _onebit_adam(type_name: str, params: dict[str, object], model_parameters: list[object], *, offload: bool):
     _check_keys(
         type_name,
         "OneBitAdam",
@@ -250,7 +250,7 @@ def _onebit_adam(type_name: str, params: dict[str, Any], model_parameters: list[
     return _construct(type_name, OneBitAdam, model_parameters, params)
 
 
-def _refuse_amsgrad(type_name: str, params: dict[str, Any]) -> None:
+def _refuse_amsgrad(type_name: str, params: dict[str, object]) -> None:
     if params.get("amsgrad", False):
         raise KeyedValueError(
             f'optimizer "{type_name}": "amsgrad": true is not supported by the 1-bit optimizers (DeepSpeed '
@@ -260,7 +260,7 @@ def _refuse_amsgrad(type_name: str, params: dict[str, Any]) -> None:
         )
 
 
-def _refuse_max_grad_norm(type_name: str, params: dict[str, Any]) -> None:
+def _refuse_max_grad_norm(type_name: str, params: dict[str, object]) -> None:
     if params.get("max_grad_norm", 0.0):
         raise KeyedValueError(
             f'optimizer "{type_name}": "max_grad_norm" has no effect in DeepSpeed\'s {type_name} (it is '
@@ -281,7 +281,7 @@ _ZERO_ONE_ADAM_KEYS = _ONEBIT_ADAM_KEYS | {
 }
 
 
-def _zero_one_adam(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
+def _zero_one_adam(type_name: str, params: dict[str, object], model_parameters: list[object], *, offload: bool):
     _check_keys(type_name, "ZeroOneAdam", params, _ZERO_ONE_ADAM_KEYS)
     _refuse_eps_inside_sqrt(type_name, params)
     _refuse_amsgrad(type_name, params)
@@ -289,7 +289,7 @@ def _zero_one_adam(type_name: str, params: dict[str, Any], model_parameters: lis
     return _construct(type_name, ZeroOneAdam, model_parameters, params)
 
 
-def _onebit_lamb(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
+def _onebit_lamb(type_name: str, params: dict[str, object], model_parameters: list[object], *, offload: bool):
     _check_keys(type_name, "OneBitLamb", params, _accepted_keys(OneBitLamb) or ())
     _refuse_eps_inside_sqrt(type_name, params)
     _refuse_amsgrad(type_name, params)
@@ -298,7 +298,7 @@ def _onebit_lamb(type_name: str, params: dict[str, Any], model_parameters: list[
 
 
 def _mup(class_name: str) -> OptimizerFactory:
-    def factory(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
+    def factory(type_name: str, params: dict[str, object], model_parameters: list[object], *, offload: bool):
         try:
             import mup  # optional dependency, imported only when asked for
         except ImportError as exc:
@@ -313,7 +313,7 @@ def _mup(class_name: str) -> OptimizerFactory:
     return factory
 
 
-def _muon(type_name: str, params: dict[str, Any], model_parameters: list[Any], *, offload: bool):
+def _muon(type_name: str, params: dict[str, object], model_parameters: list[object], *, offload: bool):
     raise KeyedValueError(
         f'optimizer "{type_name}": DeepSpeed\'s Muon (Newton-Schulz updates for 2-D weights plus an '
         "auxiliary Adam for embeddings, heads and vectors) is not available in shardwise. Fix: pass a "
@@ -344,7 +344,7 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
 # --------------------------------------------------------------------------- param groups
 
 
-def _clean_param_groups(model_parameters: Iterable[Any]) -> list[Any]:
+def _clean_param_groups(model_parameters: Iterable[Any]) -> list[object]:
     """Materialise ``model_parameters``, drop empty param groups, reject duplicated params."""
     items = list(model_parameters)
     items = [g for g in items if not (isinstance(g, dict) and len(list(g.get("params", []))) == 0)]
@@ -380,8 +380,8 @@ def _tidy_param_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
 
 def build_optimizer(
     type_name: str,
-    params_cfg: dict[str, Any] | None,
-    model_parameters: Iterable[Any],
+    params_cfg: Mapping[str, object] | None,
+    model_parameters: Iterable[object],
     *,
     offload: bool = False,
 ) -> torch.optim.Optimizer:
@@ -449,7 +449,7 @@ def build_optimizer(
 
 def resolve_client_optimizer(
     client: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer],
-    model_parameters: Iterable[Any] | None = None,
+    model_parameters: Iterable[object] | None = None,
 ) -> torch.optim.Optimizer:
     """Accept a user's optimizer instance, or a callable ``f(params) -> Optimizer``.
 

@@ -162,7 +162,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
         """This rank's error buffers and, inside a local interval, its own parameters, momentum
         and displacement (they differ between ranks until the next sync)."""
         errors = self._exchange.state_dict()
-        state: dict[str, Any] = {} if errors is None else {"exchange": errors}
+        state: dict[str, object] = {} if errors is None else {"exchange": errors}
         if self._accumulator is not None and any(self._lr_sums):
             params = self._params_with_state()
             state["local"] = {

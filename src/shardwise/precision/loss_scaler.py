@@ -117,7 +117,7 @@ class LossScaler(ABC):
     def update_scale(self, overflow: bool) -> None:
         """Record one optimizer step; ``overflow`` means its gradients held inf/NaN and it was skipped."""
 
-    def _settings(self) -> dict[str, Any]:
+    def _settings(self) -> dict[str, object]:
         """The configured values, as plain Python (part of ``state_dict``)."""
         return {}
 
@@ -237,7 +237,7 @@ class DynamicLossScaler(LossScaler):
         super().__init__(initial)
         self.cur_hysteresis = self.hysteresis
 
-    def _settings(self) -> dict[str, Any]:
+    def _settings(self) -> dict[str, object]:
         return {
             "initial_scale_power": self.initial_scale_power,
             "loss_scale_window": self.loss_scale_window,
@@ -247,7 +247,7 @@ class DynamicLossScaler(LossScaler):
             "raise_error_at_min_scale": self.raise_error_at_min_scale,
         }
 
-    def _apply_loaded_state(self, state: Mapping[str, Any]) -> None:
+    def _apply_loaded_state(self, state: Mapping[str, object]) -> None:
         super()._apply_loaded_state(state)
         # The config may have changed the bounds since the save: keep the state inside them.
         if self.cur_scale < self.min_loss_scale:
@@ -346,10 +346,10 @@ class StaticLossScaler(LossScaler):
     def __init__(self, scale: float) -> None:
         super().__init__(as_positive_float("fp16.loss_scale", scale))
 
-    def _settings(self) -> dict[str, Any]:
+    def _settings(self) -> dict[str, object]:
         return {"loss_scale": self.cur_scale}
 
-    def _apply_loaded_state(self, state: Mapping[str, Any]) -> None:
+    def _apply_loaded_state(self, state: Mapping[str, object]) -> None:
         # The scale *is* the setting, so the config's value stays (a difference was logged).
         pass
 
@@ -387,7 +387,7 @@ class NoOpLossScaler(LossScaler):
         """Return ``loss`` unchanged (no multiply kernel for a factor of 1)."""
         return loss
 
-    def _apply_loaded_state(self, state: Mapping[str, Any]) -> None:
+    def _apply_loaded_state(self, state: Mapping[str, object]) -> None:
         pass  # nothing but the counters to restore
 
     def update_scale(self, overflow: bool) -> None:

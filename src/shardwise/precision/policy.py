@@ -64,13 +64,13 @@ class PrecisionPolicy:
                 yield
 
     def cast_forward_inputs(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """``fp16.auto_cast``: floating-point inputs (nested) become the parameter dtype."""
         if not self.cast_inputs:
             return args, kwargs
 
-        def cast(value: Any) -> Any:
+        def cast(value: object) -> Any:
             if torch.is_tensor(value) and value.is_floating_point():
                 return value.to(self.param_dtype)
             if isinstance(value, list | tuple):

@@ -11,7 +11,7 @@ not profiled. It keeps no state across a checkpoint.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -53,7 +53,7 @@ class FlopsProfilerHook:
         profiler: FlopsProfiler,
         settings: FlopsProfilerConfig,
         timers: WallClockTimers,
-        context: Mapping[str, Any],
+        context: Mapping[str, object],
     ) -> None:
         self.profiler = profiler
         self.settings = settings
@@ -62,8 +62,8 @@ class FlopsProfilerHook:
         self.profiling = False
 
     def adjust_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: ForwardContext
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, args: tuple[object, ...], kwargs: dict[str, object], context: ForwardContext
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """Start profiling at the profiled step's first training forward; the arguments pass unchanged."""
         if context.training and not self.profiling and context.global_step == self.settings.profile_step:
             self.profiler.start_profile()
@@ -91,11 +91,11 @@ class FlopsProfilerHook:
         )
         self.profiler.end_profile()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """Nothing to keep: a resumed run past ``profile_step`` does not profile again."""
         return {}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Nothing to restore."""
 
 
@@ -104,7 +104,7 @@ def build_flops_profiler_hook(
     model: nn.Module,
     rank: int,
     timers: WallClockTimers,
-    context: Mapping[str, Any],
+    context: Mapping[str, object],
 ) -> FlopsProfilerHook | None:
     """The profiler hook where the config enables it (rank 0, ``profile_step >= 0``), else None.
 

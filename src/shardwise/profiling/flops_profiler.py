@@ -59,14 +59,14 @@ def _cpu_flash_attention_flop(
     query_shape: Sequence[int],
     key_shape: Sequence[int],
     value_shape: Sequence[int],
-    *args: Any,
-    **kwargs: Any,
+    *args: object,
+    **kwargs: object,
 ) -> int:
     """FLOPs of the CPU flash-attention kernel: the same two batched products as on GPU."""
     return int(sdpa_flop_count(query_shape, key_shape, value_shape))
 
 
-_EXTRA_FORMULAS: dict[Any, Callable[..., int]] = {}
+_EXTRA_FORMULAS: dict[object, Callable[..., int]] = {}
 if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
     _EXTRA_FORMULAS[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_attention_flop
 
@@ -165,26 +165,26 @@ class FlopsProfiler:
             self._sync()
         return time.perf_counter()
 
-    def _enter_root(self, module: nn.Module, args: Any) -> None:
+    def _enter_root(self, module: nn.Module, args: object) -> None:
         # A fresh counter per root call: FlopCounterMode resets on entry, so the
         # module totals below are accumulated in ModuleStats, not in the counter.
         self._counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FORMULAS)
         self._counter.__enter__()
         self._excluded = 0
 
-    def _exit_root(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _exit_root(self, module: nn.Module, args: object, output: object) -> None:
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self._counter = None
 
     def _pre(self, stats: ModuleStats) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: object) -> None:
             stats._starts.append((self._effective(), self._clock()))
 
         return hook
 
     def _post(self, stats: ModuleStats) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: object, output: object) -> None:
             if not stats._starts:
                 return
             flops0, t0 = stats._starts.pop()
@@ -194,12 +194,12 @@ class FlopsProfiler:
 
         return hook
 
-    def _ignored_pre(self, module: nn.Module, args: Any) -> None:
+    def _ignored_pre(self, module: nn.Module, args: object) -> None:
         if self._ignore_depth == 0:
             self._ignore_start = self._raw()
         self._ignore_depth += 1
 
-    def _ignored_post(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _ignored_post(self, module: nn.Module, args: object, output: object) -> None:
         self._ignore_depth -= 1
         if self._ignore_depth == 0:
             self._excluded += self._raw() - self._ignore_start
@@ -415,7 +415,7 @@ class FlopsProfiler:
         top_modules: int = 1,
         detailed: bool = True,
         output_file: str | None = None,
-        context: dict[str, Any] | None = None,
+        context: dict[str, object] | None = None,
     ) -> str:
         """Log the report (or write it to ``output_file``) and return it."""
         text = self.format_profile(profile_step, module_depth, top_modules, detailed, context)
@@ -465,8 +465,8 @@ def _table(rows: list[ModuleStats], total_params: int, total_flops: int, total_s
 def get_model_profile(
     model: nn.Module,
     input_shape: Sequence[int] | None = None,
-    args: Sequence[Any] | None = None,
-    kwargs: dict[str, Any] | None = None,
+    args: Sequence[object] | None = None,
+    kwargs: dict[str, object] | None = None,
     print_profile: bool = True,
     detailed: bool = True,
     module_depth: int = -1,
@@ -514,7 +514,7 @@ def get_model_profile(
         call_args = [torch.ones(tuple(input_shape), dtype=dtype, device=device), *call_args]
     if not call_args and not call_kwargs:
         raise ValueError("get_model_profile needs input_shape=... or args=/kwargs= for the model's forward")
-    run: Callable[..., Any] = getattr(model, "generate") if mode == "generate" else model  # noqa: B009 - not every module has it
+    run: Callable[..., object] = getattr(model, "generate") if mode == "generate" else model  # noqa: B009 - not every module has it
 
     with torch.no_grad():
         for _ in range(warm_up):

@@ -15,7 +15,6 @@ import os
 import resource
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -148,7 +147,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> ModelStateBytes:
+def model_state_bytes(model: torch.nn.Module, optimizer: object = None) -> ModelStateBytes:
     """What this rank's parameters, gradients, fp32 masters and optimizer state take.
 
     With a ZeRO optimizer the flat buffers are measured (gradients and masters are
@@ -177,7 +176,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Any = None) -> ModelSta
     return ModelStateBytes(params, grads, masters, state)
 
 
-def memory_report(model: torch.nn.Module, optimizer: Any = None, device: torch.device | None = None) -> str:
+def memory_report(model: torch.nn.Module, optimizer: object = None, device: torch.device | None = None) -> str:
     """A few lines: this rank's model states by kind, then device and host usage.
 
     Example:

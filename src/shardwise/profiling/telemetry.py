@@ -125,7 +125,7 @@ class Telemetry:
         """``step()`` finished (every micro step): stops the throughput clock."""
         self.throughput.stop(boundary)
 
-    def on_start(self, model: nn.Module, optimizer: Any) -> None:
+    def on_start(self, model: nn.Module, optimizer: object) -> None:
         """Once, when the engine is ready: the memory report if ``memory_breakdown``."""
         if self.memory_breakdown and self.rank == 0:
             report_logger().info(

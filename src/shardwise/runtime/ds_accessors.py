@@ -63,7 +63,7 @@ class DeepSpeedAccessors:
             self.optimizer.release_gathered_parameters()
 
     def compile(
-        self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None, schedule: Any = None
+        self, backend: str = "inductor", compile_kwargs: dict[str, object] | None = None, schedule: object = None
     ) -> None:
         """``torch.compile`` the wrapped module in place (DeepSpeed's ``engine.compile``).
 

@@ -15,7 +15,7 @@ current value. A model whose ``forward`` cannot take the two keyword arguments i
 
 Example:
     >>> from shardwise.config import load_config
-    >>> from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
+    >>> from shardwise.runtime.step_hooks import ForwardContext, StepOutcome, state_number
     >>> cfg = load_config({"train_batch_size": 2,
     ...                    "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.1}}).config
     >>> hook = build_progressive_layer_drop_hook(cfg.progressive_layer_drop, lambda x, **kw: x)
@@ -31,13 +31,12 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 
 from shardwise.config.errors import ConfigError
 from shardwise.config.sections.legacy import ProgressiveLayerDropConfig
-from shardwise.runtime.step_hooks import ForwardContext, StepOutcome
+from shardwise.runtime.step_hooks import ForwardContext, StepOutcome, state_number
 
 __all__ = [
     "ProgressiveLayerDropHook",
@@ -89,8 +88,8 @@ class ProgressiveLayerDropHook:
         self.theta = 1.0
 
     def adjust_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: ForwardContext
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, args: tuple[object, ...], kwargs: dict[str, object], context: ForwardContext
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """Add ``progressive_layer_drop=True, pld_theta=theta`` to training forwards."""
         if not context.training:
             return args, kwargs
@@ -100,16 +99,16 @@ class ProgressiveLayerDropHook:
         """Update theta from the step count before this step (DeepSpeed's order)."""
         self.theta = pld_theta(outcome.global_step - 1, self.target, self.gamma)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """The current theta."""
         return {"theta": self.theta}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore the current theta."""
-        self.theta = float(state["theta"])
+        self.theta = state_number(state, "theta", self.name)
 
 
-def _accepts(forward: Callable[..., Any], names: tuple[str, ...]) -> bool:
+def _accepts(forward: Callable[..., object], names: tuple[str, ...]) -> bool:
     try:
         params = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
@@ -121,7 +120,7 @@ def _accepts(forward: Callable[..., Any], names: tuple[str, ...]) -> bool:
 
 
 def build_progressive_layer_drop_hook(
-    section: ProgressiveLayerDropConfig | None, forward: Callable[..., Any]
+    section: ProgressiveLayerDropConfig | None, forward: Callable[..., object]
 ) -> ProgressiveLayerDropHook | None:
     """The hook for an enabled ``progressive_layer_drop`` section, else None.
 

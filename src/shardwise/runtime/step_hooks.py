@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from shardwise.utils.logging import logger
 
@@ -78,8 +78,8 @@ class StepHook(Protocol):
     name: str
 
     def adjust_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: ForwardContext
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, args: tuple[object, ...], kwargs: dict[str, object], context: ForwardContext
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """Return the forward's (possibly changed) positional and keyword arguments."""
         ...
 
@@ -87,14 +87,26 @@ class StepHook(Protocol):
         """Act after an optimizer step (every rank calls it, at every accumulation boundary)."""
         ...
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """What the hook needs to continue after a resume (picklable plain values). It is saved
         once, in the checkpoint's common part (rank 0's): it must be the same on every rank."""
         ...
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore what :meth:`state_dict` returned."""
         ...
+
+
+def state_number(state: Mapping[str, object], key: str, owner: str) -> float:
+    """``state[key]`` as a float, or a clear error naming the hook and the key when the checkpoint
+    holds something else there."""
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"step hook {owner!r}: the checkpoint's {key!r} is {value!r}, not a number; load a "
+            "checkpoint this feature wrote, or start without its state"
+        )
+    return float(value)
 
 
 class StepHooks:
@@ -127,8 +139,8 @@ class StepHooks:
         return next((hook for hook in self._hooks if hook.name == name), None)
 
     def adjust_forward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], context: ForwardContext
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, args: tuple[object, ...], kwargs: dict[str, object], context: ForwardContext
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """Pass the forward's arguments through every hook, in order."""
         for hook in self._hooks:
             args, kwargs = hook.adjust_forward(args, kwargs, context)
@@ -139,11 +151,11 @@ class StepHooks:
         for hook in self._hooks:
             hook.after_optimizer_step(outcome)
 
-    def state_dict(self) -> dict[str, dict[str, Any]]:
+    def state_dict(self) -> dict[str, dict[str, object]]:
         """``{hook name: its state}`` (the checkpoint's ``step_hooks`` entry)."""
         return {hook.name: hook.state_dict() for hook in self._hooks}
 
-    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+    def load_state_dict(self, state: Mapping[str, Mapping[str, object]]) -> None:
         """Restore each hook from its entry; a hook without one keeps its state (older checkpoint)."""
         for hook in self._hooks:
             if hook.name in state:

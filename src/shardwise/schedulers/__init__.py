@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -116,7 +117,7 @@ def _resolve_class(type_name: str) -> type:
     )
 
 
-def _check_params(type_name: str, cls: type, params: dict[str, Any], skip: set[str]) -> None:
+def _check_params(type_name: str, cls: type, params: Mapping[str, object], skip: set[str]) -> None:
     """Reject unknown and missing parameters with the accepted names, before calling ``cls``."""
     if not isinstance(params, dict):
         raise KeyedValueError(
@@ -155,7 +156,7 @@ def _check_params(type_name: str, cls: type, params: dict[str, Any], skip: set[s
         )
 
 
-def build_scheduler(type_name: str, params: dict[str, Any] | None, optimizer: Any) -> Any:
+def build_scheduler(type_name: str, params: Mapping[str, object] | None, optimizer: object) -> Any:
     """Build the scheduler named by a config's ``scheduler.type`` for ``optimizer``.
 
     Args:
@@ -183,7 +184,7 @@ def build_scheduler(type_name: str, params: dict[str, Any] | None, optimizer: An
     return cls(unwrap_optimizer(optimizer), **params)
 
 
-def _schedule(type_name: str, params: dict[str, Any], base_lr: float | None) -> Any:
+def _schedule(type_name: str, params: Mapping[str, object], base_lr: float | None) -> Any:
     if type_name not in _SCHEDULES:
         hint = _did_you_mean(type_name, list(_SCHEDULES)) if isinstance(type_name, str) else ""
         raise ValueError(
@@ -213,7 +214,7 @@ def _default(cls: type) -> Any:
     return inspect.signature(cls).parameters["warmup_max_lr"].default
 
 
-def lr_at(type_name: str, params: dict[str, Any], step: int, base_lr: float | None = None) -> float:
+def lr_at(type_name: str, params: Mapping[str, object], step: int, base_lr: float | None = None) -> float:
     """The LR one of DeepSpeed's schedulers gives at iteration ``step``, without an optimizer.
 
     ``step`` is ``last_batch_iteration``: -1 is the value written at construction, and the
@@ -236,7 +237,7 @@ def lr_at(type_name: str, params: dict[str, Any], step: int, base_lr: float | No
     return schedule.lr(step)
 
 
-def momentum_at(params: dict[str, Any], step: int) -> float:
+def momentum_at(params: Mapping[str, object], step: int) -> float:
     """OneCycle's first Adam beta at iteration ``step`` (``cycle_min_mom`` at -1, like the class)."""
     schedule = _schedule("OneCycle", params, None)
     return schedule.cycle_min_mom if step < 0 else schedule.momentum(step)

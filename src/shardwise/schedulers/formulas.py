@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Any
 
 from shardwise.config.errors import KeyedValueError
 from shardwise.utils.logging import logger
@@ -42,7 +41,7 @@ BETA2: float = 0.99
 # --------------------------------------------------------------------------- validation
 
 
-def _invalid(name: str, value: Any, rule: str, fix: str) -> KeyedValueError:
+def _invalid(name: str, value: object, rule: str, fix: str) -> KeyedValueError:
     return KeyedValueError(
         f"scheduler parameter {name}={value!r} is invalid: {rule}. Fix: {fix}.",
         f"scheduler.params.{name}",
@@ -50,7 +49,7 @@ def _invalid(name: str, value: Any, rule: str, fix: str) -> KeyedValueError:
     )
 
 
-def check_int(name: str, value: Any, *, minimum: int, fix: str) -> int:
+def check_int(name: str, value: object, *, minimum: int, fix: str) -> int:
     """Return ``value`` as an int if it is an integer ``>= minimum``, else raise ``ValueError``.
 
     Booleans are rejected even though ``bool`` subclasses ``int``: ``true`` in a JSON file is
@@ -63,7 +62,7 @@ def check_int(name: str, value: Any, *, minimum: int, fix: str) -> int:
     return int(value)
 
 
-def check_real(name: str, value: Any, *, minimum: float | None = 0.0, fix: str) -> float:
+def check_real(name: str, value: object, *, minimum: float | None = 0.0, fix: str) -> float:
     """Return ``value`` as a float if it is a finite number (``>= minimum`` when given)."""
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
         raise _invalid(name, value, "it must be a finite number", fix)
@@ -72,7 +71,7 @@ def check_real(name: str, value: Any, *, minimum: float | None = 0.0, fix: str) 
     return float(value)
 
 
-def resolve_warmup_type(warmup_type: Any) -> str:
+def resolve_warmup_type(warmup_type: object) -> str:
     """Return ``warmup_type`` if DeepSpeed knows it, else warn and return ``"log"`` (as DeepSpeed does)."""
     if warmup_type in WARMUP_TYPES:
         return str(warmup_type)

@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 
-def per_group(name: str, value: Any, num_groups: int) -> list[Any]:
+def per_group(name: str, value: object, num_groups: int) -> list[Any]:
     """Broadcast a scalar to ``num_groups`` values, or check that a list has one value per group.
 
     Raises:
@@ -79,7 +79,7 @@ def _group_lr(group: dict[str, Any]) -> float:
     return float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
 
 
-def update_lr(param_groups: Sequence[dict[str, Any]], lrs: Sequence[float]) -> list[float]:
+def update_lr(param_groups: Sequence[dict[str, object]], lrs: Sequence[float]) -> list[float]:
     """Write ``lrs`` into ``param_groups`` and return them.
 
     A tensor-valued ``lr`` (used with capturable/compiled optimizers) is filled in place so
@@ -154,7 +154,7 @@ class _IterationScheduler:
         self.last_batch_iteration = _check_iteration(state_dict["last_batch_iteration"])
 
 
-def _check_iteration(value: Any) -> int:
+def _check_iteration(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, Integral) or value < -1:
         raise KeyedValueError(
             f"last_batch_iteration={value!r} is invalid: it must be an integer >= -1. "

@@ -23,7 +23,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
 
 # Longest repr of a grid case quoted in messages.
 _CASE_REPR_LIMIT = 200
@@ -48,7 +47,7 @@ _parent_conn: Connection | None = None
 _current_case: str | None = None
 
 
-def send_message(conn: Connection, message: tuple[Any, ...]) -> None:
+def send_message(conn: Connection, message: tuple[object, ...]) -> None:
     # Plain pickle, not the connection's ForkingPickler: importing torch registers
     # shared-memory reductions there, and a tensor sent that way can be lost when the child
     # exits before the parent has mapped it. Plain pickle copies tensors by value.
@@ -150,7 +149,7 @@ def worker_main(spec: RankSpec, conn: Connection) -> None:
     os._exit(0)
 
 
-def _describe_case(index: int, total: int, case: Any) -> str:
+def _describe_case(index: int, total: int, case: object) -> str:
     text = repr(case)
     if len(text) > _CASE_REPR_LIMIT:
         text = text[: _CASE_REPR_LIMIT - 3] + "..."
@@ -160,11 +159,11 @@ def _describe_case(index: int, total: int, case: Any) -> str:
 def run_cases(
     rank: int,
     world_size: int,
-    fn: Callable[..., Any],
-    cases: Sequence[Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> list[Any]:
+    fn: Callable[..., object],
+    cases: Sequence[object],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+) -> list[object]:
     """Rank-side loop of ``run_distributed_cases``: one result per case."""
     global _current_case
     results = []

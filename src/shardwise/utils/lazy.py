@@ -12,7 +12,7 @@ from typing import Any
 
 
 def lazy_exports(
-    package: str, table: Mapping[str, tuple[str, str | None]], namespace: dict[str, Any]
+    package: str, table: Mapping[str, tuple[str, str | None]], namespace: dict[str, object]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``; resolved names are cached in ``namespace``.
 

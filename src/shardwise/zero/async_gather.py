@@ -144,11 +144,11 @@ class PendingGathers:
         self._handles = []
         self._module_keys = {}
 
-    def _wait_everything_hook(self, *args: Any, **kwargs: Any) -> None:
+    def _wait_everything_hook(self, *args: object, **kwargs: object) -> None:
         self.wait_all()
 
     def _module_hook(self, module_id: int, keys: tuple[BucketKey, ...]) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: object) -> None:
             if self._recording:
                 self._fired.add(module_id)
                 self._seen_order.extend(k for k in keys if k not in self._seen_order)
@@ -156,7 +156,7 @@ class PendingGathers:
 
         return hook
 
-    def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
+    def _root_pre_hook(self, module: nn.Module, args: object) -> None:
         if self._recording:
             return  # a nested call of the root inside the forward being recorded
         if self.learned:
@@ -167,7 +167,7 @@ class PendingGathers:
         self._seen_order = []
         self._fired = set()
 
-    def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _root_post_hook(self, module: nn.Module, args: object, output: object) -> None:
         if self._recording:
             self._recording = False
             self.learned = True

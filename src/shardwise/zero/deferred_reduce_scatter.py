@@ -39,9 +39,9 @@ class DeferredReduceScatter(FsdpHook):
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
         group: Group,
-        op: Any,
+        op: object,
         async_op: bool = False,
-    ) -> Any:
+    ) -> object:
         # shard_model forces SUM with a divide factor of 1
         op_name = self.reduce_op_name(op, "stage 3 reduce-scatter hook")
         work: Any = collectives.reduce_scatter_flat(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -168,7 +168,7 @@ def prepare_module(
 def _offloaded_factory(factory: OptimizerFactory, spec: OffloadSpec, rank: int) -> OptimizerFactory:
     """Build the inner optimizer over an offload store's host tensors, behind a proxy."""
 
-    def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    def build(groups: list[dict[str, object]]) -> torch.optim.Optimizer:
         store = OffloadStore(groups, spec, rank=rank)
         return OffloadedOptimizer(factory(store.host_groups), store)
 
@@ -176,7 +176,7 @@ def _offloaded_factory(factory: OptimizerFactory, spec: OffloadSpec, rank: int) 
 
 
 def build_zero_optimizer(
-    param_groups: Sequence[dict[str, Any]],
+    param_groups: Sequence[dict[str, object]],
     optimizer_factory: OptimizerFactory,
     *,
     zero: ZeroConfig,

@@ -12,13 +12,12 @@ model, with no copies. Per bucket the group keeps:
 Stages 0 and 1 also keep a full-size ``grad_buffer`` that gradients accumulate into
 between reductions; stage 2 keeps only the shard gradients (the memory saving).
 
-With a :class:`~shardwise.comm.shared_memory.SharedMemoryGroup` (all ranks on one host, CPU,
-gloo) the (sharded) parameter buffer and the full gradient buffer live in shared memory, every rank's
-mapped in every rank (``shared_params``, ``shared_grads``), so reductions and gathers are reads
-of the other ranks' buffers instead of gloo transfers. At stage 2 (no full gradient buffer) a group
-that fits in one reduce bucket stages each micro step's gradients in a shared buffer of that
-bucket's size instead (``shared_staging``), whose memory is given back after each reduction and
-taken again by the next backward, so between steps stage 2 holds no full-size gradient buffer.
+The buffers that travel come from the group's
+:class:`~shardwise.comm.host_transport.HostTransport` (``param_store``: the sharded parameter
+buffer the updated shards are gathered in, stages 1-2; ``grad_store``: the full gradient buffer,
+stages 0-1; ``staging``: stage 2's per-bucket gradient buffers, holding memory only from a micro
+step's first gradient until the bucket is reduced), which also carries their collectives; the
+group never asks which transport that is.
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from shardwise.comm.shared_memory import SharedBuffers, SharedMemoryGroup
+from shardwise.comm.flat_buffers import FlatBuffer, PrivateBuffer
+from shardwise.comm.host_transport import GlooTransport, HostTransport
 from shardwise.zero.partition import FlatLayout, plan_layout
 
 
@@ -46,8 +46,7 @@ class FlatGroup:
         full_grad_buffer: bool,
         grad_dtype: torch.dtype,
         align: int = 1,
-        shared: SharedMemoryGroup | None = None,
-        shared_staging: bool = False,
+        transport: HostTransport | None = None,
     ) -> None:
         if not params:
             raise ValueError("a FlatGroup needs at least one parameter")
@@ -63,39 +62,30 @@ class FlatGroup:
         self.grad_dtype = grad_dtype
         self.layout: FlatLayout = plan_layout([p.numel() for p in params], world_size, bucket_numel, align)
         total = self.layout.total_numel
-        # shared-memory buffers (None: private ones): the parameters where shards are published
-        # (stages 1-2), the full gradient buffer (stages 0-1); why not, if the group could not
-        self.not_shared: str | None = None
-        self.shared_grads: SharedBuffers | None = None
-        self.shared_staging: SharedBuffers | None = None
-        self.shared_params: SharedBuffers | None = self._allocate_shared(
-            shared if shard else None, total, self.dtype
+        transport = transport if transport is not None else GlooTransport(None, rank, world_size)
+        # the parameter buffer travels where shards are published (stages 1-2); stage 0's stays private
+        self.param_store: FlatBuffer = (
+            transport.allocate(total, self.dtype, self.device)
+            if shard
+            else PrivateBuffer(total, self.dtype, self.device, group=None, rank=rank, world=world_size)
         )
-        self.param_buffer = (
-            self.shared_params.mine
-            if self.shared_params is not None
-            else torch.zeros(total, dtype=self.dtype, device=self.device)
-        )
+        self.param_buffer = self.param_store.mine
         with torch.no_grad():
             for slot, p in zip(self.layout.slots, self.params):
                 view = self.param_buffer[slot.offset : slot.offset + slot.numel]
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view_as(p)
         self.grad_buffer: torch.Tensor | None = None
+        self.grad_store: FlatBuffer | None = None
+        self.staging: list[FlatBuffer] = []
         if full_grad_buffer:
-            self.shared_grads = self._allocate_shared(shared, total, grad_dtype)
-            self.grad_buffer = (
-                self.shared_grads.mine
-                if self.shared_grads is not None
-                else torch.zeros(total, dtype=grad_dtype, device=self.device)
-            )
-        elif shared_staging and len(self.layout.buckets) == 1:
-            # stage 2 with the whole group in one reduce bucket: the bucket's micro-step gradients
-            # are staged in shared memory, each rank summing its shard from every rank's staging
-            # buffer; released between reductions (the reducer calls release/reserve)
-            self.shared_staging = self._allocate_shared(shared, total, grad_dtype, releasable=True)
-            if self.shared_staging is not None:
-                self.shared_staging.release()
+            self.grad_store = transport.allocate(total, grad_dtype, self.device)
+            self.grad_buffer = self.grad_store.mine
+        else:
+            # stage 2: each bucket's micro-step gradients in a buffer of its own, reserved by the
+            # reducer at the bucket's first gradient and released once the bucket is reduced
+            numels = [plan.numel for plan in self.layout.buckets]
+            self.staging = transport.allocate_staging(numels, grad_dtype, self.device)
         self.owned = [self.owned_range(b) for b in range(len(self.layout.buckets))]
         self.master: list[torch.Tensor] = []
         self.grad: list[torch.Tensor] = []
@@ -132,19 +122,6 @@ class FlatGroup:
         # read (``settle``). That saves a memset and a read of the whole buffer per window;
         # copy == 0 + x exactly, so results do not change.
         self._written = [False] * len(self.params)
-
-    def _allocate_shared(
-        self, shared: SharedMemoryGroup | None, numel: int, dtype: torch.dtype, releasable: bool = False
-    ) -> SharedBuffers | None:
-        """Zero-filled shared buffers from ``shared`` (collective), or None (then ``not_shared``
-        says why, if ``shared`` was given)."""
-        if shared is None:
-            return None
-        got = shared.allocate(numel, dtype, releasable=releasable)
-        if isinstance(got, str):
-            self.not_shared = got
-            return None
-        return got
 
     # ------------------------------------------------------------------ layout helpers
     def owned_range(self, bucket: int) -> tuple[int, int]:

@@ -384,7 +384,7 @@ def _release_after_use(record: ShardedModel, module: nn.Module) -> None:
     def after_backward(_grad: torch.Tensor) -> None:
         record.release_pages(module)
 
-    def before_forward(_m: nn.Module, args: tuple[Any, ...]) -> None:
+    def before_forward(_m: nn.Module, args: tuple[object, ...]) -> None:
         if torch.is_grad_enabled():
             for arg in args:
                 if isinstance(arg, torch.Tensor) and arg.requires_grad:

@@ -13,8 +13,6 @@ all-reduce. Otherwise (stage 1 with a native reduce-scatter) whole buckets go, i
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from shardwise.comm import collectives
@@ -29,12 +27,16 @@ class FullBufferReducer(GradientReducer):
 
     def __init__(self, groups: list[FlatGroup], policy: ReducePolicy, process_group: Group = None) -> None:
         assert all(g.grad_buffer is not None for g in groups), "stages 0-1 keep a full gradient buffer"
-        # Every group's gradient buffer in shared memory (and the wire is the buffer itself):
-        # whole buckets are reduced by reading the other ranks' buffers, once backward has
-        # filled them. Nothing is gained by going piece by piece then: the reduction costs a
-        # summing pass, not a transfer to overlap, and each piece would pay two barriers.
-        self.shared = all(
-            g.shared_grads is not None and policy.comm_dtype in (None, g.grad_dtype) for g in groups
+        # Every group's gradient buffer reduced by collectives that are done when they return
+        # (the transport reads the other ranks' buffers; the wire is the buffer itself): whole
+        # buckets, once backward has filled them. Nothing is gained by going piece by piece then:
+        # the reduction costs a summing pass, not a transfer to overlap, and each piece would
+        # pay two barriers.
+        self.whole_buckets = all(
+            g.grad_store is not None
+            and g.grad_store.synchronous
+            and policy.comm_dtype in (None, g.grad_dtype)
+            for g in groups
         )
         super().__init__(groups, policy, process_group)
         # Where autograd accumulates a parameter's gradient once .grad is a view of its slot.
@@ -47,7 +49,7 @@ class FullBufferReducer(GradientReducer):
         ]
 
     def _reduces_in_pieces(self, algorithm: str) -> bool:
-        return not self.shared and (self._piece_exchange or algorithm == "all_reduce")
+        return not self.whole_buckets and (self._piece_exchange or algorithm == "all_reduce")
 
     def _accumulate(self, gi: int, pi: int, param: torch.Tensor) -> None:
         group = self.groups[gi]
@@ -79,7 +81,7 @@ class FullBufferReducer(GradientReducer):
         assert group.grad_buffer is not None
         source = group.grad_buffer[start:end]
         wire = self._wire(source)
-        work: Any
+        work: object
         if self._piece_exchange:
             owned = self._owned_in(gi, bucket, start, end)
             work = collectives.reduce_scatter_ranges(wire, owned, self.process_group, async_op=True)
@@ -95,22 +97,23 @@ class FullBufferReducer(GradientReducer):
         self._in_flight(work, after)
 
     def _launch_bucket(self, gi: int, bucket: int) -> None:
-        """Stage 1 (stage 0 goes in pieces unless shared): reduce one whole bucket of the buffer
+        """Stage 1 (stage 0 goes in pieces unless ``whole_buckets``): reduce one whole bucket of the buffer
         in place, so this rank's shard of it holds its sums (the whole bucket where every rank
         gets them: stage 0, ``reduce_scatter: false``)."""
         group = self.groups[gi]
-        assert group.grad_buffer is not None and (self.shared or self.policy.shard)
+        assert group.grad_store is not None and (self.whole_buckets or self.policy.shard)
         plan = group.layout.buckets[bucket]
         group.settle(bucket)
-        wire = self._wire(group.grad_buffer[plan.start : plan.end])
+        wire = self._wire(group.grad_store.mine[plan.start : plan.end])
         everyone = self.policy.all_reduce_gradients or not self.policy.shard
         self._reduce_bucket(
             gi,
             bucket,
+            group.grad_store,
+            0,
             wire,
             None if everyone else group.grad[bucket],  # this rank's shard of the buffer
             accumulate=False,
-            shared=group.shared_grads if self.shared else None,
             done=_nothing,
         )
 

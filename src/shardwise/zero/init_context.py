@@ -196,7 +196,7 @@ def _set_on_owners(owners: list[tuple[nn.Module, str]], value: nn.Parameter) -> 
 # --------------------------------------------------------------------------- Init
 
 
-def _data_parallel_group(data_parallel_group: Group, mpu: Any) -> Any:
+def _data_parallel_group(data_parallel_group: Group, mpu: object) -> Group:
     if data_parallel_group is not None:
         return data_parallel_group
     if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
@@ -270,7 +270,7 @@ class Init:
         Init._active.append(self)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
         for handle in self._handles:
@@ -377,7 +377,7 @@ def _as_list(params: Any) -> list[nn.Parameter]:
     return [p for p in params if p is not None]
 
 
-def _group_of(param: torch.Tensor) -> Any:
+def _group_of(param: torch.Tensor) -> Group:
     stash = stash_of(param)
     if stash is not None:
         return stash.group
@@ -457,7 +457,7 @@ class GatheredParameters:
                 return param.detach().full_tensor().clone()  # type: ignore[attr-defined]
         return None
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
         keep = self.modifier_rank is not None and exc[0] is None

@@ -182,7 +182,7 @@ def _local_numel(rows: int, numel: int, world: int) -> int:
 
 
 def estimate_model_states_memory(
-    model_or_numel: Any,
+    model_or_numel: object,
     stage: int,
     world_size: int,
     *,

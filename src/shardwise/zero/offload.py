@@ -499,7 +499,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return self.inner.param_groups
 
     @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
+    def param_groups(self, value: list[dict[str, object]]) -> None:
         self.inner.param_groups = value
 
     @property
@@ -511,7 +511,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.inner.state = value
 
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: object = None) -> Any:
         """Step every tensor (closures are not supported with offload)."""
         if closure is not None:
             raise ValueError("optimizer offload does not support step(closure)")
@@ -582,7 +582,7 @@ class _DeviceKeyedOptimizer:
         self._proxy.load_state_dict(state_dict)
 
 
-def checkpoint_view(optimizer: Any) -> Any:
+def checkpoint_view(optimizer: object) -> Any:
     """``optimizer`` keyed by the tensors ZeRO handed it (device masters), for checkpoints.
 
     A plain optimizer is returned as it is; an :class:`OffloadedOptimizer` (whose inner

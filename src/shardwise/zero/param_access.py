@@ -211,7 +211,7 @@ def _grad_place(param: torch.Tensor) -> tuple[GradientLayout, ParamPlace] | None
     return None if place is None else (layout, place)
 
 
-def _owned(found: tuple[Any, ParamPlace] | None, param: torch.Tensor) -> tuple[Any, ParamPlace]:
+def _owned(found: tuple[object, ParamPlace] | None, param: torch.Tensor) -> tuple[Any, ParamPlace]:
     if found is None:
         raise ValueError(
             f"safe_set_*: the parameter (shape {tuple(param.shape)}) is not trained by a live shardwise "

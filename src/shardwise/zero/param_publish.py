@@ -1,13 +1,12 @@
 """Stages 1-2: how updated shards reach every rank after the step (``allgather_bucket_size``,
 ``allgather_partitions`` / ``disable_allgather``).
 
-By default each bucket is one all-gather (the exact path, unchanged); when the parameter buffers
-are in shared memory (all ranks on one host, see :mod:`shardwise.comm.shared_memory`) each rank
-copies the other ranks' shards from their buffers instead (``allgather_bucket_size`` elements at a
-time, with no scratch buffer). With
-``allgather_bucket_size`` smaller than a bucket, the bucket goes in several all-gathers of at
-most that many elements each (every rank contributes the same piece of its shard, gathered
-into a scratch buffer and copied to the owners' places). With ``allgather_partitions: false``
+By default each bucket is gathered by the parameter buffer's transport
+(:meth:`~shardwise.comm.flat_buffers.FlatBuffer.gather`): over gloo one all-gather per bucket, or
+with ``allgather_bucket_size`` smaller than a bucket several all-gathers of at most that many
+elements each (every rank contributes the same piece of its shard, gathered into a scratch buffer
+and copied to the owners' places); on one host a copy of the other ranks' shards from their
+buffers, in the same pieces. With ``allgather_partitions: false``
 (or the top-level ``disable_allgather: true``) each rank's shard is broadcast from its owner
 instead, one broadcast per rank and bucket, as DeepSpeed does. With ``zero_quantized_weights``
 (ZeRO++ qwZ) each bucket is one int8 block-quantized all-gather
@@ -18,13 +17,11 @@ fp32 masters stay exact.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
 
 from shardwise.comm import collectives
+from shardwise.comm.flat_buffers import Pending
 from shardwise.comm.group_type import Group
 from shardwise.comm.init import get_global_rank
 from shardwise.comm.quantized_collectives import quantized_all_gather
@@ -64,21 +61,16 @@ def chunk_ranges(shard_numel: int, world: int, bucket_numel: int) -> list[tuple[
 
 def launch_publish(
     flat: FlatGroup, policy: PublishPolicy, group: Group, buckets: Sequence[int] | None = None
-) -> list[tuple[Any, Callable[[], None]]]:
+) -> list[Pending]:
     """Start bringing every rank's updated shard of ``flat`` (of the given ``buckets`` only, in
     that order; default all) to all ranks; returns ``(work, then)`` pairs: wait for ``work``,
     then call ``then``."""
-    out: list[tuple[Any, Callable[[], None]]] = []
+    out: list[Pending] = []
     world = flat.world_size
     buffer = flat.param_buffer
     chosen = range(len(flat.layout.buckets)) if buckets is None else buckets
     for plan, (lo, hi) in ((flat.layout.buckets[b], flat.owned[b]) for b in chosen):
         ranges = [plan.shard_range(r) for r in range(world)]
-        if flat.shared_params is not None and not (policy.quantized or policy.broadcast):
-            # every rank's parameter buffer is mapped here: copy the others' shards, now (in
-            # allgather_bucket_size pieces: no scratch either way, but the key keeps its meaning)
-            flat.shared_params.all_gather(ranges, chunk_ranges(hi - lo, world, policy.bucket_numel))
-            continue
         if policy.quantized:
             quantized_all_gather(buffer[plan.start : plan.end], buffer[lo:hi], group)
             continue
@@ -89,32 +81,9 @@ def launch_publish(
                 )
                 out.append((work, _nothing))
             continue
-        pieces = chunk_ranges(hi - lo, world, policy.bucket_numel)
-        if len(pieces) == 1:
-            bucket = buffer[plan.start : plan.end]
-            out.append(
-                (collectives.all_gather_flat(bucket, buffer[lo:hi], group=group, async_op=True), _nothing)
-            )
-            continue
-        for a, b in pieces:
-            scratch = torch.empty(world * (b - a), dtype=buffer.dtype, device=buffer.device)
-            work = collectives.all_gather_flat(
-                scratch, buffer[lo + a : lo + b].clone(), group=group, async_op=True
-            )
-            out.append((work, _scatter(buffer, scratch, ranges, a, b)))
+        out.extend(flat.param_store.gather(ranges, chunk_ranges(hi - lo, world, policy.bucket_numel)))
     return out
 
 
 def _nothing() -> None:
     return None
-
-
-def _scatter(
-    buffer: torch.Tensor, scratch: torch.Tensor, ranges: list[tuple[int, int]], a: int, b: int
-) -> Callable[[], None]:
-    def then() -> None:
-        n = b - a
-        for r, (start, _end) in enumerate(ranges):
-            buffer[start + a : start + b].copy_(scratch[r * n : (r + 1) * n])
-
-    return then

@@ -41,8 +41,8 @@ import torch
 
 from shardwise.comm import collectives
 from shardwise.comm import init as comm_init
+from shardwise.comm.flat_buffers import FlatBuffer
 from shardwise.comm.group_type import Group
-from shardwise.comm.host_transport import HostCollectives
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.launch_order import LaunchOrder, Unit, plan_units
 
@@ -67,17 +67,6 @@ class ReducePolicy:
     comm_dtype: torch.dtype | None
     pre_multiplier: float
     all_reduce_gradients: bool = False
-
-
-def _land(sums: torch.Tensor, target: torch.Tensor | None, accumulate: bool) -> None:
-    """Put this rank's ``sums`` into ``target`` (add them with ``accumulate``); nothing when they
-    are already there (``target`` None, or the same tensor)."""
-    if target is None or sums is target:
-        return
-    if accumulate:
-        target.add_(sums)
-    else:
-        target.copy_(sums)
 
 
 @dataclass
@@ -207,56 +196,36 @@ class GradientReducer(ABC):
         self,
         gi: int,
         bucket: int,
+        store: FlatBuffer,
+        base: int,
         wire: torch.Tensor,
         target: torch.Tensor | None,
         *,
         accumulate: bool,
-        shared: HostCollectives | None,
         done: Callable[[], None],
     ) -> None:
         """The one launch path of a whole bucket, whichever transport carries it.
 
-        ``wire`` is the bucket as it goes on the wire (pre-multiplied). Stage 0 and
+        ``store`` is the buffer the bucket lies in, whose transport carries the reduction, its
+        element 0 at flat position ``base`` (0 for a whole group's buffer, the bucket's start for
+        a bucket's own buffer); ``wire`` is the bucket as it goes on the wire (pre-multiplied). Stage 0 and
         ``reduce_scatter: false`` all-reduce it, the others reduce-scatter it; this rank's shard
         of the sums then lands in ``target`` (added to it with ``accumulate``), or stays in
-        ``wire`` when ``target`` is None. ``shared``: the bucket's buffers in shared memory (the
-        ranks sum from each other's buffers, synchronously, the barriers inside); None: gloo,
-        asynchronously. ``done`` runs once the sums are in place.
+        ``wire`` when ``target`` is None. ``done`` runs once the sums are in place.
         """
         group = self.groups[gi]
         plan = group.layout.buckets[bucket]
-        lo, hi = group.owned[bucket]
+        ranges = [(lo - base, hi - base) for lo, hi in map(plan.shard_range, range(group.world_size))]
         everyone = self.policy.all_reduce_gradients or not self.policy.shard
-        out: torch.Tensor
-        if shared is not None:
-            ranges = [plan.shard_range(r) for r in range(group.world_size)]
-            if everyone:
-                shared.all_reduce(ranges)
-                _land(wire[lo - plan.start : hi - plan.start], target, accumulate)
-            else:
-                assert target is not None, "a reduce-scatter needs the shard it writes"
-                shared.reduce_scatter(ranges, out=target, accumulate=accumulate)
-            done()
-            return
-        work: Any
-        if everyone:
-            work = collectives.all_reduce(wire, op="sum", group=self.process_group, async_op=True)
-            out = wire[lo - plan.start : hi - plan.start]
-        else:
-            assert target is not None, "a reduce-scatter needs the shard it writes"
-            direct = wire.dtype == target.dtype and not accumulate
-            out = target if direct else torch.empty(hi - lo, dtype=wire.dtype, device=wire.device)
-            work = collectives.reduce_scatter_flat(
-                out, wire, group=self.process_group, async_op=True, input_is_scratch=True
-            )
+        work, then = store.reduce(wire, ranges, target, accumulate=accumulate, everyone=everyone)
 
         def after() -> None:
-            _land(out, target, accumulate)
+            then()
             done()
 
         self._in_flight(work, after)
 
-    def _in_flight(self, work: Any, after: Callable[[], None]) -> None:
+    def _in_flight(self, work: object, after: Callable[[], None]) -> None:
         """Remember a launched reduction; ``after`` runs once it is done (in ``finish``)."""
         self._inflight.append(_Inflight(work, after))
 

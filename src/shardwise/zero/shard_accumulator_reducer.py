@@ -12,12 +12,12 @@ Progressive (see :mod:`shardwise.zero.launch_order`) where the reduce-scatter is
 between the shard owners: a piece may cut across shards and each rank receives the sums of
 its own part of it. Otherwise whole buckets go, in sequence.
 
-When every group is one bucket staged in shared memory (``FlatGroup.shared_staging``: all ranks
-on one host), the bucket buffer is that staging buffer, and at the end of backward each rank sums
-its shard from every rank's staging buffer straight into (or onto) its shard accumulator. The
-staging buffer's memory is taken before the micro step writes it and given back once every rank
-has summed (:meth:`~shardwise.comm.shared_memory.SharedBuffers.reserve` / ``release``), as the
-private bucket buffer is allocated and freed.
+Each bucket's buffer is the flat group's staging buffer for it (``FlatGroup.staging``, from its
+transport): reserved at the bucket's first gradient of a micro step and released once the bucket
+is reduced, so between steps stage 2 holds no full-size gradient buffer. When every group's
+staging buffers reduce by collectives that are done when they return (one host's ranks reading
+each other's buffers), whole buckets go at the end of backward, each rank summing its shard
+straight into (or onto) its shard accumulator.
 """
 
 from __future__ import annotations
@@ -39,17 +39,20 @@ class ShardAccumulatorReducer(GradientReducer):
         self._fresh = [[True] * len(g.layout.buckets) for g in groups]  # per bucket: no sums yet this window
         self._bucket_buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._bucket_written: dict[tuple[int, int], set[int]] = {}  # parameters written per bucket buffer
-        self.shared = all(
-            g.shared_staging is not None and policy.comm_dtype in (None, g.grad_dtype) for g in groups
+        self.whole_buckets = all(
+            s.synchronous and policy.comm_dtype in (None, g.grad_dtype) for g in groups for s in g.staging
         )
         super().__init__(groups, policy, process_group)
 
     def _reduces_in_pieces(self, algorithm: str) -> bool:
-        return self._piece_exchange and not self.shared
+        return self._piece_exchange and not self.whole_buckets
 
     def new_accumulation(self) -> None:
         """Called after the optimizer step: shard accumulators start fresh."""
         self._fresh = [[True] * len(g.layout.buckets) for g in self.groups]
+        for group in self.groups:
+            for store in group.staging:
+                store.release()
         self._bucket_buffers.clear()
         self._bucket_written.clear()
 
@@ -77,14 +80,9 @@ class ShardAccumulatorReducer(GradientReducer):
         key = (gi, bucket)
         buf = self._bucket_buffers.get(key)
         if buf is None:
-            group = self.groups[gi]
-            plan = group.layout.buckets[bucket]
-            if self.shared:
-                assert group.shared_staging is not None
-                group.shared_staging.reserve()
-                buf = group.shared_staging.mine[plan.start : plan.end]
-            else:
-                buf = torch.empty(plan.numel, dtype=group.grad_dtype, device=group.device)
+            store = self.groups[gi].staging[bucket]
+            store.reserve()
+            buf = store.mine
             self._bucket_buffers[key] = buf
             self._bucket_written[key] = set()
         return buf
@@ -148,31 +146,32 @@ class ShardAccumulatorReducer(GradientReducer):
                 self._fresh[gi][bucket] = False
                 self._bucket_buffers.pop((gi, bucket), None)
                 self._bucket_written.pop((gi, bucket), None)
+                group.staging[bucket].release()
 
         self._in_flight(work, after)
 
     def _launch_bucket(self, gi: int, bucket: int) -> None:
-        """Reduce one whole bucket buffer into (or onto) this rank's shard accumulator; a staged
-        bucket's shared memory is given back once every rank has summed from it."""
+        """Reduce one whole bucket buffer into (or onto) this rank's shard accumulator; the bucket's
+        staging buffer is given back once every rank has summed from it."""
         group = self.groups[gi]
         plan = group.layout.buckets[bucket]
         source = self._bucket_buffer(gi, bucket)
         written = self._bucket_written.pop((gi, bucket), set())
         self._zero_unwritten(gi, bucket, source, (plan.start, plan.end), plan.param_indices, written)
-        staging = group.shared_staging if self.shared else None
+        store = group.staging[bucket]
 
         def done() -> None:
             self._fresh[gi][bucket] = False
             self._bucket_buffers.pop((gi, bucket), None)
-            if staging is not None:
-                staging.release()  # every rank has summed: the exit barrier of the collective
+            store.release()  # every rank has summed from it (the collective is complete)
 
         self._reduce_bucket(
             gi,
             bucket,
+            store,
+            plan.start,
             self._wire(source),
             group.grad[bucket],
             accumulate=not self._fresh[gi][bucket],
-            shared=staging,
             done=done,
         )

@@ -32,6 +32,7 @@ from torch import nn
 
 from shardwise.comm import collectives
 from shardwise.comm.group_type import Group
+from shardwise.comm.host_transport import HostTransport, choose_host_transport
 from shardwise.comm.init import group_source_rank
 from shardwise.optim.clipping import squared_norm
 from shardwise.optim.exchanging import GradientExchangingOptimizer
@@ -46,7 +47,6 @@ from shardwise.zero.param_owner import register_owner
 from shardwise.zero.param_publish import PublishPolicy, launch_publish
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
 from shardwise.zero.shard_accumulator_reducer import ShardAccumulatorReducer
-from shardwise.zero.shared_buffers import log_transport, open_for_groups
 from shardwise.zero.state_layout import (
     GRADIENTS_UNAVAILABLE,
     FlatPiece,
@@ -119,19 +119,17 @@ class ZeroOptimizer(ZeroStrategy):
         if self.exchanging is not None:
             self.exchanging.attach_process_group(policy.process_group)
         self._bind_master_grads()
-        log_transport(self.groups, policy.stage, policy.rank, policy.world_size)
+        self._report_transport()
         register_owner(self, [p for flat in self.groups for p in flat.params])
         self.gathers = self._pending_gathers(module)
 
     # ------------------------------------------------------------------ construction steps
-    def _build_flat_groups(self, param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _build_flat_groups(self, param_groups: Sequence[dict[str, Any]]) -> list[dict[str, object]]:
         """One :class:`FlatGroup` per user group and parameter kind (device, dtype, tensor
         parallel); returns the inner optimizer's groups over their masters."""
         policy = self.policy
-        inner_groups: list[dict[str, Any]] = []
-        shared = open_for_groups(
-            param_groups, policy.process_group, policy.world_size, policy.stage, policy.rank
-        )
+        inner_groups: list[dict[str, object]] = []
+        self.transport = self._choose_transport(param_groups)
         for gi, group in enumerate(param_groups):
             params = [p for p in group["params"] if p.requires_grad]
             hyper = {k: v for k, v in group.items() if k != "params"}
@@ -145,8 +143,7 @@ class ZeroOptimizer(ZeroStrategy):
                     shard=policy.stage >= 1,
                     full_grad_buffer=policy.stage < 2,
                     grad_dtype=policy.grad_dtype,
-                    shared=shared if key[1].type == "cpu" else None,
-                    shared_staging=policy.stage == 2,
+                    transport=self.transport,
                 )
                 self.groups.append(flat)
                 self.group_index.append(gi)
@@ -154,6 +151,33 @@ class ZeroOptimizer(ZeroStrategy):
                 masters.extend(flat.master_params())
             inner_groups.append({"params": masters, **hyper})
         return inner_groups
+
+    def _choose_transport(self, param_groups: Sequence[dict[str, Any]]) -> HostTransport:
+        """The transport of the flat buffers (shared memory when every rank runs on this host with
+        the trainable parameters on the CPU over gloo, else gloo; ``comm.host_transport`` decides)."""
+        policy = self.policy
+        devices = {p.device for group in param_groups for p in group["params"] if p.requires_grad}
+        return choose_host_transport(
+            devices,
+            policy.process_group,
+            label=f"ZeRO stage {policy.stage}",
+            rank=policy.rank,
+            world_size=policy.world_size,
+        )
+
+    def _report_transport(self) -> None:
+        """Say once (rank 0) which transport the buffers took (``comm.host_transport`` words it)."""
+        stage = self.policy.stage
+        whole_staged = all(store.synchronous for flat in self.groups for store in flat.staging)
+        detail = {0: "gradients are all-reduced", 1: "gradients are reduced and parameters gathered"}.get(
+            stage,
+            "gradients are reduced (staged in a buffer of one bucket, given back after each reduction) "
+            "and parameters gathered"
+            if whole_staged
+            else "parameters are gathered (stage 2 reduces its gradient buckets through gloo: the model "
+            "does not fit in one reduce_bucket_size)",
+        )
+        self.transport.report(f"ZeRO stage {stage}", detail, "gradients and parameters")
 
     def _build_reducer(self) -> GradientReducer:
         """The gradient reducer for the stage's layout: whole buffers (0-1) or shard accumulators (2)."""
@@ -175,9 +199,9 @@ class ZeroOptimizer(ZeroStrategy):
     def _pending_gathers(self, module: nn.Module | None) -> PendingGathers | None:
         """``overlap_comm`` at stages 1-2: the post-step all-gathers left in flight behind the next
         forward (hooks on ``module`` wait for them); None when the gather finishes inside the step
-        (one rank, no module, or parameter buffers in shared memory: the gather is a copy)."""
+        (one rank, no module, or a transport whose gathers are done when they return: a copy)."""
         policy = self.policy
-        in_flight = not all(flat.shared_params is not None for flat in self.groups)
+        in_flight = not all(flat.param_store.synchronous for flat in self.groups)
         if not (
             policy.overlap_comm
             and policy.stage in (1, 2)

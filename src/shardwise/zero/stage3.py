@@ -29,7 +29,7 @@ Two things FSDP2 does not do by itself, measured on the benchmark GPT (2 gloo ra
   also stay gathered until the next micro step (``set_reshard_after_backward``): the
   weights cannot change before the step, so the next forward needs no all-gather;
 - on CPU, when all ranks share a host, FSDP2's all-gathers and reduce-scatters go through
-  shared memory (:mod:`shardwise.zero.stage3_shared_comm`); otherwise reduce-scatters are
+  shared memory (:mod:`shardwise.comm.fsdp_shared_hooks`); otherwise reduce-scatters are
   issued asynchronously during backward and waited when it ends
   (:class:`DeferredReduceScatter`), so they overlap the rest of backward (~12% per step at
   GAS 4); gradients are then moved out of ``param.grad`` into accumulators, in the order
@@ -47,6 +47,7 @@ from torch import nn
 
 from shardwise.comm import collectives
 from shardwise.comm.fsdp_internals import is_dtensor, local_tensor
+from shardwise.comm.fsdp_shared_hooks import open_unit_comms
 from shardwise.comm.group_type import Group
 from shardwise.comm.init import group_source_rank
 from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
@@ -61,7 +62,6 @@ from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_model import ShardedModel
 from shardwise.zero.sharded_optimizer import OptimizerFactory
 from shardwise.zero.stage3_memory import breakdown
-from shardwise.zero.stage3_shared_comm import open_unit_comms
 from shardwise.zero.state_layout import (
     GRADIENTS_UNAVAILABLE,
     GradientLayout,
@@ -99,8 +99,8 @@ class Stage3Policy:
 class UnitHooks:
     """The custom collectives FSDP2 runs for every unit (None: FSDP2's own)."""
 
-    reduce_scatter: Any = None
-    all_gather: Any = None
+    reduce_scatter: object = None
+    all_gather: object = None
 
 
 def choose_unit_hooks(record: ShardedModel, policy: Stage3Policy) -> UnitHooks:
@@ -116,14 +116,14 @@ def choose_unit_hooks(record: ShardedModel, policy: Stage3Policy) -> UnitHooks:
     shared = None  # ranks on one host: FSDP2's collectives through shared memory
     if cpu_fp32 and not policy.quantized_gradients and policy.world_size > 1:
         shared = open_unit_comms(record.fsdp_modules(), policy.rank)
-    reduce_scatter: Any = None
+    reduce_scatter: object = None
     if policy.quantized_gradients:
         reduce_scatter = QuantizedReduceScatter()
     elif shared is not None:
         reduce_scatter = shared[1]
     elif cpu_fp32 and record.swapper is None:
         reduce_scatter = DeferredReduceScatter()
-    gather: Any = all_gather_hook(policy.quantized_weights)  # qwZ, or a logged plain one, or FSDP2's own
+    gather: object = all_gather_hook(policy.quantized_weights)  # qwZ, or a logged plain one, or FSDP2's own
     if shared is not None and not policy.quantized_weights:
         gather = shared[0]
     return UnitHooks(reduce_scatter, gather)
@@ -210,11 +210,11 @@ class Stage3Optimizer(ZeroStrategy):
         return group_members, replicated_params
 
     def _inner_groups(
-        self, param_groups: Sequence[dict[str, Any]], group_members: list[list[tuple[str, nn.Parameter]]]
-    ) -> list[dict[str, Any]]:
+        self, param_groups: Sequence[dict[str, object]], group_members: list[list[tuple[str, nn.Parameter]]]
+    ) -> list[dict[str, object]]:
         """The inner optimizer's groups: the user's hyperparameters over plain fp32 tensors (a sharded
         parameter's local shard, the replicated ones' masters); fills ``sharded``/``masters``."""
-        inner_groups: list[dict[str, Any]] = []
+        inner_groups: list[dict[str, object]] = []
         for group, members in zip(param_groups, group_members):
             hyper = {k: v for k, v in group.items() if k != "params"}
             tensors = []
@@ -231,7 +231,7 @@ class Stage3Optimizer(ZeroStrategy):
             inner_groups.append({**hyper, "params": tensors})
         return inner_groups
 
-    def _build_inner_optimizer(self, inner_groups: list[dict[str, Any]], factory: OptimizerFactory) -> None:
+    def _build_inner_optimizer(self, inner_groups: list[dict[str, object]], factory: OptimizerFactory) -> None:
         """The inner optimizer, behind an offload store when ``offload_optimizer`` asks for one;
         with NVMe parameters and NVMe state, masters are swapped in next to their state."""
         self.store: OffloadStore | None = None

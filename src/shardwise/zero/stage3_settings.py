@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from shardwise.config.sections.zero import ZeroConfig
 
@@ -281,7 +280,7 @@ def _render(kind: str, text: str) -> str:
     return "accepted, no effect on this engine: " + text
 
 
-def engine_notes(flat_keys: Mapping[str, Any], stage: int, only: set[str] | None = None) -> dict[str, str]:
+def engine_notes(flat_keys: Mapping[str, object], stage: int, only: set[str] | None = None) -> dict[str, str]:
     """Notes for every key of a flattened config (``ResolvedConfig.flat()``) that has one.
 
     Args:
@@ -304,7 +303,7 @@ def engine_notes(flat_keys: Mapping[str, Any], stage: int, only: set[str] | None
     return out
 
 
-def inert_keys(flat_keys: Mapping[str, Any], stage: int, only: set[str] | None = None) -> dict[str, str]:
+def inert_keys(flat_keys: Mapping[str, object], stage: int, only: set[str] | None = None) -> dict[str, str]:
     """The subset of :func:`engine_notes` for keys that have no effect on this engine."""
     return {
         k: v for k, v in engine_notes(flat_keys, stage, only).items() if v.startswith("accepted, no effect")

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardwise.comm.fsdp_shared_hooks import SharedAllGather, SharedReduceScatter
 from shardwise.comm.quantized_collectives import FsdpHook, QuantizedReduceScatter
 from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
-from shardwise.zero.stage3_shared_comm import SharedAllGather, SharedReduceScatter
 
 
 def test_reduce_op_name_accepts_sum_and_avg_and_names_the_hook_otherwise() -> None:

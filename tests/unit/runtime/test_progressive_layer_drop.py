@@ -50,6 +50,16 @@ def test_the_hook_updates_after_each_step_from_the_step_count_before_it() -> Non
     assert fresh.theta == hook.theta == pld_theta(3, 0.5, 0.2)
 
 
+def test_a_checkpointed_theta_that_is_not_a_number_is_refused_naming_the_key() -> None:
+    hook = build_progressive_layer_drop_hook(_config(theta=0.5, gamma=0.2), _forward)
+    assert hook is not None
+    for bad in ("0.5", True, None):
+        with pytest.raises(ValueError, match=r"progressive_layer_drop.*'theta'.*not a number"):
+            hook.load_state_dict({"theta": bad})
+    hook.load_state_dict({"theta": 1})  # an int is a number
+    assert hook.theta == 1.0
+
+
 def test_disabled_or_absent_section_builds_no_hook() -> None:
     assert build_progressive_layer_drop_hook(load_config({"train_batch_size": 2}).config.progressive_layer_drop, _forward) is None
     assert build_progressive_layer_drop_hook(_config(enabled=False), _forward) is None

@@ -7,8 +7,6 @@ summary.
 
 from __future__ import annotations
 
-from typing import Any
-
 from shardwise.comm.diagnostics import responder
 from shardwise.comm.diagnostics.frames import (
     frames_from_traceback,
@@ -70,7 +68,7 @@ def diagnose_exception(exc: BaseException, grace: float = responder.ANSWER_GRACE
         "error": error if len(error) <= 200 else error[:197] + "...",
     }
     mine = responder.own_status(state)
-    statuses: dict[int, dict[str, Any] | None] = {state.rank: mine}
+    statuses: dict[int, dict[str, object] | None] = {state.rank: mine}
     try:
         # In a large job every rank times out at once; one of them asking everyone is enough.
         if (

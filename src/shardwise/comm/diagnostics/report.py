@@ -115,7 +115,7 @@ def not_arrived_error(
     seq: int,
     me: int,
     missing: list[int],
-    statuses: Mapping[int, Mapping[str, Any] | None],
+    statuses: Mapping[int, Mapping[str, object] | None],
     stuck: Mapping[int, str],
     waited: float | None,
 ) -> RanksDidNotArriveError:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 
-def is_numeric_annotation(annotation: Any) -> bool:
+def is_numeric_annotation(annotation: object) -> bool:
     """True for ``int``, ``float``, integer ``Literal``s and unions/optionals containing one.
 
     Example:
@@ -31,7 +31,7 @@ def is_numeric_annotation(annotation: Any) -> bool:
     return False
 
 
-def _reject_bool_numbers(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+def _reject_bool_numbers(cls: type[BaseModel], value: object, info: ValidationInfo) -> object:
     if isinstance(value, bool) and info.field_name is not None:
         annotation = cls.model_fields[info.field_name].annotation
         if is_numeric_annotation(annotation) and not _allows_bool(annotation):
@@ -39,7 +39,7 @@ def _reject_bool_numbers(cls: type[BaseModel], value: Any, info: ValidationInfo)
     return value
 
 
-def _allows_bool(annotation: Any) -> bool:
+def _allows_bool(annotation: object) -> bool:
     if annotation is bool:
         return True
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
@@ -54,7 +54,7 @@ class Section(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+    def _no_bool_numbers(cls, value: object, info: ValidationInfo) -> object:
         return _reject_bool_numbers(cls, value, info)
 
 
@@ -65,5 +65,5 @@ class OpenSection(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+    def _no_bool_numbers(cls, value: object, info: ValidationInfo) -> object:
         return _reject_bool_numbers(cls, value, info)

@@ -91,7 +91,7 @@ class ElasticityConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _checks(cls, data: Any) -> Any:
+    def _checks(cls, data: object) -> object:
         if isinstance(data, Mapping):
             from shardwise.elasticity import ElasticityConfig as Rules
 

@@ -42,7 +42,7 @@ def _section_of(config: ConfigSource) -> SparseAttentionConfig:
     return section
 
 
-def _fail(key: str, value: Any, rule: str, fix: str) -> ConfigError:
+def _fail(key: str, value: object, rule: str, fix: str) -> ConfigError:
     return ConfigError(f"{_KEY}.{key}", rule, fix, value=value)
 
 

@@ -1,8 +1,8 @@
-"""Stage 3 on one host: FSDP2's all-gathers and reduce-scatters through shared memory.
+"""ZeRO stage 3 on one host: FSDP2's all-gathers and reduce-scatters through shared memory.
 
-Stages 0-2 keep their flat buffers in shared memory (:mod:`shardwise.zero.shared_buffers`).
-Stage 3's buffers belong to FSDP2, which allocates them per unit and per collective, so here
-the collectives themselves are replaced through FSDP2's hooks (``set_custom_all_gather`` and
+ZeRO's stages 0-2 keep their flat buffers in shared memory (their
+:class:`~shardwise.comm.host_transport.HostTransport` allocates them). Stage 3's buffers belong
+to FSDP2, which allocates them per unit and per collective, so here the collectives themselves are replaced through FSDP2's hooks (``set_custom_all_gather`` and
 ``set_custom_reduce_scatter``), with a small staging buffer per rank in shared memory
 (:mod:`shardwise.comm.host_transport` opens it):
 
@@ -83,7 +83,7 @@ class SharedReduceScatter(FsdpHook):
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
         group: Group,
-        op: Any,
+        op: object,
         async_op: bool = False,
     ) -> None:
         self._input_next = True
@@ -112,16 +112,14 @@ def _largest_unit_shard(fsdp_modules: Sequence[Any]) -> int:
     return largest
 
 
-def _unit_group(fsdp_modules: Sequence[Any]) -> Any:
+def _unit_group(fsdp_modules: Sequence[Any]) -> Group:
     """The process group FSDP2 gathers and reduces the units over (one for all units), or None."""
-    groups = {
-        id(group): group for module in fsdp_modules for group in unit_shard_groups(module)
-    }
+    groups = {id(group): group for module in fsdp_modules for group in unit_shard_groups(module)}
     return next(iter(groups.values())) if len(groups) == 1 else None
 
 
 def open_unit_comms(
-    fsdp_modules: Sequence[Any], rank: int
+    fsdp_modules: Sequence[object], rank: int
 ) -> tuple[SharedAllGather, SharedReduceScatter] | None:
     """The two hooks when every rank of the units' group runs on this host over gloo on CPU;
     None otherwise (``comm.host_transport`` says why on rank 0). Collective."""
@@ -146,4 +144,6 @@ def open_unit_comms(
         rank,
         extra=f"{shard_bytes * (world + 1) / 2**20:.1f} MiB of staging per rank; ",
     )
-    return SharedAllGather(gather, group, shard_bytes), SharedReduceScatter(reduce, group, shard_bytes * world)
+    return SharedAllGather(gather, group, shard_bytes), SharedReduceScatter(
+        reduce, group, shard_bytes * world
+    )
