@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -347,13 +348,19 @@ def _rank_env(
 _PRELOAD = ["torch", "torch.distributed", "shardwise.testing._rank"]
 
 
-def _start_context() -> multiprocessing.context.BaseContext:
-    """``forkserver`` (a clean server process that imported torch once forks each rank), or the start
-    method ``SHARDWISE_HARNESS_START`` names (``spawn``: every rank imports torch itself)."""
+def _start_context() -> SpawnContext | ForkServerContext:
+    """``forkserver`` (a clean server process that imported torch once forks each rank), or ``spawn``
+    when ``SHARDWISE_HARNESS_START=spawn`` (every rank imports torch itself)."""
     method = os.environ.get("SHARDWISE_HARNESS_START", "forkserver")
-    ctx = multiprocessing.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
+    if method == "spawn":
+        return multiprocessing.get_context("spawn")
+    if method != "forkserver":
+        raise ValueError(
+            f"SHARDWISE_HARNESS_START={method!r} is not a start method the harness uses; "
+            "set 'forkserver' (the default) or 'spawn'"
+        )
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
 
