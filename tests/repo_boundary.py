@@ -49,7 +49,8 @@ class Boundary:
         self.roots = tuple(_prefix(p) for p in allowed)
         self.dot_parents = tuple(_prefix(p) for p in dot_entries_of)
         parent = _prefix(Path(repo).parent)
-        self.beside = None if any(root.startswith(parent) for root in self.roots) else parent
+        holds_root = any(root.startswith(parent) and not root.startswith(self.repo) for root in self.roots)
+        self.beside = None if holds_root else parent  # (roots inside the repository, its .venv, aside)
 
     def outside(self, path: str) -> bool:
         """True when ``path`` (absolute, or relative to the working directory) is under no root."""

@@ -31,7 +31,7 @@ def test_boundary_allows_the_repository_and_the_given_roots_only(tmp_path: Path)
 
 def test_a_sibling_of_the_checkout_is_outside_even_inside_an_allowed_root(tmp_path: Path) -> None:
     repo = tmp_path / "clone" / "main"  # a clone in the temporary directory, as CI may make one
-    boundary = Boundary(repo, [tmp_path])
+    boundary = Boundary(repo, [tmp_path, repo / ".venv"])  # its interpreter inside it
     assert boundary.outside(str(repo.parent / "shared" / "corpus" / "x.json"))
     assert not boundary.outside(str(repo / "tests" / "data" / "x.json"))
     assert not boundary.outside(str(tmp_path / "pytest-of-root" / "t0" / "out.json"))  # the tests' own
