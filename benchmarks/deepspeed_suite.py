@@ -129,7 +129,7 @@ def run_file(python: Path, tests: Path, rel: str, env: dict[str, str], timeout: 
     """Run one file as DeepSpeed's CPU CI does and count its outcomes."""
     junit.parent.mkdir(parents=True, exist_ok=True)
     command = [
-        str(python), "-m", "pytest", "--forked", f"--timeout={timeout}", "-p", "no:cacheprovider",
+        str(python), "-m", "pytest", "--forked", f"--timeout={timeout}", "--timeout-method=thread", "-p", "no:cacheprovider",
         "-q", f"--junitxml={junit}", f"unit/{rel}",
     ]
     proc = subprocess.run(command, cwd=tests, env=env, capture_output=True, text=True)
