@@ -53,6 +53,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.monitor.csv_monitor": ("shardwise.compat.monitors",),
     "deepspeed.monitor.comet": ("shardwise.compat.monitors",),
     "deepspeed.ops.op_builder": ("shardwise.compat.op_builder",),
+    "deepspeed.ops.aio": ("shardwise.compat.op_builder",),
     "deepspeed.ops.adam": ("shardwise.compat.ops",),
     "deepspeed.ops.adagrad": ("shardwise.compat.ops",),
     "deepspeed.ops.lion": ("shardwise.compat.ops",),
