@@ -39,6 +39,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.runtime.zero": ("shardwise.zero",),
     "deepspeed.runtime.zero.partition_parameters": ("shardwise.compat.partition_parameters",),
     "deepspeed.runtime.zero.config": ("shardwise.compat.zero_config",),
+    "deepspeed.runtime.zero.offload_config": ("shardwise.compat.zero_config",),
     "deepspeed.runtime.utils": ("shardwise.compat.runtime_utils",),
     "deepspeed.runtime.config": ("shardwise.compat.ds_config", "shardwise.config"),
     "deepspeed.runtime.precision_config": ("shardwise.compat.ds_config",),
