@@ -140,8 +140,12 @@ def run_file(python: Path, tests: Path, rel: str, env: dict[str, str], timeout: 
                 running = match.group(1)
             elif _FINISHED.match(line):
                 finished = True
+                if len(outcomes) == before:  # skipped or failed while collecting: only the summary counts them
+                    for count, word in re.findall(r"(\d+) (skipped|error|errors)\b", line):
+                        for i in range(int(count)):
+                            outcomes[f"unit/{rel}::<collection {word.rstrip('s')} {i}>"] = word.rstrip("s")
         if finished or running is None:
-            if len(outcomes) == before and proc.returncode not in (0, 5):  # nothing ran: say why
+            if proc.returncode not in (0, 5) and not any(o != "skipped" for o in outcomes.values()):  # say why
                 reasons = [ln for ln in lines if ln.startswith("E ")] or [ln for ln in lines if ln.strip()]
                 note = reasons[-1].strip() if reasons else f"exit {proc.returncode}"
             break
