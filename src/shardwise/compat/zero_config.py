@@ -55,8 +55,8 @@ class DeepSpeedZeroOffloadOptimizerConfig(OffloadOptimizerConfig):
 class DeepSpeedZeroConfig(ZeroConfig):
     """``zero_optimization`` as DeepSpeed's model: shardwise's validation, DeepSpeed's attribute names."""
 
-    offload_param: DeepSpeedZeroOffloadParamConfig | None = None  # type: ignore[assignment]
-    offload_optimizer: DeepSpeedZeroOffloadOptimizerConfig | None = None  # type: ignore[assignment]
+    offload_param: DeepSpeedZeroOffloadParamConfig | None = None
+    offload_optimizer: DeepSpeedZeroOffloadOptimizerConfig | None = None
 
     def __init__(self, **section: Any) -> None:
         raw = {"zero_optimization": dict(section)}
