@@ -14,20 +14,22 @@ file: passed / failed / skipped / error.
   has real DeepSpeed 0.19.8 and the same tools installed.
 
 ``make deepspeed-suite DS_TESTS=/path/to/DeepSpeed/tests`` runs the default 27 files on the shardwise
-side; ``DS_CONTROL=/path/to/python`` adds the control column. ``--junit-dir`` keeps the per-file
-JUnit XML for reading single failures.
+side; ``DS_CONTROL=/path/to/python`` adds the control column. ``--outcomes FILE`` writes every test's outcome
+per side as JSON, and ``--compare-with FILE`` (such a file from a control run) lists the tests the control
+side passes and shardwise does not.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import venv
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,49 +109,65 @@ def install_site(target: Path) -> None:
     )
 
 
-def read_junit(path: Path, result: FileResult) -> FileResult:
-    """Count the outcomes in one JUnit XML file."""
-    root = ET.parse(path).getroot()
-    for case in root.iter("testcase"):
-        tags = {child.tag for child in case}
-        if "error" in tags and not case.get("name"):
-            result.error += 1
-        elif "failure" in tags:
-            result.failed += 1
-        elif "error" in tags:
-            result.error += 1
-        elif "skipped" in tags:
-            result.skipped += 1
-        else:
-            result.passed += 1
-    return result
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_OUTCOME = re.compile(r"^(unit/\S+?::\S.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+_STARTED = re.compile(r"^(unit/\S+?::\S.*?) ?$")
+_FINISHED = re.compile(r"^=+ .*\b(passed|failed|skipped|error|errors|deselected|no tests ran)\b.* in [0-9.]+s")
+_COUNTED = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "SKIPPED": "skipped", "XFAIL": "skipped",
+            "ERROR": "error"}
 
 
-def run_file(python: Path, tests: Path, rel: str, env: dict[str, str], timeout: int, junit: Path) -> FileResult:
-    """Run one file as DeepSpeed's CPU CI does and count its outcomes."""
-    junit.parent.mkdir(parents=True, exist_ok=True)
-    command = [
-        str(python), "-m", "pytest", "--forked", f"--timeout={timeout}", "-p", "no:cacheprovider",
-        "-q", f"--junitxml={junit}", f"unit/{rel}",
-    ]
-    proc = subprocess.run(command, cwd=tests, env=env, capture_output=True, text=True)
-    result = FileResult(rel)
-    if junit.exists():
-        read_junit(junit, result)
-    if result.total == 0:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()
-        result.note = tail[-1] if tail else f"exit {proc.returncode}"
-        result.error = 1
+def run_file(python: Path, tests: Path, rel: str, env: dict[str, str], timeout: int,
+             outcomes: dict[str, str]) -> FileResult:
+    """Run one file as DeepSpeed's CPU CI does, filling ``outcomes`` (test id -> outcome), and count them.
+
+    A test that hangs past pytest-timeout ends the whole session under ``--forked``; the file is then
+    run again without the tests already reported, the hung one counted as failed, until the session ends.
+    """
+    env = {**env, "DS_UNITTEST_TIMEOUT": str(timeout)}  # DistributedTest's own limit: a clean failure
+    note = ""
+    while True:
+        command = [str(python), "-m", "pytest", "--forked", f"--timeout={2 * timeout}", "-p", "no:cacheprovider",
+                   "-v", "-rN", f"unit/{rel}", *(f"--deselect={test}" for test in outcomes)]
+        proc = subprocess.run(command, cwd=tests, env=env, capture_output=True, text=True)
+        lines = _ANSI.sub("", proc.stdout + proc.stderr).splitlines()
+        running, finished, before = None, False, len(outcomes)
+        for line in lines:
+            if match := _OUTCOME.match(line):
+                outcomes[match.group(1)] = _COUNTED[match.group(2)]
+                running = None
+            elif match := _STARTED.match(line):
+                running = match.group(1)
+            elif _FINISHED.match(line):
+                finished = True
+                if len(outcomes) == before:  # skipped or failed while collecting: only the summary counts them
+                    for count, word in re.findall(r"(\d+) (skipped|error|errors)\b", line):
+                        for i in range(int(count)):
+                            outcomes[f"unit/{rel}::<collection {word.rstrip('s')} {i}>"] = word.rstrip("s")
+        if finished or running is None:
+            if proc.returncode not in (0, 5) and not any(o != "skipped" for o in outcomes.values()):  # say why
+                reasons = [ln for ln in lines if ln.startswith("E ")] or [ln for ln in lines if ln.strip()]
+                note = reasons[-1].strip() if reasons else f"exit {proc.returncode}"
+            break
+        outcomes[running] = "failed"  # hung past the timeout
+        note = f"{note}; " if note else ""
+        note += f"hung: {running.split('::', 1)[1]}"
+    result = FileResult(rel, note=note)
+    for outcome in outcomes.values():
+        setattr(result, outcome, getattr(result, outcome) + 1)
+    if result.total == 0 or (not outcomes and proc.returncode not in (0, 5)):
+        result.error += 1
     return result
 
 
 def run_side(python: Path, tests: Path, files: list[str], env: dict[str, str], timeout: int,
-             junit_dir: Path, label: str) -> list[FileResult]:
-    """Run every file on one interpreter, printing progress to stderr."""
+             outcomes: dict[str, str], label: str) -> list[FileResult]:
+    """Run every file on one interpreter, printing progress to stderr; ``outcomes`` gets every test's."""
     results = []
     for rel in files:
-        junit = junit_dir / label / (rel.replace("/", "__").removesuffix(".py") + ".xml")
-        result = run_file(python, tests, rel, env, timeout, junit)
+        per_file: dict[str, str] = {}
+        result = run_file(python, tests, rel, env, timeout, per_file)
+        outcomes.update(per_file)
         print(f"[{label}] {rel}: {result.passed} passed, {result.failed} failed, {result.skipped} skipped, "
               f"{result.error} error {result.note}", file=sys.stderr, flush=True)
         results.append(result)
@@ -182,11 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ds-tests", required=True, type=Path, help="a DeepSpeed checkout's tests/ directory")
     parser.add_argument("--files", nargs="*", default=list(DEFAULT_FILES), help="files under tests/unit")
-    parser.add_argument("--timeout", type=int, default=600, help="per-test timeout in seconds")
+    parser.add_argument("--timeout", type=int, default=600,
+                        help="per-test timeout in seconds (DeepSpeed's DS_UNITTEST_TIMEOUT; pytest-timeout at twice it)")
     parser.add_argument("--tools-venv", type=Path, default=REPO / ".deepspeed-suite" / "tools")
     parser.add_argument("--control-python", type=Path, help="an interpreter with real DeepSpeed and the tools")
     parser.add_argument("--no-shardwise", action="store_true", help="run only the control side")
-    parser.add_argument("--junit-dir", type=Path, help="keep the JUnit XML here (default: a temporary dir)")
+    parser.add_argument("--outcomes", type=Path, help="write {side: {test id: outcome}} as JSON here")
+    parser.add_argument("--compare-with", type=Path,
+                        help="an --outcomes file with a 'deepspeed' side: list what it passes and shardwise does not")
     args = parser.parse_args(argv)
     tests = args.ds_tests.resolve()
     if not (tests / "unit").is_dir() or not (tests / "conftest.py").exists():
@@ -197,21 +218,35 @@ def main(argv: list[str] | None = None) -> int:
     base_env.pop("PYTHONPATH", None)
     columns: dict[str, list[FileResult]] = {}
     with tempfile.TemporaryDirectory(prefix="deepspeed-suite-") as scratch:
-        junit_dir = args.junit_dir or Path(scratch) / "junit"
+        outcomes: dict[str, dict[str, str]] = {}
         if not args.no_shardwise:
             site = Path(scratch) / "site"
             install_site(site)
             env = {**base_env, "PYTHONPATH": str(site),
                    "PATH": f"{site / 'bin'}{os.pathsep}{base_env.get('PATH', '')}"}
             python = tools_python(args.tools_venv.resolve())
-            columns["shardwise"] = run_side(python, tests, args.files, env, args.timeout, junit_dir, "shardwise")
+            outcomes["shardwise"] = {}
+            columns["shardwise"] = run_side(python, tests, args.files, env, args.timeout, outcomes["shardwise"],
+                                            "shardwise")
         if args.control_python:
             columns["deepspeed"] = run_side(
-                args.control_python, tests, args.files, base_env, args.timeout, junit_dir, "deepspeed"
+                args.control_python, tests, args.files, base_env, args.timeout,
+                outcomes.setdefault("deepspeed", {}), "deepspeed"
             )
     if not columns:
         parser.error("nothing to run: --no-shardwise without --control-python")
     print(table(columns))
+    if args.outcomes:
+        args.outcomes.write_text(json.dumps(outcomes, indent=1, sort_keys=True))
+    if args.compare_with:
+        control = json.loads(args.compare_with.read_text())["deepspeed"]
+        mine = outcomes.get("shardwise", {})
+        passed = [t for t, o in control.items() if o == "passed"]
+        missing = sorted(t for t in passed if mine.get(t) != "passed")
+        print(f"deepspeed passes {len(passed)}; shardwise passes {len(passed) - len(missing)} of them "
+              f"({100 * (len(passed) - len(missing)) / max(1, len(passed)):.1f}%); not passed by shardwise:")
+        for test in missing:
+            print(f"  {mine.get(test, 'not run')}: {test}")
     for label, rows in columns.items():
         for r in rows:
             if r.note:

@@ -55,6 +55,6 @@ class DeepSpeedConfigModel(Section):
                 logger.warning("Config parameter %s is deprecated", name)
                 continue
             function = extra.get("new_param_fn", lambda value: value)
-            data[str(new)] = function(data[name])  # type: ignore[operator]
+            data[str(new)] = function(data[name])  # type: ignore[misc,operator]
             logger.warning("Config parameter %s is deprecated, use %s instead", name, new)
         return data

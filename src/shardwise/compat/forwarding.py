@@ -136,4 +136,13 @@ def activate(module_name: str = table.ROOT) -> None:
         sys.meta_path.insert(0, _FINDER)
     import shardwise
 
-    vars(module).update(__version__=table.DEEPSPEED_VERSION, __shardwise_version__=shardwise.__version__)
+    major, minor, patch = (int(part) for part in table.DEEPSPEED_VERSION.split("."))
+    vars(module).update(
+        __version__=table.DEEPSPEED_VERSION,
+        __version_major__=major,
+        __version_minor__=minor,
+        __version_patch__=patch,
+        __git_hash__="shardwise",
+        __git_branch__="shardwise",
+        __shardwise_version__=shardwise.__version__,
+    )

@@ -47,6 +47,12 @@ def _writes() -> bool:
 class Monitor:
     """DeepSpeed's monitor base: the section's settings as attributes, a backend on the writing rank."""
 
+    output_path: str
+    job_name: str
+    project: str
+    group: str | None
+    team: str | None
+
     def __init__(self, monitor_config: Any) -> None:
         self.monitor_config = monitor_config
         for name, value in monitor_config.model_dump().items():

@@ -14,6 +14,7 @@ from typing import Any
 
 from shardwise.config.compat import STAGE3_ALIASES, normalize_legacy
 from shardwise.config.sections.zero import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from shardwise.utils.logging import logger
 
 __all__ = [
     "DeepSpeedZeroConfig",
@@ -54,8 +55,8 @@ class DeepSpeedZeroOffloadOptimizerConfig(OffloadOptimizerConfig):
 class DeepSpeedZeroConfig(ZeroConfig):
     """``zero_optimization`` as DeepSpeed's model: shardwise's validation, DeepSpeed's attribute names."""
 
-    offload_param: DeepSpeedZeroOffloadParamConfig | None = None  # type: ignore[assignment]
-    offload_optimizer: DeepSpeedZeroOffloadOptimizerConfig | None = None  # type: ignore[assignment]
+    offload_param: DeepSpeedZeroOffloadParamConfig | None = None
+    offload_optimizer: DeepSpeedZeroOffloadOptimizerConfig | None = None
 
     def __init__(self, **section: Any) -> None:
         raw = {"zero_optimization": dict(section)}
@@ -63,6 +64,11 @@ class DeepSpeedZeroConfig(ZeroConfig):
         super().__init__(**raw["zero_optimization"])
         if self.overlap_comm is None:
             self.overlap_comm = self.overlap_comm_effective
+        if self.stage == 3 and self.elastic_checkpoint:
+            logger.warning(
+                "zero_optimization.elastic_checkpoint: elastic checkpointing is deprecated for ZeRO stage 3 and has "
+                "no effect; shardwise's checkpoints load at any world size and stage whatever it says"
+            )
 
     def __getattr__(self, name: str) -> Any:
         long_name = STAGE3_ALIASES.get(name)

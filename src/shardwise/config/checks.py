@@ -97,12 +97,15 @@ def _communication_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
                     value=cfg.gradient_predivide_factor,
                 )
             )
-    if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
-        errors.append(
-            ConfigError(
-                "gradient_allreduce_op", "'sum' is not supported at stage 3", "use 'mean'", value="sum"
-            )
-        )
+    if cfg.gradient_allreduce_op == "sum":
+        # DeepSpeed refuses these three combinations too: each reduces gradients its own way, averaging
+        for rule, refused in (
+            ("is not supported with ZeRO stage 3", zero.stage == 3),
+            ("is not supported with ZenFlow (zero_optimization.zenflow)", zero.zenflow is not None),
+            ("is not supported with DeepCompile (compile.deepcompile)", cfg.compile.deepcompile),
+        ):
+            if refused:
+                errors.append(ConfigError("gradient_allreduce_op", f"'sum' {rule}", "use 'mean'", value="sum"))
     if not zero.compute_grad_norm and cfg.gradient_clipping > 0:
         errors.append(
             ConfigError(

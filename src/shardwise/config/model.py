@@ -146,6 +146,14 @@ class ShardwiseConfig(Section):
             return aliases.get(lowered, lowered)
         return value
 
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _allreduce_op(cls, value: object) -> object:
+        """Case does not matter ("SUM" is "sum", as in DeepSpeed); anything else is refused by name."""
+        if isinstance(value, str) and value.lower() in ("mean", "sum"):
+            return value.lower()
+        raise ValueError(f"Invalid gradient_allreduce_op {value!r}: it must be 'mean' or 'sum'")
+
     @field_validator("max_consecutive_nonfinite_steps", mode="before")
     @classmethod
     def _no_bool_count(cls, value: object) -> object:

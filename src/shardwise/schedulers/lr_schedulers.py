@@ -206,6 +206,26 @@ class WarmupLR(_IterationScheduler):
         self._schedules = self._build(min_lrs, max_lrs, warmup_num_steps, warmup_type)
         self._apply()
 
+    @property
+    def min_lrs(self) -> list[float]:
+        """Each group's ``warmup_min_lr`` (DeepSpeed's attribute)."""
+        return [s.warmup_min_lr for s in self._schedules]
+
+    @property
+    def max_lrs(self) -> list[float]:
+        """Each group's ``warmup_max_lr`` (the group's own LR when none was given)."""
+        return [s.warmup_max_lr for s in self._schedules]
+
+    @property
+    def warmup_num_steps(self) -> int:
+        """The warmup length as used (at least 2, as DeepSpeed)."""
+        return max(2, self._schedules[0].warmup_num_steps)
+
+    @property
+    def warmup_type(self) -> str:
+        """``"log"`` or ``"linear"`` (an unknown type reads as ``"log"``)."""
+        return self._schedules[0].warmup_type
+
     def _build(
         self, min_lrs: list[Any], max_lrs: list[Any], warmup_num_steps: int, warmup_type: str
     ) -> list[WarmupSchedule]:
@@ -335,6 +355,25 @@ class WarmupCosineLR(_IterationScheduler):
             )
         self._apply()
 
+    def get_lr_ratio(self) -> float:
+        """The multiplier of each group's construction-time LR at the current iteration (0.0 before the first step)."""
+        return self._schedules[0].ratio(self.last_batch_iteration)
+
+    @property
+    def warmup_num_steps(self) -> int:
+        """The warmup length as used (at least 2, as DeepSpeed)."""
+        return max(2, self._schedules[0].warmup_num_steps)
+
+    @property
+    def total_num_steps(self) -> int:
+        """The step at which the cosine reaches ``cos_min_ratio``."""
+        return self._schedules[0].total_num_steps
+
+    @property
+    def warmup_type(self) -> str:
+        """``"log"`` or ``"linear"`` (an unknown type reads as ``"log"``)."""
+        return self._schedules[0].warmup_type
+
 
 class OneCycle(_IterationScheduler):
     """The 1-cycle policy: LR up then down over one cycle (optionally in stairs), then a decay.
@@ -428,6 +467,23 @@ class OneCycle(_IterationScheduler):
                 self._write_betas([s.cycle_min_mom for s in self._schedules])
         else:
             self._apply()
+
+    @property
+    def min_lrs(self) -> list[float]:
+        """Each group's ``cycle_min_lr`` (DeepSpeed's attribute)."""
+        return [s.cycle_min_lr for s in self._schedules]
+
+    @property
+    def max_lrs(self) -> list[float]:
+        """Each group's ``cycle_max_lr``."""
+        return [s.cycle_max_lr for s in self._schedules]
+
+    @property
+    def step_ratio(self) -> float:
+        """The rising half's share of the cycle: ``first / (first + second)`` (1.0 with no falling half)."""
+        first = self._schedules[0].cycle_first_step_size
+        second = self._schedules[0].cycle_second_step_size
+        return first / (first + (first if second is None else second))
 
     def get_mom(self) -> list[tuple[float, float]] | None:
         """``(beta0, 0.99)`` per group at the current iteration, or ``None`` when not cycling."""

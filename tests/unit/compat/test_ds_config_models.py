@@ -30,6 +30,17 @@ def test_zero_config_reads_legacy_and_short_names() -> None:
     assert DeepSpeedZeroOffloadOptimizerConfig(pipeline_write=True).pipeline
 
 
+def test_zero_config_names_elastic_checkpoint_at_stage_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.compat import zero_config
+
+    said: list[str] = []
+    monkeypatch.setattr(zero_config.logger, "warning", lambda message, *args: said.append(message))
+    DeepSpeedZeroConfig(stage=2, elastic_checkpoint=True)
+    assert said == []
+    DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
+    assert len(said) == 1 and "elastic checkpointing is deprecated" in said[0]
+
+
 def test_zero_config_validates_as_shardwise() -> None:
     with pytest.raises(ValidationError, match="stage"):
         DeepSpeedZeroConfig(stage=4)

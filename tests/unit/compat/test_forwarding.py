@@ -64,6 +64,7 @@ DEEPSPEED_TEST_NAMES = [
     ("deepspeed", "tp_model_init"),
     ("deepspeed.ops", "__compatible_ops__"),
     ("deepspeed.ops.op_builder", "CPUAdamBuilder"),
+    ("deepspeed.ops.aio", "AsyncIOBuilder"),
     ("deepspeed.ops.op_builder", "FusedAdamBuilder"),
     ("deepspeed.ops.op_builder", "FusedLambBuilder"),
     ("deepspeed.accelerator", "is_current_accelerator_supported"),
@@ -147,6 +148,8 @@ def test_names_are_shardwise_objects(deepspeed_package: object) -> None:
     assert DeepSpeedEngine is ShardwiseEngine
     assert deepspeed.zero.Init is Init
     assert deepspeed.__version__ == "0.19.8"
+    assert (deepspeed.__version_major__, deepspeed.__version_minor__, deepspeed.__version_patch__) == (0, 19, 8)
+    assert deepspeed.__git_hash__ == deepspeed.__git_branch__ == "shardwise"
     assert deepspeed.__shardwise_version__ == shardwise.__version__
 
 

@@ -746,6 +746,9 @@ def test_torch_autocast_dtype_aliases() -> None:
         ({"prescale_gradients": True, "zero_optimization": {"stage": 2}}, "prescale_gradients"),
         ({"gradient_predivide_factor": 2.0, "zero_optimization": {"stage": 2}}, "gradient_predivide_factor"),
         ({"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}}, "gradient_allreduce_op"),
+        ({"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 2, "zenflow": {}}}, "gradient_allreduce_op"),
+        ({"gradient_allreduce_op": "sum", "compile": {"deepcompile": True}}, "gradient_allreduce_op"),
+        ({"gradient_allreduce_op": "max"}, "gradient_allreduce_op"),
         (
             {"zero_optimization": {"stage": 2, "compute_grad_norm": False}},
             "zero_optimization.compute_grad_norm",
@@ -982,3 +985,8 @@ def test_unknown_key_inside_a_named_group_suggests_the_group_fields(
     assert err.key == bad
     assert f"did you mean '{suggestion}'?" in err.fix
     assert "zero_optimization" not in err.fix
+
+
+def test_gradient_allreduce_op_ignores_case() -> None:
+    """DeepSpeed reads "SUM" as "sum"."""
+    assert load_config({"train_batch_size": 1, "gradient_allreduce_op": "SUM"}).config.gradient_allreduce_op == "sum"

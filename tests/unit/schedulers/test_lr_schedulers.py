@@ -449,3 +449,25 @@ def test_formula_dataclasses_validate_and_edge_cases() -> None:
     assert [ramp.lr(i) for i in range(5)] == pytest.approx([0.25, 0.5, 0.75, 0.0, 0.0])
     with pytest.raises(ValueError, match="cycle_min_mom"):
         OneCycleSchedule(cycle_min_lr=0.0, cycle_max_lr=1.0, cycle_min_mom=True)  # type: ignore[arg-type]
+
+
+def test_deepspeed_attributes_of_the_schedulers() -> None:
+    """min_lrs/max_lrs/warmup_num_steps/warmup_type/step_ratio/get_lr_ratio: DeepSpeed's readable state."""
+    import torch
+
+    from shardwise.schedulers.lr_schedulers import OneCycle, WarmupCosineLR, WarmupLR
+
+    def adam(*lrs: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in lrs])
+
+    warm = WarmupLR(adam(0.1, 0.2), warmup_num_steps=1, warmup_type="linear")
+    assert (warm.min_lrs, warm.max_lrs, warm.warmup_num_steps, warm.warmup_type) == ([0.0, 0.0], [0.1, 0.2], 2, "linear")
+    cosine = WarmupCosineLR(adam(0.01), total_num_steps=10, warmup_num_steps=10, cos_min_ratio=0.1,
+                            warmup_type="unknown")
+    assert cosine.get_lr_ratio() == 0.0 and cosine.warmup_type == "log" and cosine.total_num_steps == 10
+    cosine.step(12)
+    assert cosine.get_lr_ratio() == pytest.approx(0.1)
+    cycle = OneCycle(adam(0.1), cycle_min_lr=[0.001], cycle_max_lr=[0.01], cycle_first_step_size=4,
+                     cycle_second_step_size=0)
+    assert (cycle.min_lrs, cycle.max_lrs, cycle.step_ratio) == ([0.001], [0.01], 1.0)
+    assert OneCycle(adam(0.1), 0.001, 0.01, cycle_first_step_size=4).step_ratio == 0.5
