@@ -12,9 +12,8 @@ its expert groups are the data-parallel ones at size 1, a larger size raises nam
 
 from __future__ import annotations
 
-from shardwise.comm.group_type import Group
-from shardwise.comm.groups import current_topology, set_topology
-from shardwise.comm.topology import Topology, build_topology
+from shardwise.comm import groups as _comm
+from shardwise.comm.topology import build_topology
 
 
 def initialize(ep_size: int = 1, mpu: object = None) -> None:
@@ -22,11 +21,7 @@ def initialize(ep_size: int = 1, mpu: object = None) -> None:
     which shardwise lacks (raises)."""
     _require_no_experts("groups.initialize", ep_size)
     if mpu is not None:
-        set_topology(build_topology(mpu))
-
-
-def _topology() -> Topology:
-    return current_topology()
+        _comm.set_topology(build_topology(mpu))
 
 
 def _require_no_experts(name: str, expert_parallel_size: int) -> None:
@@ -42,109 +37,41 @@ def _ensure_divisibility(numerator: int, denominator: int) -> None:
     assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
 
 
-def _get_data_parallel_group() -> Group:
-    """The data-parallel group (``None``: the world)."""
-    return _topology().dp_group
-
-
-def _get_data_parallel_world_size() -> int:
-    """The data-parallel degree."""
-    return _topology().dp_size
-
-
-def _get_data_parallel_rank() -> int:
-    """This rank's place in the data-parallel group."""
-    return _topology().dp_rank
-
-
-def _get_model_parallel_world_size() -> int:
-    """The model-parallel degree (1 without an mpu)."""
-    return _topology().mp_size
-
-
-def _get_sequence_parallel_group() -> Group:
-    """The sequence-parallel group (``None`` without Ulysses)."""
-    return _topology().sp_group
-
-
-def _get_sequence_parallel_world_size() -> int:
-    """The sequence-parallel degree."""
-    return _topology().sp_size
-
-
-def _get_sequence_parallel_rank() -> int:
-    """This rank's place in the sequence-parallel group."""
-    return _topology().sp_rank
-
-
-def _get_sequence_data_parallel_group() -> Group:
-    """The group ZeRO shards over (data x sequence parallel)."""
-    return _topology().shard_group
-
-
-def _get_sequence_data_parallel_world_size() -> int:
-    """Its size."""
-    return _topology().shard_size
-
-
-def _get_sequence_data_parallel_rank() -> int:
-    """This rank's place in it."""
-    return _topology().shard_rank
-
-
-def get_data_parallel_group() -> Group:
-    """The data-parallel group (the mpu's, else the world's)."""
-    return _get_data_parallel_group()
-
-
-def get_data_parallel_world_size() -> int:
-    """The data-parallel degree."""
-    return _get_data_parallel_world_size()
-
-
-def get_data_parallel_rank() -> int:
-    """This rank's place in the data-parallel group."""
-    return _get_data_parallel_rank()
-
-
-def get_model_parallel_group() -> Group:
-    """The model-parallel group (``None`` without an mpu)."""
-    return _topology().mp_group
-
-
-def get_model_parallel_world_size() -> int:
-    """The model-parallel degree."""
-    return _topology().mp_size
-
-
-def get_model_parallel_rank() -> int:
-    """This rank's place in the model-parallel group."""
-    return _topology().mp_rank
-
-
-get_tensor_model_parallel_group = get_model_parallel_group
-get_tensor_model_parallel_world_size = get_model_parallel_world_size
-get_tensor_model_parallel_rank = get_model_parallel_rank
+# DeepSpeed's names (both the private ``_get_*`` spellings its code calls and the public ones), each the
+# accessor of shardwise.comm.groups that reads the same dimension of the registered topology
+_get_data_parallel_group = get_data_parallel_group = _comm.get_data_parallel_group
+_get_data_parallel_world_size = get_data_parallel_world_size = _comm.get_data_parallel_world_size
+_get_data_parallel_rank = get_data_parallel_rank = _comm.get_data_parallel_rank
+_get_model_parallel_world_size = _comm.get_model_parallel_world_size
+get_model_parallel_group = get_tensor_model_parallel_group = _comm.get_model_parallel_group
+get_model_parallel_world_size = get_tensor_model_parallel_world_size = _comm.get_model_parallel_world_size
+get_model_parallel_rank = get_tensor_model_parallel_rank = _comm.get_model_parallel_rank
+_get_sequence_parallel_group = _comm.get_sequence_parallel_group
+_get_sequence_parallel_world_size = _comm.get_sequence_parallel_world_size
+_get_sequence_parallel_rank = _comm.get_sequence_parallel_rank
+_get_sequence_data_parallel_group = _comm.get_sequence_data_parallel_group
+_get_sequence_data_parallel_world_size = _comm.get_sequence_data_parallel_world_size
+_get_sequence_data_parallel_rank = _comm.get_sequence_data_parallel_rank
 
 
 def _get_expert_parallel_world_size(group_name: str = "") -> int:
-    """1: without MoE every rank holds every expert."""
-    return 1
+    """The expert-parallel degree (1: without MoE every rank holds every expert)."""
+    return _comm.get_expert_parallel_world_size()
 
 
 def _get_expert_parallel_rank(group_name: str = "") -> int:
-    """0: without MoE a rank is alone in its expert group."""
-    return 0
+    """This rank's place in its expert group (0 without MoE)."""
+    return _comm.get_expert_parallel_rank()
 
 
 def _get_expert_data_parallel_world_size(group_name: str = "") -> int:
     """Without MoE, the data-parallel degree."""
-    return _get_data_parallel_world_size()
+    return _comm.get_expert_data_parallel_world_size()
 
 
 def _get_expert_data_parallel_rank(group_name: str = "") -> int:
     """Without MoE, the data-parallel rank."""
-    return _get_data_parallel_rank()
+    return _comm.get_expert_data_parallel_rank()
 
 
 def _get_expert_parallel_ranks(
