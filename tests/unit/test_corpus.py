@@ -16,21 +16,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "corpus"))
 
 from categories import ACCEPT, REJECT, accept_category, reject_category
-from corpus_paths import corpus_dir, record_id, run_record
+from corpus_paths import RESOLVED_FIELDS, corpus_dir, record_id, run_record
 
 from shardwise.utils.logging import logger
 
-FIELDS = (
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "zero_stage",
-    "fp16_enabled",
-    "bf16_enabled",
-    "gradient_clipping",
-    "optimizer_name",
-    "scheduler_name",
-)
+FIELDS = RESOLVED_FIELDS
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,22 @@ from typing import Any
 from shardwise.config import ConfigError, ResolvedConfig, load_config
 
 #: the corpus the repository carries: the configs and DeepSpeed 0.19.8's verdicts (trimmed to what the
-#: tests read, see ``trim_ground_truth.py`` there)
+#: tests read by ``trim_ground_truth.py`` beside this file)
 BUNDLED = Path(__file__).resolve().parents[2] / "data" / "corpus"
+
+
+#: the resolved values test_corpus.py compares with DeepSpeed's (and the ones the trimmed file keeps)
+RESOLVED_FIELDS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_stage",
+    "fp16_enabled",
+    "bf16_enabled",
+    "gradient_clipping",
+    "optimizer_name",
+    "scheduler_name",
+)
 
 
 def corpus_dir() -> Path:

@@ -1,28 +1,23 @@
-"""Write this folder's ``ds_ground_truth.jsonl`` from the full measurement file.
+"""Write ``tests/data/corpus/ds_ground_truth.jsonl`` from the full measurement file.
 
 The full file (``ds_ground_truth.jsonl`` of the project's shared corpus, DeepSpeed 0.19.8's verdict on
 each real-world config) holds far more per record than the tests read. This keeps the provenance
 (repository, path, commit), the record's identity (file, variant, world size), DeepSpeed's verdict
-(accepted, reason), the nine resolved values ``tests/unit/test_corpus.py`` compares, and HF's filled
-"auto" values. Usage: ``python trim_ground_truth.py FULL.jsonl > ds_ground_truth.jsonl``.
+(accepted, reason), the resolved values ``tests/unit/test_corpus.py`` compares (``RESOLVED_FIELDS``),
+and HF's filled "auto" values. Usage:
+``python tests/unit/corpus/trim_ground_truth.py FULL.jsonl > tests/data/corpus/ds_ground_truth.jsonl``.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
-RESOLVED = (
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "zero_stage",
-    "fp16_enabled",
-    "bf16_enabled",
-    "gradient_clipping",
-    "optimizer_name",
-    "scheduler_name",
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from corpus_paths import RESOLVED_FIELDS
+
 KEEP = ("file", "repo", "path", "commit", "variant", "world_size", "accepted", "reason")
 
 
@@ -30,7 +25,7 @@ def trim(record: dict) -> dict:
     """The fields of one record that the tests read."""
     out = {k: record[k] for k in KEEP if k in record}
     if record.get("resolved") is not None:
-        out["resolved"] = {k: record["resolved"].get(k) for k in RESOLVED}
+        out["resolved"] = {k: record["resolved"].get(k) for k in RESOLVED_FIELDS}
     if record.get("hf_fill") is not None:
         out["hf_fill"] = {"filled": record["hf_fill"]["filled"]}
     return out
