@@ -67,3 +67,19 @@ def test_a_remote_shell_has_only_what_the_runner_exports(tmp_path) -> None:
     )  # fmt: skip
     assert sorted(pdsh.stdout.split("\n")[:2]) == ["0 on 127.0.0.1", "1 on 127.0.0.3"]
     assert pdsh.returncode == 1  # -S: the largest remote exit code
+
+
+def test_a_read_only_checkpoint_directory_on_one_node_is_named_on_every_rank(tmp_path) -> None:
+    bin_dir = install_stand_ins(tmp_path / "box")
+    hostfile = write_hostfile(tmp_path / "hostfile", 3)
+    argv = [sys.executable, "-m", "shardwise.launcher", "-H", str(hostfile), "--launcher", "ssh"]
+    argv += ["--master_port", str(free_port()), str(SCRIPTS / "read_only_node.py"), "127.0.0.3"]
+    result = run(argv, tmp_path, timeout=240, OMP_NUM_THREADS="1", SHARDWISE_TIMEOUT_SECONDS="60",
+                 PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    read_only = str(node_dir((tmp_path / "box").resolve(), "127.0.0.3") / "ckpt" / ".two.partial")
+    for rank in range(3):
+        line = next(x for x in result.stdout.splitlines() if x.startswith(f"node 127.0.0.{rank + 1} rank {rank}:"))
+        assert "saving checkpoint 'two' (nothing published, 'latest' unchanged) failed on 1 rank(s): rank 2" in line
+        assert f"Read-only file system: '{read_only}'" in line
+        assert f"node 127.0.0.{rank + 1} latest=one" in result.stdout
