@@ -29,6 +29,7 @@ from shardwise.comm.comms_logger import configure_comms_logger
 from shardwise.comm.groups import set_topology
 from shardwise.comm.topology import Topology, build_topology
 from shardwise.config import ConfigError, ResolutionContext, ResolvedConfig
+from shardwise.config.errors import AssertedValueError
 from shardwise.config.model import ShardwiseConfig
 from shardwise.config.sections.training import OptimizerConfig, SchedulerConfig
 from shardwise.engine import ShardwiseEngine
@@ -243,7 +244,7 @@ def initialize(
         >>> #     model=model, model_parameters=model.parameters(), config="ds_config.json")
     """
     if model is None:
-        raise ValueError("shardwise.initialize needs model=...")
+        raise _missing_model(args)
     if mesh_param is not None:
         raise ValueError("mesh_param (sequence/data-parallel meshes) is not supported in this release")
     source = _config_source(args, config, config_params)
@@ -278,6 +279,23 @@ def initialize(
         engine.training_dataloader = loader
     _log_ready(cfg, precision, topology, activation_checkpointing)
     return engine, zero_optimizer, loader, scheduler
+
+
+def _missing_model(args: object) -> AssertedValueError:
+    """``initialize`` without a model: DeepSpeed asserts; the error says which argument was wrong.
+
+    A module passed positionally lands in ``args`` (``initialize(args, model, ...)``), the usual slip.
+    """
+    hint = ""
+    if isinstance(args, nn.Module):
+        hint = (
+            f" (a {type(args).__name__} was passed as the first positional argument, which is `args`, "
+            "the command-line namespace)"
+        )
+    return AssertedValueError(
+        f"shardwise.initialize needs model=... (got None){hint}; fix: pass the module by keyword, "
+        "initialize(model=model, config=...)"
+    )
 
 
 def _start_distributed(distributed_port: int, dist_init_required: bool | None, mpu: object) -> Topology:

@@ -71,6 +71,28 @@ class ConfigError(ValueError):
         return text
 
 
+class AssertedValueError(ValueError, AssertionError):
+    """Bad input that DeepSpeed rejects with a bare ``assert``, explained.
+
+    A ``ValueError`` carrying the rule and the fix, and an ``AssertionError`` too, so code written
+    against DeepSpeed (and DeepSpeed's own tests) that catches DeepSpeed's exception type still
+    catches it.
+
+    Example:
+        >>> isinstance(AssertedValueError("x"), (ValueError, AssertionError))
+        True
+    """
+
+
+class AssertedConfigError(ConfigError, AssertionError):
+    """A :class:`ConfigError` for a rule DeepSpeed checks with ``assert`` (see :class:`AssertedValueError`).
+
+    Example:
+        >>> isinstance(AssertedConfigError("a.b", "must be set"), AssertionError)
+        True
+    """
+
+
 class ConfigErrors(ConfigError):
     """Several independent config mistakes found in one pass, reported together."""
 
