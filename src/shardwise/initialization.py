@@ -278,7 +278,37 @@ def initialize(
         loader = engine.deepspeed_io(training_data)
         engine.training_dataloader = loader
     _log_ready(cfg, precision, topology, activation_checkpointing)
-    return engine, zero_optimizer, loader, scheduler
+    return engine, returned_optimizer(zero_optimizer, root.zero_stage, precision), loader, scheduler
+
+
+def returned_optimizer(strategy: ZeroStrategy | None, stage: int, precision: PrecisionPolicy) -> Any:
+    """The optimizer ``initialize`` returns: DeepSpeed's choice of object.
+
+    DeepSpeed returns its ``engine.optimizer``, which is the bare torch optimizer (the client's own
+    object, the one its callable built, or the config's ``FusedAdam``) at ZeRO stage 0 when the
+    model and its gradients are fp32, and a wrapper (ZeRO or fp16/bf16 optimizer) otherwise.
+    Scripts and DeepSpeed's tests rely on that: ``optimizer is client_optimizer``,
+    ``isinstance(optimizer, FusedAdam)``, ``optimizer.param_groups``/``state`` of a torch optimizer.
+
+    shardwise's ``engine.optimizer`` is always its :class:`~shardwise.zero.strategy.ZeroStrategy`
+    (the engine drives every stage through it), so here the strategy's inner torch optimizer is
+    returned in exactly DeepSpeed's case, and the strategy everywhere else. What that object does
+    is safe to use as DeepSpeed's is: it steps the strategy's fp32 masters (at stage 0 the whole
+    parameters) and is stepped by ``engine.step()``, which also publishes the masters to the
+    model; a script's ``optimizer.zero_grad()`` only drops references the strategy binds again
+    before each step; accelerate's ``DeepSpeedOptimizerWrapper`` finds no ``overflow`` on it, as on
+    DeepSpeed's (``engine.optimizer.overflow`` and ``engine.skipped_steps`` still say when a
+    non-finite step was skipped).
+
+    Example:
+        >>> returned_optimizer(None, 0, None) is None
+        True
+    """
+    if strategy is None or stage != 0:
+        return strategy
+    inner = getattr(strategy, "optimizer", None)
+    fp32 = precision.param_dtype == torch.float32 and precision.grad_accum_dtype == torch.float32
+    return inner if fp32 and isinstance(inner, torch.optim.Optimizer) else strategy
 
 
 def _missing_model(args: object) -> AssertedValueError:

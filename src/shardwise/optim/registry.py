@@ -25,6 +25,7 @@ import torch
 
 from shardwise.config.errors import KeyedValueError
 from shardwise.optim.adam import AdamNoBiasCorrection
+from shardwise.optim.fused_adam import DeepSpeedCPUAdam, FusedAdam
 from shardwise.optim.hyperparameters import check_hyperparameters
 from shardwise.optim.lamb import Lamb
 from shardwise.optim.lion import Lion
@@ -189,15 +190,22 @@ def _build_adam(
         params.setdefault("weight_decay", 0.0)
         params["adam_w_mode"] = adam_w_mode
         return _construct(type_name, AdamNoBiasCorrection, model_parameters, params)
-    cls: type[torch.optim.Optimizer] = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     params.setdefault("lr", 1e-3)
     params.setdefault("betas", (0.9, 0.999))
     params.setdefault("eps", 1e-8)
-    if not torch_adam:
-        # FusedAdam's default; with torch_adam DeepSpeed inherits torch's (AdamW: 0.01).
-        params.setdefault("weight_decay", 0.0)
     params.update(_kernel_flags(params, model_parameters, offload=offload))
-    return _construct(type_name, cls, model_parameters, params, _ADAM_POPPED)
+    if torch_adam:  # torch's own class, with torch's defaults (AdamW: weight_decay 0.01)
+        cls: type[torch.optim.Optimizer] = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        return _construct(type_name, cls, model_parameters, params, _ADAM_POPPED)
+    # DeepSpeed's classes, as DeepSpeed builds them (CPU Adam under optimizer offload): the same
+    # torch Adam update (AdamW mode: decoupled weight decay, exactly torch's AdamW), so a script's
+    # isinstance(optimizer, FusedAdam) holds. FusedAdam's default weight decay is 0.
+    params.setdefault("weight_decay", 0.0)
+    if offload:
+        params["adamw_mode"] = adam_w_mode
+        return _construct(type_name, DeepSpeedCPUAdam, model_parameters, params, _ADAM_POPPED)
+    params["adam_w_mode"] = adam_w_mode
+    return _construct(type_name, FusedAdam, model_parameters, params, _ADAM_POPPED)
 
 
 def _adam(type_name: str, params: dict[str, object], model_parameters: list[object], *, offload: bool):
@@ -495,6 +503,8 @@ def resolve_client_optimizer(
 ZERO_SUPPORTED_OPTIMIZER_CLASSES: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam,
     torch.optim.AdamW,
+    FusedAdam,
+    DeepSpeedCPUAdam,
     torch.optim.Adagrad,
     AdamNoBiasCorrection,
     Lion,

@@ -336,6 +336,7 @@ class ZeroOptimizer(ZeroStrategy):
         if not plan.apply:
             self.zero_grad()
             return plan.result()
+        self._bind_master_grads()  # again: a script's zero_grad() on the inner optimizer drops them
         self._update(plan.divisor)
         self.zero_grad()
         return plan.result()
