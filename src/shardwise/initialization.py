@@ -130,6 +130,11 @@ def _optimizer_factory(
     return None
 
 
+def _is_muon(section: OptimizerConfig | None, client_optimizer: object) -> bool:
+    """The config names DeepSpeed's Muon (and no client optimizer replaces it)."""
+    return client_optimizer is None and section is not None and section.type.lower() == "muon"
+
+
 def _check_zero_optimizer(root: ShardwiseConfig, optimizer: torch.optim.Optimizer) -> None:
     """``zero_allow_untested_optimizer``: refuse optimizers not known to work on shards."""
     error = zero_optimizer_error(root, optimizer)
@@ -176,6 +181,11 @@ def _place_and_build_zero(
 
     zero, aio = root.zero_optimization, root.aio
     comm_dtype = communication_dtype(root.communication_data_type)
+    muon = _is_muon(root.optimizer, client_optimizer)
+    if muon:  # before sharding: stage 3 keeps the tagged matrices whole
+        from shardwise.optim.muon_groups import tag_muon_parameters
+
+        tag_muon_parameters(model)
     prepared = prepare_module(  # stage 3: sharded in place, with its record
         model,
         zero=zero,
@@ -201,8 +211,14 @@ def _place_and_build_zero(
         prescale=root.prescale_gradients,
         predivide_factor=root.gradient_predivide_factor,
     )
+    groups = _user_param_groups(prepared.module, model_parameters, client_optimizer)
+    if muon:  # DeepSpeed's split: the Muon half and the AdamW half of every group
+        from shardwise.optim.muon_groups import muon_param_groups
+
+        assert root.optimizer is not None
+        groups = muon_param_groups(groups, dict(root.optimizer.params))
     zero_optimizer = build_zero_optimizer(
-        _user_param_groups(prepared.module, model_parameters, client_optimizer),
+        groups,
         checked,
         zero=zero,
         aio=aio,
