@@ -113,6 +113,7 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
             engine.backward(engine(x, y))
             engine.step()
     inner = engine.optimizer.optimizer
+    inner = getattr(inner, "inner", inner)  # inside optimizer offload's proxy
     muon_params = [p for g in inner.param_groups if g["use_muon"] for p in g["params"]]
     state_keys = sorted({tuple(sorted(inner.state[p])) for p in muon_params if p in inner.state})
     return {
@@ -123,3 +124,48 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         "muon_state_keys": state_keys,
         "steps": engine.global_steps,
     }
+
+
+def _full_state(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's fp32 value and Muon / AdamW state, whole (collective)."""
+    from shardwise.zero.param_access import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out: dict[str, torch.Tensor] = {}
+    for name, param in engine.module.named_parameters():
+        out[f"{name}/fp32"] = safe_get_full_fp32_param(param)
+        keys = ("momentum_buffer",) if getattr(param, "use_muon", False) else ("exp_avg", "exp_avg_sq")
+        for key in keys:
+            out[f"{name}/{key}"] = safe_get_full_optimizer_state(param, key)
+    return out
+
+
+def save_state(rank: int, world: int, case: dict[str, Any], path: str) -> dict[str, torch.Tensor]:
+    """Train 3 steps at ``case['stage']`` and save; the whole values and state saved."""
+    torch.set_num_threads(1)
+    model = make_model()
+    engine, _, _, _ = shardwise.initialize(model=model, config=config(case["stage"], 1, 2))
+    for step in range(3):
+        x, y = _micro_batch({"micro_batch": 2, "gas": 1}, step, 0, rank)
+        engine.backward(engine(x, y))
+        engine.step()
+    engine.save_checkpoint(path, tag="muon")
+    return _full_state(engine)
+
+
+def load_state(rank: int, world: int, case: dict[str, Any], path: str) -> dict[str, torch.Tensor]:
+    """Load the checkpoint at ``case['stage']`` on this world size; the whole values and state."""
+    torch.set_num_threads(1)
+    model = make_model(seed=1)  # other values: the load must bring the saved ones
+    engine, _, _, _ = shardwise.initialize(model=model, config=config(case["stage"], 1, 2))
+    engine.load_checkpoint(path, tag="muon")
+    return _full_state(engine)
+
+
+def offload_refusal(rank: int, world: int) -> str:
+    """Muon with optimizer offload at stage 1: the error message (or "accepted")."""
+    cfg = config(1, 1, 2, offload_optimizer={"device": "cpu"})
+    try:
+        shardwise.initialize(model=make_model(), config=cfg)
+    except ValueError as error:
+        return str(error)
+    return "accepted"

@@ -9,7 +9,7 @@ import muon_cases
 import pytest
 import torch
 
-from shardwise.testing import run_distributed_cases
+from shardwise.testing import run_distributed, run_distributed_cases
 
 pytestmark = pytest.mark.distributed
 
@@ -20,6 +20,7 @@ CASES = [
     {"stage": 2, "gas": 1, "micro_batch": 2, "steps": STEPS},
     {"stage": 3, "gas": 1, "micro_batch": 2, "steps": STEPS},
     {"stage": 3, "gas": 1, "micro_batch": 2, "steps": STEPS, "init": True},
+    {"stage": 3, "gas": 1, "micro_batch": 2, "steps": STEPS, "zero": {"offload_optimizer": {"device": "cpu"}}},
 ]
 GAS_CASES = [
     {"stage": stage, "gas": gas, "micro_batch": 4 // gas, "steps": 3} for stage in (0, 1, 2, 3) for gas in (1, 4)
@@ -27,7 +28,8 @@ GAS_CASES = [
 
 
 def _id(case: dict) -> str:
-    return f"stage{case['stage']}-gas{case['gas']}{'-init' if case.get('init') else ''}"
+    offload = "-offload" if "offload_optimizer" in case.get("zero", {}) else ""
+    return f"stage{case['stage']}-gas{case['gas']}{'-init' if case.get('init') else ''}{offload}"
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +75,22 @@ def test_gas_four_steps_once_per_step_and_matches_its_reference():
         worst = max(float((a - b).abs().max()) for a, b in zip(four["params"], ref["params"]))
         assert worst <= 1e-6, (stage, worst)
         assert all(torch.isfinite(t).all() for t in four["params"])
+
+
+def test_muon_state_reshards_across_stages_and_world_sizes(tmp_path):
+    """Saved by 2 ranks at stage 2 (Muon's momentum partitioned with the flat shards), loaded by 1
+    rank at stages 0 and 1 and by 2 ranks at stage 3 (whole Muon matrices): every value and every
+    state tensor comes back bit for bit."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(muon_cases.save_state, 2, args=({"stage": 2}, path), timeout=600)[0]
+    assert saved["blocks.0.attn.qkv.weight/momentum_buffer"].abs().sum() > 0
+    for stage, world in ((0, 1), (1, 1), (3, 2)):
+        loaded = run_distributed(muon_cases.load_state, world, args=({"stage": stage}, path), timeout=600)[0]
+        assert loaded.keys() == saved.keys()
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), (stage, world, key)
+
+
+def test_offload_at_stages_one_and_two_is_refused_by_name():
+    (message,) = run_distributed(muon_cases.offload_refusal, 1, timeout=300)
+    assert "zero_optimization.offload_optimizer.device" in message and "stage 3" in message
