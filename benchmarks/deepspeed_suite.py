@@ -116,7 +116,7 @@ def install_site(target: Path) -> None:
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _OUTCOME = re.compile(r"^(unit/\S+?::\S.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
-_STARTED = re.compile(r"^(unit/\S+?::\S.*?) ?$")
+_STARTED = re.compile(r"^(unit/\S+?::\S.*?) ?$")  # stdout only: a child's stderr never runs into it
 _FINISHED = re.compile(r"^=+ .*\b(passed|failed|skipped|error|errors|deselected|no tests ran)\b.* in [0-9.]+s")
 _COUNTED = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "SKIPPED": "skipped", "XFAIL": "skipped",
             "ERROR": "error"}

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -40,19 +41,22 @@ def kill_group(proc: subprocess.Popen[str]) -> None:
     proc.wait()
 
 
-def _drain(lines: queue.Queue[str | None], wait: float = 10.0) -> list[str]:
-    """What the reader thread still delivers after a kill (until it sees the end of the output)."""
-    rest: list[str] = []
+def _drain(activity: queue.Queue[str | None], open_streams: int, wait: float = 10.0) -> None:
+    """Wait (briefly) for the reader threads to reach the end of the killed session's output."""
     try:
-        while (line := lines.get(timeout=wait)) is not None:
-            rest.append(line)
+        while open_streams:
+            if activity.get(timeout=wait) is None:
+                open_streams -= 1
     except queue.Empty:
         pass
-    return rest
 
 
 def run_watched(command: Sequence[str], *, cwd: Path | str, env: dict[str, str], limit: float) -> WatchedRun:
     """Run ``command``, killing its process group when it prints nothing for ``limit`` seconds.
+
+    ``lines`` are its standard output's lines, then its standard error's (kept apart: a test's
+    partial ``path::name`` line on stdout must not run into a child's stderr text); output on either
+    stream counts as activity.
 
     Example:
         >>> run = run_watched(["echo", "hi"], cwd=".", env=dict(os.environ), limit=30)
@@ -60,34 +64,42 @@ def run_watched(command: Sequence[str], *, cwd: Path | str, env: dict[str, str],
         (['hi'], 0, False)
     """
     proc = subprocess.Popen(
-        list(command), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        list(command),
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,  # its own process group: killpg reaches forked tests and spawned ranks
     )
-    assert proc.stdout is not None
-    lines: queue.Queue[str | None] = queue.Queue()
+    activity: queue.Queue[str | None] = queue.Queue()
+    streams: dict[str, list[str]] = {"out": [], "err": []}
 
-    def pump() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            lines.put(line.rstrip("\n"))
-        lines.put(None)
+    def pump(name: str, source: Any) -> None:
+        for line in source:
+            streams[name].append(line.rstrip("\n"))
+            activity.put(name)
+        activity.put(None)
 
-    threading.Thread(target=pump, daemon=True).start()
+    for name, source in (("out", proc.stdout), ("err", proc.stderr)):
+        threading.Thread(target=pump, args=(name, source), daemon=True).start()
     run = WatchedRun()
+    open_streams = 2
     deadline = time.monotonic() + limit
-    while True:
+    while open_streams:
         try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            event = activity.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             run.killed = True
             kill_group(proc)
-            run.lines.extend(_drain(lines))  # the partial line naming the test that hung
+            _drain(activity, open_streams)  # the partial line naming the test that hung
             break
-        if line is None:
-            break
-        run.lines.append(line)
+        if event is None:
+            open_streams -= 1
         deadline = time.monotonic() + limit
     run.returncode = proc.wait()
     if not run.killed:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # the session ended; what it left in its group goes too
+    run.lines = streams["out"] + streams["err"]
     return run

@@ -68,6 +68,7 @@ def fake_pytest(tmp_path: Path) -> Path:
             print("==== 1 passed, 1 deselected in 0.01s ====", flush=True)
             sys.exit(0)
         print("unit/t/test_x.py::test_a ", end="", flush=True)
+        print("Process ForkServerPoolWorker-1:1:", file=sys.stderr, flush=True)  # a child's stderr meanwhile
         time.sleep(600)
     """))
     fake.chmod(0o755)
