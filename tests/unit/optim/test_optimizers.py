@@ -524,9 +524,10 @@ def test_mup_optimizers_import_lazily(monkeypatch):
     assert type(opt) is MuAdamW and opt.defaults["lr"] == 0.5
 
 
-def test_muon_name_explains_alternative():
-    with pytest.raises(ValueError, match="client optimizer"):
-        build_optimizer("Muon", {}, _model_params())
+def test_muon_by_name_builds_muon_with_adamw():
+    opt = build_optimizer("Muon", {}, _model_params())  # Linear(3, 2): the weight Muon, the bias AdamW
+    assert type(opt).__name__ == "MuonWithAdamW"
+    assert [g["use_muon"] for g in opt.param_groups] == [True, False]
 
 
 def test_registry_keys_are_lower_case():
