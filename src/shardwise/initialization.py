@@ -29,7 +29,7 @@ from shardwise.comm.comms_logger import configure_comms_logger
 from shardwise.comm.groups import set_topology
 from shardwise.comm.topology import Topology, build_topology
 from shardwise.config import ConfigError, ResolutionContext, ResolvedConfig
-from shardwise.config.errors import AssertedValueError
+from shardwise.config.errors import AssertedValueError, ZeRORuntimeException
 from shardwise.config.model import ShardwiseConfig
 from shardwise.config.sections.training import OptimizerConfig, SchedulerConfig
 from shardwise.engine import ShardwiseEngine
@@ -135,6 +135,27 @@ def _is_muon(section: OptimizerConfig | None, client_optimizer: object) -> bool:
     return client_optimizer is None and section is not None and section.type.lower() == "muon"
 
 
+def _check_client_offload_optimizer(root: ShardwiseConfig, optimizer: object) -> None:
+    """``zero_force_ds_cpu_optimizer`` (default true), as DeepSpeed: with optimizer offload a client
+    optimizer must be ``DeepSpeedCPUAdam`` / ``DeepSpeedCPULion`` unless the key is false.
+
+    In DeepSpeed those classes are its compiled CPU kernels; in shardwise they are torch's Adam and
+    shardwise's Lion, so any client optimizer would run, but a script DeepSpeed refuses is refused
+    here too (configs that mean it set the key false, as many do).
+    """
+    from shardwise.optim.fused_adam import DeepSpeedCPUAdam
+    from shardwise.optim.lion import DeepSpeedCPULion
+
+    inner = getattr(optimizer, "inner", optimizer)  # the offload proxy holds the client's object
+    if root.zero_force_ds_cpu_optimizer and not isinstance(inner, DeepSpeedCPUAdam | DeepSpeedCPULion):
+        raise ZeRORuntimeException(
+            f"'zero_force_ds_cpu_optimizer' = true: ZeRO optimizer offload with a client optimizer "
+            f"({type(inner).__name__}) is refused, as DeepSpeed refuses it (its offloaded step is meant for its "
+            "CPU optimizers); fix: pass deepspeed.ops.adam.DeepSpeedCPUAdam (or DeepSpeedCPULion), put the "
+            'optimizer in the config, or set "zero_force_ds_cpu_optimizer": false to run this one'
+        )
+
+
 def _check_zero_optimizer(root: ShardwiseConfig, optimizer: torch.optim.Optimizer) -> None:
     """``zero_allow_untested_optimizer``: refuse optimizers not known to work on shards."""
     error = zero_optimizer_error(root, optimizer)
@@ -212,6 +233,8 @@ def _place_and_build_zero(
     def checked(groups: list[dict[str, object]]) -> Any:
         inner = factory(groups)
         _check_zero_optimizer(root, inner)
+        if offload and client_optimizer is not None:
+            _check_client_offload_optimizer(root, inner)
         return inner
 
     reduction = reduction_factors(

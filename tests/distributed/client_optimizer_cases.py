@@ -23,6 +23,7 @@ def _config(case: dict[str, Any], world: int) -> dict[str, Any]:
     cfg.pop("optimizer")
     if case.get("offload"):
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False  # a torch AdamW with offload: DeepSpeed's opt-in
     return cfg
 
 

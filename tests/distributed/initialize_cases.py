@@ -178,3 +178,28 @@ def returned_optimizers(rank: int, world: int) -> dict[str, Any]:
     out["trained"] = all(not torch.equal(a, b) for a, b in zip(start, quiet))
     out["zero_grad_harmless"] = all(torch.equal(a, b) for a, b in zip(quiet, noisy))
     return out
+
+
+def offload_client_optimizers(rank: int, world: int) -> dict[str, Any]:
+    """zero_force_ds_cpu_optimizer: a client torch optimizer with optimizer offload is refused
+    unless the key is false; DeepSpeedCPUAdam is accepted."""
+    from shardwise.compat.ops import DeepSpeedCPUAdam
+    from shardwise.compat.small_names import ZeRORuntimeException
+
+    cfg = {**BASE, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    cfg.pop("optimizer")
+    out: dict[str, Any] = {}
+    model = make_model()
+    try:
+        shardwise.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=cfg)
+        out["forced"] = "accepted"
+    except ZeRORuntimeException as error:
+        out["forced"] = str(error)
+    model = make_model()
+    off = {**cfg, "zero_force_ds_cpu_optimizer": False}
+    engine, _, _, _ = shardwise.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=off)
+    out["opted_out"] = type(engine.optimizer.optimizer.inner).__name__
+    model = make_model()
+    engine, _, _, _ = shardwise.initialize(model=model, optimizer=DeepSpeedCPUAdam(model.parameters()), config=cfg)
+    out["cpu_adam"] = type(engine.optimizer.optimizer.inner).__name__
+    return out

@@ -59,3 +59,9 @@ def test_returned_optimizer_is_deepspeeds_choice():
     assert out["config_fusedadam_True"] and out["config_fusedadam_False"]
     assert out["stage1_strategy"] and out["bf16_strategy"]
     assert out["trained"] and out["zero_grad_harmless"]
+
+
+def test_zero_force_ds_cpu_optimizer_refuses_a_client_torch_optimizer_with_offload():
+    (out,) = run_distributed(initialize_cases.offload_client_optimizers, 1, timeout=300)
+    assert "zero_force_ds_cpu_optimizer" in out["forced"] and "DeepSpeedCPUAdam" in out["forced"]
+    assert out["opted_out"] == "Adam" and out["cpu_adam"] == "DeepSpeedCPUAdam"

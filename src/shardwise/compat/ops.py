@@ -15,7 +15,7 @@ import torch
 
 from shardwise.optim.fused_adam import DeepSpeedCPUAdam, FusedAdam, note_ignored
 from shardwise.optim.lamb import Lamb
-from shardwise.optim.lion import Lion
+from shardwise.optim.lion import DeepSpeedCPULion, Lion
 
 __all__ = [
     "DeepSpeedCPUAdagrad",
@@ -57,21 +57,6 @@ class FusedLion(Lion):
         set_grad_none: bool = True,
     ) -> None:
         super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
-
-
-class DeepSpeedCPULion(Lion):
-    """DeepSpeed's ``DeepSpeedCPULion`` on shardwise's Lion."""
-
-    def __init__(
-        self,
-        model_params: Iterable[Any],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        fp32_optimizer_states: bool = True,
-    ) -> None:
-        note_ignored(type(self).__name__, fp32_optimizer_states=(fp32_optimizer_states, True))
-        super().__init__(model_params, lr=lr, betas=betas, weight_decay=weight_decay)
 
 
 FusedLamb = Lamb

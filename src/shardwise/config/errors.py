@@ -71,6 +71,11 @@ class ConfigError(ValueError):
         return text
 
 
+class ZeRORuntimeException(Exception):
+    """A ZeRO setup refused when ``initialize`` builds it (DeepSpeed's exception class, the same object
+    as ``deepspeed.runtime.zero.utils.ZeRORuntimeException``)."""
+
+
 class AssertedValueError(ValueError, AssertionError):
     """Bad input that DeepSpeed rejects with a bare ``assert``, explained.
 

@@ -158,7 +158,6 @@ INERT_KEYS: tuple[InertKey, ...] = (
     ),
     InertKey("disable_python_gc", "Python's garbage collector is left as it is"),
     InertKey("vocabulary_size", "not read by shardwise"),
-    InertKey("zero_force_ds_cpu_optimizer", "an offloaded step always runs torch's optimizer on the CPU"),
     InertKey("use_data_before_expert_parallelism", "there is no expert parallelism"),
     InertKey(
         "data_parallel_size", "the data-parallel size comes from the launch (world size / model parallel)"

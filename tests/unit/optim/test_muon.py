@@ -117,5 +117,5 @@ def test_by_name_with_deepspeeds_keys_and_zero_supported() -> None:
     )
     assert [(g["use_muon"], g["lr"]) for g in opt.param_groups] == [(True, 0.02), (False, 0.001)]
     assert is_zero_supported(opt)
-    with pytest.raises(ValueError, match="optimizer.params.nesterov"):
+    with pytest.raises(ValueError, match=r"optimizer\.params\.nesterov"):
         build_optimizer("Muon", {"nesterov": False}, net.parameters())
