@@ -34,6 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from suite_watchdog import run_watched  # noqa: E402  (a sibling script module, not a package)
+
+WATCHDOG_GRACE = 60
+"""Seconds past pytest-timeout's limit (twice the per-test timeout) before the watchdog kills a session."""
 
 DEFAULT_FILES = (
     "runtime/test_ds_initialize.py",
@@ -111,26 +116,29 @@ def install_site(target: Path) -> None:
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _OUTCOME = re.compile(r"^(unit/\S+?::\S.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
-_STARTED = re.compile(r"^(unit/\S+?::\S.*?) ?$")
+_STARTED = re.compile(r"^(unit/\S+?::\S.*?) ?$")  # stdout only: a child's stderr never runs into it
 _FINISHED = re.compile(r"^=+ .*\b(passed|failed|skipped|error|errors|deselected|no tests ran)\b.* in [0-9.]+s")
 _COUNTED = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "SKIPPED": "skipped", "XFAIL": "skipped",
             "ERROR": "error"}
 
 
 def run_file(python: Path, tests: Path, rel: str, env: dict[str, str], timeout: int,
-             outcomes: dict[str, str]) -> FileResult:
+             outcomes: dict[str, str], grace: float = WATCHDOG_GRACE) -> FileResult:
     """Run one file as DeepSpeed's CPU CI does, filling ``outcomes`` (test id -> outcome), and count them.
 
-    A test that hangs past pytest-timeout ends the whole session under ``--forked``; the file is then
-    run again without the tests already reported, the hung one counted as failed, until the session ends.
+    A test that hangs past pytest-timeout ends the whole session under ``--forked``; one that hangs
+    where pytest-timeout cannot reach is ended by the watchdog (:func:`suite_watchdog.run_watched`: the
+    session's process group killed after ``2 * timeout + grace`` seconds without output). Either
+    way the file is then run again without the tests already reported, the hung one counted as failed,
+    until the session ends.
     """
     env = {**env, "DS_UNITTEST_TIMEOUT": str(timeout)}  # DistributedTest's own limit: a clean failure
     note = ""
     while True:
         command = [str(python), "-m", "pytest", "--forked", f"--timeout={2 * timeout}", "-p", "no:cacheprovider",
                    "-v", "-rN", f"unit/{rel}", *(f"--deselect={test}" for test in outcomes)]
-        proc = subprocess.run(command, cwd=tests, env=env, capture_output=True, text=True)
-        lines = _ANSI.sub("", proc.stdout + proc.stderr).splitlines()
+        proc = run_watched(command, cwd=tests, env=env, limit=2 * timeout + grace)
+        lines = [_ANSI.sub("", line) for line in proc.lines]
         running, finished, before = None, False, len(outcomes)
         for line in lines:
             if match := _OUTCOME.match(line):
@@ -144,14 +152,19 @@ def run_file(python: Path, tests: Path, rel: str, env: dict[str, str], timeout: 
                     for count, word in re.findall(r"(\d+) (skipped|error|errors)\b", line):
                         for i in range(int(count)):
                             outcomes[f"unit/{rel}::<collection {word.rstrip('s')} {i}>"] = word.rstrip("s")
-        if finished or running is None:
+        if proc.killed and running is None:  # killed between tests: nothing to blame, nothing to rerun
+            note = f"{note}; " if note else ""
+            note += "session killed by the watchdog between tests"
+            break
+        if (finished and not proc.killed) or running is None:
             if proc.returncode not in (0, 5) and not any(o != "skipped" for o in outcomes.values()):  # say why
                 reasons = [ln for ln in lines if ln.startswith("E ")] or [ln for ln in lines if ln.strip()]
                 note = reasons[-1].strip() if reasons else f"exit {proc.returncode}"
             break
         outcomes[running] = "failed"  # hung past the timeout
         note = f"{note}; " if note else ""
-        note += f"hung: {running.split('::', 1)[1]}"
+        how = "killed by the watchdog" if proc.killed else "ended the session"
+        note += f"hung ({how}): {running.split('::', 1)[1]}"
     result = FileResult(rel, note=note)
     for outcome in outcomes.values():
         setattr(result, outcome, getattr(result, outcome) + 1)

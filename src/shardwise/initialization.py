@@ -31,6 +31,7 @@ from shardwise.comm.comms_logger import configure_comms_logger
 from shardwise.comm.groups import set_topology
 from shardwise.comm.topology import Topology, build_topology
 from shardwise.config import ConfigError, ResolutionContext, ResolvedConfig
+from shardwise.config.errors import AssertedValueError, ZeRORuntimeException
 from shardwise.config.loading import read_config_source
 from shardwise.config.model import ShardwiseConfig
 from shardwise.config.sections.training import OptimizerConfig, SchedulerConfig
@@ -132,6 +133,32 @@ def _optimizer_factory(
     return None
 
 
+def _is_muon(section: OptimizerConfig | None, client_optimizer: object) -> bool:
+    """The config names DeepSpeed's Muon (and no client optimizer replaces it)."""
+    return client_optimizer is None and section is not None and section.type.lower() == "muon"
+
+
+def _check_client_offload_optimizer(root: ShardwiseConfig, optimizer: object) -> None:
+    """``zero_force_ds_cpu_optimizer`` (default true), as DeepSpeed: with optimizer offload a client
+    optimizer must be ``DeepSpeedCPUAdam`` / ``DeepSpeedCPULion`` unless the key is false.
+
+    In DeepSpeed those classes are its compiled CPU kernels; in shardwise they are torch's Adam and
+    shardwise's Lion, so any client optimizer would run, but a script DeepSpeed refuses is refused
+    here too (configs that mean it set the key false, as many do).
+    """
+    from shardwise.optim.fused_adam import DeepSpeedCPUAdam
+    from shardwise.optim.lion import DeepSpeedCPULion
+
+    inner = getattr(optimizer, "inner", optimizer)  # the offload proxy holds the client's object
+    if root.zero_force_ds_cpu_optimizer and not isinstance(inner, DeepSpeedCPUAdam | DeepSpeedCPULion):
+        raise ZeRORuntimeException(
+            f"'zero_force_ds_cpu_optimizer' = true: ZeRO optimizer offload with a client optimizer "
+            f"({type(inner).__name__}) is refused, as DeepSpeed refuses it (its offloaded step is meant for its "
+            "CPU optimizers); fix: pass deepspeed.ops.adam.DeepSpeedCPUAdam (or DeepSpeedCPULion), put the "
+            'optimizer in the config, or set "zero_force_ds_cpu_optimizer": false to run this one'
+        )
+
+
 def _check_zero_optimizer(root: ShardwiseConfig, optimizer: torch.optim.Optimizer) -> None:
     """``zero_allow_untested_optimizer``: refuse optimizers not known to work on shards."""
     error = zero_optimizer_error(root, optimizer)
@@ -178,6 +205,11 @@ def _place_and_build_zero(
 
     zero, aio = root.zero_optimization, root.aio
     comm_dtype = communication_dtype(root.communication_data_type)
+    muon = _is_muon(root.optimizer, client_optimizer)
+    if muon:  # before sharding: stage 3 keeps the tagged matrices whole
+        from shardwise.optim.muon_groups import tag_muon_parameters
+
+        tag_muon_parameters(model)
     prepared = prepare_module(  # stage 3: sharded in place, with its record
         model,
         zero=zero,
@@ -188,6 +220,15 @@ def _place_and_build_zero(
         device=device,
     )
     offload = zero.offload_optimizer_device != "none"
+    if muon and offload and zero.stage in (1, 2):
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.device",
+            "Muon at ZeRO stages 1-2 orthogonalises each matrix from the flat shards on the device "
+            "(every rank assembles a bucket's update); with optimizer offload the shards are stepped as "
+            "host copies in sub-groups, which that assembly does not support yet",
+            "use stage 3 (Muon's matrices are kept whole there, offload works) or drop offload_optimizer",
+            value=zero.offload_optimizer_device,
+        )
     factory = _optimizer_factory(root.optimizer, offload, client_optimizer)
     if factory is None:
         return prepared.module, None
@@ -195,6 +236,8 @@ def _place_and_build_zero(
     def checked(groups: list[dict[str, object]]) -> Any:
         inner = factory(groups)
         _check_zero_optimizer(root, inner)
+        if offload and client_optimizer is not None:
+            _check_client_offload_optimizer(root, inner)
         return inner
 
     reduction = reduction_factors(
@@ -203,8 +246,14 @@ def _place_and_build_zero(
         prescale=root.prescale_gradients,
         predivide_factor=root.gradient_predivide_factor,
     )
+    groups = _user_param_groups(prepared.module, model_parameters, client_optimizer)
+    if muon:  # DeepSpeed's split: the Muon half and the AdamW half of every group
+        from shardwise.optim.muon_groups import muon_param_groups
+
+        assert root.optimizer is not None
+        groups = muon_param_groups(groups, dict(root.optimizer.params))
     zero_optimizer = build_zero_optimizer(
-        _user_param_groups(prepared.module, model_parameters, client_optimizer),
+        groups,
         checked,
         zero=zero,
         aio=aio,
@@ -246,7 +295,7 @@ def initialize(
         >>> #     model=model, model_parameters=model.parameters(), config="ds_config.json")
     """
     if model is None:
-        raise ValueError("shardwise.initialize needs model=...")
+        raise _missing_model(args)
     if mesh_param is not None:
         raise ValueError("mesh_param (sequence/data-parallel meshes) is not supported in this release")
     source = _config_source(args, config, config_params)
@@ -281,7 +330,54 @@ def initialize(
         loader = engine.deepspeed_io(training_data)
         engine.training_dataloader = loader
     _log_ready(cfg, precision, topology, activation_checkpointing)
-    return engine, zero_optimizer, loader, scheduler
+    return engine, returned_optimizer(zero_optimizer, root.zero_stage, precision), loader, scheduler
+
+
+def returned_optimizer(strategy: ZeroStrategy | None, stage: int, precision: PrecisionPolicy) -> Any:
+    """The optimizer ``initialize`` returns: DeepSpeed's choice of object.
+
+    DeepSpeed returns its ``engine.optimizer``, which is the bare torch optimizer (the client's own
+    object, the one its callable built, or the config's ``FusedAdam``) at ZeRO stage 0 when the
+    model and its gradients are fp32, and a wrapper (ZeRO or fp16/bf16 optimizer) otherwise.
+    Scripts and DeepSpeed's tests rely on that: ``optimizer is client_optimizer``,
+    ``isinstance(optimizer, FusedAdam)``, ``optimizer.param_groups``/``state`` of a torch optimizer.
+
+    shardwise's ``engine.optimizer`` is always its :class:`~shardwise.zero.strategy.ZeroStrategy`
+    (the engine drives every stage through it), so here the strategy's inner torch optimizer is
+    returned in exactly DeepSpeed's case, and the strategy everywhere else. What that object does
+    is safe to use as DeepSpeed's is: it steps the strategy's fp32 masters (at stage 0 the whole
+    parameters) and is stepped by ``engine.step()``, which also publishes the masters to the
+    model; a script's ``optimizer.zero_grad()`` only drops references the strategy binds again
+    before each step; accelerate's ``DeepSpeedOptimizerWrapper`` finds no ``overflow`` on it, as on
+    DeepSpeed's (``engine.optimizer.overflow`` and ``engine.skipped_steps`` still say when a
+    non-finite step was skipped).
+
+    Example:
+        >>> returned_optimizer(None, 0, None) is None
+        True
+    """
+    if strategy is None or stage != 0:
+        return strategy
+    inner = getattr(strategy, "optimizer", None)
+    fp32 = precision.param_dtype == torch.float32 and precision.grad_accum_dtype == torch.float32
+    return inner if fp32 and isinstance(inner, torch.optim.Optimizer) else strategy
+
+
+def _missing_model(args: object) -> AssertedValueError:
+    """``initialize`` without a model: DeepSpeed asserts; the error says which argument was wrong.
+
+    A module passed positionally lands in ``args`` (``initialize(args, model, ...)``), the usual slip.
+    """
+    hint = ""
+    if isinstance(args, nn.Module):
+        hint = (
+            f" (a {type(args).__name__} was passed as the first positional argument, which is `args`, "
+            "the command-line namespace)"
+        )
+    return AssertedValueError(
+        f"shardwise.initialize needs model=... (got None){hint}; fix: pass the module by keyword, "
+        "initialize(model=model, config=...)"
+    )
 
 
 def _start_distributed(

@@ -23,6 +23,7 @@ def _config(case: dict[str, Any], world: int) -> dict[str, Any]:
     cfg.pop("optimizer")
     if case.get("offload"):
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False  # a torch AdamW with offload: DeepSpeed's opt-in
     return cfg
 
 
@@ -64,7 +65,8 @@ def client_optimizer_steps(rank: int, world: int, case: dict[str, Any], tmp: str
         engine, returned, _, returned_sched = shardwise.initialize(
             model=model, optimizer=client, lr_scheduler=sched if passed else None, config=_config(case, world)
         )
-        out["returned_is_engine_optimizer"] = returned is engine.optimizer
+        # DeepSpeed's choice: the client's own object at stage 0 in fp32, the ZeRO wrapper above
+        out["returned_is_deepspeeds_choice"] = returned is (client if case["stage"] == 0 else engine.optimizer)
         out["returned_scheduler_is_client"] = returned_sched is sched if passed else returned_sched is None
         _train(engine, rank, sched, range(STEPS), not passed)
         out["trained"] = _lrs(engine, client, sched)

@@ -205,18 +205,18 @@ def client_optimizer_and_schedulers(rank: int, world: int, stage: int) -> dict[s
     cfg = _cfg(stage)
     cfg.pop("optimizer")
     cfg["scheduler"] = {"type": "StepLR", "params": {"step_size": 1, "gamma": 0.5}}
-    engine, opt, _, _sched = shardwise.initialize(model=model, optimizer=client, config=cfg)
+    engine, _, _, _sched = shardwise.initialize(model=model, optimizer=client, config=cfg)
     _train(engine, rank, 3)
     out["client_lrs"] = engine.get_lr()
-    out["client_type"] = type(opt.optimizer).__name__
+    out["client_type"] = type(engine.optimizer.optimizer).__name__
     model = make_model()
-    engine, opt, _, _ = shardwise.initialize(
+    engine, _, _, _ = shardwise.initialize(
         model=model,
         optimizer=lambda groups: torch.optim.SGD(groups, lr=0.25),
         config={**_cfg(stage), "zero_allow_untested_optimizer": True},
     )
     _train(engine, rank, 1)
-    out["callable_type"] = type(opt.optimizer).__name__
+    out["callable_type"] = type(engine.optimizer.optimizer).__name__
     out["callable_lr"] = engine.get_lr()
     return out
 

@@ -34,7 +34,7 @@ def api_scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     parser = shardwise.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", path])
     engine, opt, loader, sched = shardwise.initialize(args=args, model=make_model())
-    out["from_args"] = (engine.train_batch_size(), type(opt.optimizer).__name__, loader, sched)
+    out["from_args"] = (engine.train_batch_size(), type(opt).__name__, loader, sched)  # stage 0 fp32: bare
     alias = parser.parse_args(["--shardwise_config", path])
     out["alias"] = shardwise.initialize(args=alias, model=make_model())[0].train_micro_batch_size_per_gpu()
     out["config_params"] = shardwise.initialize(model=make_model(), config_params=BASE)[0].train_batch_size()
@@ -126,4 +126,80 @@ def odd_buffers(rank: int, world: int) -> dict[str, Any]:
     out["differs"] = _error(
         lambda: shardwise.initialize(model=_OddBuffers(rank, same_expanded=False), config=BASE)
     )
+    return out
+
+
+def _trained_weights(cfg: dict[str, Any], zero_grad_calls: bool) -> list[torch.Tensor]:
+    """Two steps; with ``zero_grad_calls`` the script also calls zero_grad() on the optimizer
+    initialize returned, before the forward and between backward and step (as scripts do)."""
+    model = make_model(0)
+    engine, returned, _, _ = shardwise.initialize(model=model, config=cfg)
+    for step in range(2):
+        if zero_grad_calls:
+            returned.zero_grad()
+        x, y = batch(step, 0, 0, 2)
+        engine.backward(engine(x, y))
+        if zero_grad_calls:
+            returned.zero_grad()  # DeepSpeed: clears param.grad only; the engine steps its own
+        engine.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def returned_optimizers(rank: int, world: int) -> dict[str, Any]:
+    """What initialize returns as the optimizer, DeepSpeed's choice, and that using it is safe."""
+    from shardwise.compat.ops import FusedAdam
+
+    out: dict[str, Any] = {}
+    plain = {"train_micro_batch_size_per_gpu": 2}
+    model = make_model()
+    client = torch.optim.Adam(model.parameters(), lr=1e-3)
+    engine, returned, _, _ = shardwise.initialize(model=model, optimizer=client, config=plain)
+    out["client_object"] = returned is client and engine.optimizer.optimizer is client
+    model = make_model()
+    _, returned, _, _ = shardwise.initialize(
+        model=model, optimizer=lambda groups: torch.optim.AdamW(groups), config=plain
+    )
+    out["callable_class"] = type(returned).__name__
+    for parameters in (True, False):
+        model = make_model()
+        _, returned, _, _ = shardwise.initialize(
+            model=model, model_parameters=list(model.parameters()) if parameters else None, config=BASE
+        )
+        out[f"config_fusedadam_{parameters}"] = isinstance(returned, FusedAdam)
+    for name, extra in {
+        "stage1": {"zero_optimization": {"stage": 1}},
+        "bf16": {"bf16": {"enabled": True}},
+    }.items():
+        engine, returned, _, _ = shardwise.initialize(model=make_model(), config={**BASE, **extra})
+        out[f"{name}_strategy"] = returned is engine.optimizer
+    start = [p.detach().clone() for p in make_model(0).parameters()]
+    quiet = _trained_weights(dict(BASE), zero_grad_calls=False)
+    noisy = _trained_weights(dict(BASE), zero_grad_calls=True)
+    out["trained"] = all(not torch.equal(a, b) for a, b in zip(start, quiet))
+    out["zero_grad_harmless"] = all(torch.equal(a, b) for a, b in zip(quiet, noisy))
+    return out
+
+
+def offload_client_optimizers(rank: int, world: int) -> dict[str, Any]:
+    """zero_force_ds_cpu_optimizer: a client torch optimizer with optimizer offload is refused
+    unless the key is false; DeepSpeedCPUAdam is accepted."""
+    from shardwise.compat.ops import DeepSpeedCPUAdam
+    from shardwise.compat.small_names import ZeRORuntimeException
+
+    cfg = {**BASE, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    cfg.pop("optimizer")
+    out: dict[str, Any] = {}
+    model = make_model()
+    try:
+        shardwise.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=cfg)
+        out["forced"] = "accepted"
+    except ZeRORuntimeException as error:
+        out["forced"] = str(error)
+    model = make_model()
+    off = {**cfg, "zero_force_ds_cpu_optimizer": False}
+    engine, _, _, _ = shardwise.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=off)
+    out["opted_out"] = type(engine.optimizer.optimizer.inner).__name__
+    model = make_model()
+    engine, _, _, _ = shardwise.initialize(model=model, optimizer=DeepSpeedCPUAdam(model.parameters()), config=cfg)
+    out["cpu_adam"] = type(engine.optimizer.optimizer.inner).__name__
     return out

@@ -40,7 +40,7 @@ def stepping(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_the_client_optimizer_steps_with_its_scheduler(stepping, case):
     for result in stepping[_id(case)]:
-        assert result["returned_is_engine_optimizer"] and result["returned_scheduler_is_client"]
+        assert result["returned_is_deepspeeds_choice"] and result["returned_scheduler_is_client"]
         expected = {
             "trained": cases.LR * cases._lambda(cases.STEPS),
             "loaded": cases.LR * cases._lambda(cases.STEPS),

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.distributed
 
 def test_initialize_api(tmp_path):
     (out,) = run_distributed(initialize_cases.api_scenarios, 1, args=(str(tmp_path),), timeout=300)
-    assert out["from_args"] == (2, "AdamW", None, None)
+    assert out["from_args"] == (2, "FusedAdam", None, None)  # DeepSpeed's class for "AdamW"
     assert out["alias"] == 2 and out["config_params"] == 2
     assert "both on the command line and to initialize" in out["both"]
     assert "needs a config" in out["none"]
@@ -48,3 +48,20 @@ def test_view_buffers_are_broadcast_safely():
         assert out["expanded"] == [[0.0] * 4] * 3
         assert "expanded views" in out["differs"]  # on every rank: none goes on alone to hang
         assert ("'expanded'" if rank == 1 else "(on another rank)") in out["differs"]
+
+
+def test_returned_optimizer_is_deepspeeds_choice():
+    """Stage 0 fp32: the bare torch optimizer (the client's object, its callable's, FusedAdam for
+    "Adam"), as DeepSpeed returns; ZeRO stages and 16-bit training: the strategy. A script's
+    zero_grad() on the bare one changes no step."""
+    (out,) = run_distributed(initialize_cases.returned_optimizers, 1, timeout=300)
+    assert out["client_object"] and out["callable_class"] == "AdamW"
+    assert out["config_fusedadam_True"] and out["config_fusedadam_False"]
+    assert out["stage1_strategy"] and out["bf16_strategy"]
+    assert out["trained"] and out["zero_grad_harmless"]
+
+
+def test_zero_force_ds_cpu_optimizer_refuses_a_client_torch_optimizer_with_offload():
+    (out,) = run_distributed(initialize_cases.offload_client_optimizers, 1, timeout=300)
+    assert "zero_force_ds_cpu_optimizer" in out["forced"] and "DeepSpeedCPUAdam" in out["forced"]
+    assert out["opted_out"] == "Adam" and out["cpu_adam"] == "DeepSpeedCPUAdam"

@@ -227,7 +227,7 @@ def test_offload_really_moved_state(results):
     nvme_both = results[_id(OFFLOAD[2])][0]["breakdown"]
     assert nvme_both["offloaded_nvme"] > 0 and nvme_both["params"] < 4000  # only the small unsharded params
     params_cpu = results[_id(OFFLOAD[1])][0]
-    assert params_cpu["inner"] == "AdamW"  # masters already on the host: no staging store
+    assert params_cpu["inner"] == "DeepSpeedCPUAdam"  # masters already on the host: no staging store
     assert params_cpu["breakdown"]["params"] == 0 and params_cpu["breakdown"]["offloaded_host"] > 0
     nvme_opt = results[_id(OFFLOAD[4])][0]
     assert nvme_opt["inner"] == "OffloadedOptimizer" and nvme_opt["breakdown"]["offloaded_nvme"] > 0

@@ -385,6 +385,7 @@ PROJECT_CHECKS = frozenset(
         "test_self_contained.py",  # no test reads outside the repository
         "test_step_order.py",  # the map's step order is the engine's
         "test_docs_examples.py",  # every docs page's example runs
+        "test_deepspeed_suite_watchdog.py",  # benchmarks/deepspeed_suite.py ends sessions that hang
     }
 )
 

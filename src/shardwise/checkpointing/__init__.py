@@ -11,6 +11,11 @@ trading compute for activation memory. The ``activation_checkpointing`` config s
 * ``synchronize_checkpoint_boundary``: the device is synchronized at each boundary;
 * ``profile``: forward and recompute times go to the wall-clock breakdown.
 
+DeepSpeed's module globals (``PARTITION_ACTIVATIONS``, ``CONTIGUOUS_CHECKPOINTING``, ``CPU_CHECKPOINT``,
+``SYNCHRONIZE``, ``PROFILE_TIME``, ``num_layers``, ``mpu``, ``mp_rank``/``mp_size``/``mp_group``,
+``deepspeed_checkpointing_enabled``) read the active settings and, assigned, change them
+(:mod:`shardwise.checkpointing.globals`).
+
 Dropout and every other random draw repeat exactly in the recompute: the CPU and CUDA
 generators and the Megatron-style RNG tracker's streams are saved and restored.
 
@@ -28,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+from shardwise.checkpointing import globals as _globals
 from shardwise.checkpointing.meter import SavedActivationMeter
 from shardwise.checkpointing.profile import TIMES, CheckpointTimes
 from shardwise.checkpointing.recompute import checkpoint, non_reentrant_checkpoint
@@ -75,3 +81,6 @@ __all__ = [
 def profile_times() -> CheckpointTimes:
     """Forward and recompute times recorded while ``profile`` is on."""
     return TIMES
+
+
+_globals.install(__name__)  # DeepSpeed's module globals, live (see the module docstring)

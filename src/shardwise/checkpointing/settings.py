@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from shardwise.comm.group_type import Group
-from shardwise.config.errors import ConfigError
+from shardwise.config.errors import AssertedConfigError, ConfigError
 from shardwise.config.sections.features import ActivationCheckpointingConfig
 
 __all__ = ["CheckpointingSettings", "configure", "current_settings", "describe", "is_configured"]
@@ -111,7 +111,7 @@ def _section(deepspeed_config: object) -> ActivationCheckpointingConfig:
         ) from exc
 
 
-def _model_parallel(mpu: Any) -> tuple[Any, int, int]:
+def model_parallel_of(mpu: Any) -> tuple[Any, int, int]:
     """(group, rank, size) of the mpu's tensor/model-parallel group; (None, 0, 1) without an mpu."""
     if mpu is None:
         return None, 0, 1
@@ -130,7 +130,7 @@ def _model_parallel(mpu: Any) -> tuple[Any, int, int]:
 
 def _check_partitioning(settings: CheckpointingSettings) -> None:
     if settings.contiguous_memory_optimization and not settings.partition_activations:
-        raise ConfigError(
+        raise AssertedConfigError(
             f"{_SECTION}.contiguous_memory_optimization",
             "the contiguous buffer holds partitioned activations, so it needs partition_activations (as in DeepSpeed)",
             f"set {_SECTION}.partition_activations to true, or contiguous_memory_optimization to false",
@@ -138,17 +138,17 @@ def _check_partitioning(settings: CheckpointingSettings) -> None:
         )
 
 
-def missing_slot_count(settings: CheckpointingSettings) -> ConfigError | None:
+def missing_slot_count(settings: CheckpointingSettings) -> AssertedConfigError | None:
     """The error for contiguous memory with no usable slot count (None when there is one, or
     no contiguous buffer): the count comes from ``number_checkpoints`` or from ``configure``'s
     ``num_checkpoints`` (or ``set_num_layers``), as in DeepSpeed."""
     n = settings.number_checkpoints
     if not settings.contiguous_memory_optimization or (n is not None and n >= 1):
         return None
-    return ConfigError(
+    return AssertedConfigError(
         f"{_SECTION}.number_checkpoints",
-        "contiguous_memory_optimization preallocates one slot per checkpoint, so it needs the number "
-        "of checkpoints per forward (a positive integer), from the config or from checkpointing.configure()",
+        "contiguous_memory_optimization preallocates one slot per checkpoint, so it needs the number of "
+        "layers (checkpoints per forward, a positive integer), from the config or from checkpointing.configure()",
         "pass num_checkpoints=N to deepspeed.checkpointing.configure() (N: checkpoint() calls in one "
         f"forward, usually the number of layers), or set {_SECTION}.number_checkpoints",
         value=n,
@@ -225,7 +225,7 @@ def _settings(mpu_: Any, deepspeed_config: Any, overrides: dict[str, Any]) -> Ch
     """The section's keys, overridden by the non-None ``overrides``, with the mpu's group."""
     section = _section(deepspeed_config)
     mpu = mpu_ if mpu_ is not None else _current.mpu
-    group, rank, size = _model_parallel(mpu)
+    group, rank, size = model_parallel_of(mpu)
     settings = CheckpointingSettings(
         **{key: getattr(section, key) for key in ActivationCheckpointingConfig.model_fields},
         mpu=mpu,
@@ -240,6 +240,20 @@ def _activate(settings: CheckpointingSettings) -> CheckpointingSettings:
     global _current, _configured
     _current, _configured = settings, True
     return settings
+
+
+def replace_current(**fields: Any) -> CheckpointingSettings:
+    """Replace fields of the active settings unchecked (an assignment to one of DeepSpeed's module
+    globals, :mod:`shardwise.checkpointing.globals`); ``checkpoint()`` checks what it needs."""
+    global _current
+    _current = replace(_current, **fields)
+    return _current
+
+
+def set_configured(configured: bool) -> None:
+    """Set whether :func:`configure` counts as having run (DeepSpeed's ``deepspeed_checkpointing_enabled``)."""
+    global _configured
+    _configured = configured
 
 
 def set_num_layers(nlayers: int) -> None:
@@ -313,6 +327,6 @@ def configure_for_engine(section: ActivationCheckpointingConfig, mpu: object) ->
     if not _configured:
         configure(mpu)
     elif mpu is not None and _current.mpu is None:
-        group, rank, size = _model_parallel(mpu)
+        group, rank, size = model_parallel_of(mpu)
         _activate(replace(_current, mpu=mpu, mp_group=group, mp_rank=rank, mp_size=size))
     return None

@@ -84,15 +84,62 @@ def resolve(path: str, name: str) -> Any:
     raise MissingDeepSpeedName(_missing_message(qualname, searched))
 
 
+def _cacheable(value: object) -> bool:
+    """Modules, classes and functions are cached on the forwarding module; plain values (flags,
+    counters, an ``mpu``) are not, since the shardwise module may change them (``configure()``
+    rebinding ``deepspeed.checkpointing.PARTITION_ACTIVATIONS``) and a cached copy would go stale."""
+    return isinstance(value, ModuleType | type) or callable(value)
+
+
+def _owner(path: str, name: str) -> ModuleType | None:
+    """The shardwise module a ``deepspeed.<path>.<name>`` assignment goes to: the rename's target
+    module, else the first source module that has the name (None: nobody has it)."""
+    qualname = f"{path}.{name}"
+    if qualname in table.RENAMES:
+        module_name, attr = table.RENAMES[qualname].split(":")
+        return importlib.import_module(module_name) if attr == name else None
+    for module_name in sources_of(path):
+        module = importlib.import_module(module_name)
+        if hasattr(module, name):
+            return module
+    return None
+
+
 class ForwardingModule(ModuleType):
-    """A ``deepspeed.<path>`` module whose attributes come from :func:`resolve` (and are cached)."""
+    """A ``deepspeed.<path>`` module whose attributes come from :func:`resolve`.
+
+    Modules, classes and functions are cached; other values are read from shardwise on every
+    access. Assigning a name a shardwise module provides assigns it there (a script setting one
+    of DeepSpeed's module globals, or a test monkeypatching a function, changes what shardwise
+    does, as it would change what DeepSpeed does); other names are set on this module.
+    """
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__") and f"{self.__name__}.{name}" not in table.RENAMES:
             raise AttributeError(name)
         value = resolve(self.__name__, name)
-        setattr(self, name, value)
+        if _cacheable(value):
+            vars(self)[name] = value
         return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The import system binds each imported ``deepspeed.<path>`` submodule on its parent: local.
+        local = name.startswith("__") or isinstance(value, ForwardingModule)
+        owner = None if local else _owner(self.__name__, name)
+        if owner is None:
+            super().__setattr__(name, value)
+            return
+        setattr(owner, name, value)
+        vars(self).pop(name, None)  # drop a cached copy: the next read resolves again
+
+    def __delattr__(self, name: str) -> None:
+        if name in vars(self):
+            super().__delattr__(name)
+            return
+        owner = None if name.startswith("__") else _owner(self.__name__, name)
+        if owner is None:
+            raise AttributeError(name)
+        delattr(owner, name)
 
     def __dir__(self) -> list[str]:
         names: set[str] = set(super().__dir__())

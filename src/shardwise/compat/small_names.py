@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from shardwise.config.errors import ZeRORuntimeException
 from shardwise.launcher.worker import parse_core_list
 
 __all__ = ["OnDevice", "ZeRORuntimeException", "parse_range_list", "required_torch_version"]
@@ -42,10 +43,6 @@ def parse_range_list(range_str: str) -> list[int]:
             raise ValueError(f"{range_str!r}: {part!r} overlaps or comes before {cores[-1]}; list cores in ascending order")
         cores.extend(run)
     return cores
-
-
-class ZeRORuntimeException(Exception):
-    """A ZeRO run-time error (DeepSpeed's exception class)."""
 
 
 class OnDevice:

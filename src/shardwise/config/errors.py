@@ -71,6 +71,33 @@ class ConfigError(ValueError):
         return text
 
 
+class ZeRORuntimeException(Exception):
+    """A ZeRO setup refused when ``initialize`` builds it (DeepSpeed's exception class, the same object
+    as ``deepspeed.runtime.zero.utils.ZeRORuntimeException``)."""
+
+
+class AssertedValueError(ValueError, AssertionError):
+    """Bad input that DeepSpeed rejects with a bare ``assert``, explained.
+
+    A ``ValueError`` carrying the rule and the fix, and an ``AssertionError`` too, so code written
+    against DeepSpeed (and DeepSpeed's own tests) that catches DeepSpeed's exception type still
+    catches it.
+
+    Example:
+        >>> isinstance(AssertedValueError("x"), (ValueError, AssertionError))
+        True
+    """
+
+
+class AssertedConfigError(ConfigError, AssertionError):
+    """A :class:`ConfigError` for a rule DeepSpeed checks with ``assert`` (see :class:`AssertedValueError`).
+
+    Example:
+        >>> isinstance(AssertedConfigError("a.b", "must be set"), AssertionError)
+        True
+    """
+
+
 class ConfigErrors(ConfigError):
     """Several independent config mistakes found in one pass, reported together."""
 

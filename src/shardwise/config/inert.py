@@ -158,7 +158,6 @@ INERT_KEYS: tuple[InertKey, ...] = (
     ),
     InertKey("disable_python_gc", "Python's garbage collector is left as it is"),
     InertKey("vocabulary_size", "not read by shardwise"),
-    InertKey("zero_force_ds_cpu_optimizer", "an offloaded step always runs torch's optimizer on the CPU"),
     InertKey("use_data_before_expert_parallelism", "there is no expert parallelism"),
     InertKey(
         "data_parallel_size", "the data-parallel size comes from the launch (world size / model parallel)"
@@ -254,7 +253,10 @@ INERT_KEYS: tuple[InertKey, ...] = (
         _hpz_unused,
     ),
     InertKey("zero_optimization.parameter_alignment", "flat buffers use shardwise's own alignment"),
-    InertKey("zero_optimization.save_muon_momentum_buffer_in_memory", "there is no Muon optimizer"),
+    InertKey(
+        "zero_optimization.save_muon_momentum_buffer_in_memory",
+        "Muon's momentum buffer is optimizer state like Adam's moments: it is kept (and offloaded) with the rest",
+    ),
     InertKey("zero_optimization.zenflow", "ZenFlow is not implemented", _present),
     InertKey("zero_optimization.mics_hierarchical_params_gather", "MiCS is not supported"),
     InertKey("zero_optimization.offload_optimizer.fast_init", "state files are created at the first step"),

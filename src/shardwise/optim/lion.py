@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from shardwise.optim.fused_adam import note_ignored
 from shardwise.optim.group_state import collect_group, run_closure
 
-__all__ = ["Lion"]
+__all__ = ["DeepSpeedCPULion", "Lion"]
 
 
 class Lion(torch.optim.Optimizer):
@@ -85,3 +86,18 @@ class Lion(torch.optim.Optimizer):
                 torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)
                 torch._foreach_add_(tensors.steps, 1.0)
         return loss
+
+
+class DeepSpeedCPULion(Lion):
+    """DeepSpeed's ``DeepSpeedCPULion`` on shardwise's Lion."""
+
+    def __init__(
+        self,
+        model_params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
+        note_ignored(type(self).__name__, fp32_optimizer_states=(fp32_optimizer_states, True))
+        super().__init__(model_params, lr=lr, betas=betas, weight_decay=weight_decay)

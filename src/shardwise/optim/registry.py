@@ -25,9 +25,11 @@ import torch
 
 from shardwise.config.errors import KeyedValueError
 from shardwise.optim.adam import AdamNoBiasCorrection
+from shardwise.optim.fused_adam import DeepSpeedCPUAdam, FusedAdam
 from shardwise.optim.hyperparameters import check_hyperparameters
 from shardwise.optim.lamb import Lamb
 from shardwise.optim.lion import Lion
+from shardwise.optim.muon import MuonWithAdamW
 from shardwise.optim.names import unknown_type_error
 from shardwise.optim.onebit_adam import OneBitAdam
 from shardwise.optim.onebit_lamb import OneBitLamb
@@ -189,15 +191,22 @@ def _build_adam(
         params.setdefault("weight_decay", 0.0)
         params["adam_w_mode"] = adam_w_mode
         return _construct(type_name, AdamNoBiasCorrection, model_parameters, params)
-    cls: type[torch.optim.Optimizer] = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
     params.setdefault("lr", 1e-3)
     params.setdefault("betas", (0.9, 0.999))
     params.setdefault("eps", 1e-8)
-    if not torch_adam:
-        # FusedAdam's default; with torch_adam DeepSpeed inherits torch's (AdamW: 0.01).
-        params.setdefault("weight_decay", 0.0)
     params.update(_kernel_flags(params, model_parameters, offload=offload))
-    return _construct(type_name, cls, model_parameters, params, _ADAM_POPPED)
+    if torch_adam:  # torch's own class, with torch's defaults (AdamW: weight_decay 0.01)
+        cls: type[torch.optim.Optimizer] = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        return _construct(type_name, cls, model_parameters, params, _ADAM_POPPED)
+    # DeepSpeed's classes, as DeepSpeed builds them (CPU Adam under optimizer offload): the same
+    # torch Adam update (AdamW mode: decoupled weight decay, exactly torch's AdamW), so a script's
+    # isinstance(optimizer, FusedAdam) holds. FusedAdam's default weight decay is 0.
+    params.setdefault("weight_decay", 0.0)
+    if offload:
+        params["adamw_mode"] = adam_w_mode
+        return _construct(type_name, DeepSpeedCPUAdam, model_parameters, params, _ADAM_POPPED)
+    params["adam_w_mode"] = adam_w_mode
+    return _construct(type_name, FusedAdam, model_parameters, params, _ADAM_POPPED)
 
 
 def _adam(type_name: str, params: dict[str, object], model_parameters: list[object], *, offload: bool):
@@ -313,15 +322,37 @@ def _mup(class_name: str) -> OptimizerFactory:
     return factory
 
 
+_MUON_ACCEPTED = ("lr", "momentum", "weight_decay", "muon_lr", "adam_lr", "ns_method", "betas", "eps", "adam_w_mode")
+
+
 def _muon(type_name: str, params: dict[str, object], model_parameters: list[object], *, offload: bool):
-    raise KeyedValueError(
-        f'optimizer "{type_name}": DeepSpeed\'s Muon (Newton-Schulz updates for 2-D weights plus an '
-        "auxiliary Adam for embeddings, heads and vectors) is not available in shardwise. Fix: pass a "
-        "client optimizer to initialize(optimizer=...) instead, for example torch.optim.Muon for "
-        "the 2-D weights in one optimizer and AdamW for the rest, or pick another optimizer type.",
-        "optimizer.type",
-        type_name,
-    )
+    """DeepSpeed's Muon: :class:`~shardwise.optim.muon.MuonWithAdamW` over groups flagged ``use_muon``
+    (``initialize`` splits the model's groups as DeepSpeed does; plain tensors split by dimension)."""
+    _check_keys(type_name, "MuonWithAdamW", params, _MUON_ACCEPTED)
+    if params.pop("adam_w_mode", True) is not True:
+        raise KeyedValueError(
+            f'optimizer "{type_name}": "adam_w_mode": false (L2-coupled Adam for the non-matrix half) is not '
+            "implemented; the AdamW half decays weights decoupled. Fix: remove adam_w_mode.",
+            "optimizer.params.adam_w_mode",
+            False,
+        )
+    if isinstance(params.get("betas"), list):
+        params["betas"] = tuple(params["betas"])
+    groups = list(model_parameters)
+    if groups and isinstance(groups[0], dict) and "use_muon" in groups[0]:
+        settings = {k: v for k, v in params.items() if k not in ("muon_lr", "adam_lr")}
+    else:  # a probe or plain tensors: split here (matrices Muon), with DeepSpeed's per-half lr keys
+        from shardwise.optim.muon_groups import muon_param_groups
+
+        tensors = _param_tensors(groups)
+        for t in tensors:
+            if not hasattr(t, "use_muon"):
+                t.use_muon = t.dim() >= 2
+        groups = muon_param_groups([{"params": tensors}], params)
+        settings = {}
+    kernel = _kernel_flags({}, _param_tensors(groups), offload=offload)
+    logger.info("optimizer %s -> MuonWithAdamW(%s)", type_name, params)
+    return MuonWithAdamW(groups, adam_kernel=kernel, **settings)
 
 
 OPTIMIZERS: dict[str, OptimizerFactory] = {
@@ -407,7 +438,7 @@ def build_optimizer(
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = build_optimizer("Adam", {"lr": 3e-4}, model.parameters())
         >>> type(opt).__name__, opt.defaults["weight_decay"]
-        ('AdamW', 0.0)
+        ('FusedAdam', 0.0)
     """
     if not isinstance(type_name, str) or not type_name:
         raise KeyedValueError(
@@ -495,9 +526,12 @@ def resolve_client_optimizer(
 ZERO_SUPPORTED_OPTIMIZER_CLASSES: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam,
     torch.optim.AdamW,
+    FusedAdam,
+    DeepSpeedCPUAdam,
     torch.optim.Adagrad,
     AdamNoBiasCorrection,
     Lion,
+    MuonWithAdamW,  # whole matrices at every stage (shardwise.optim.muon), element-wise elsewhere
 )
 """Element-wise optimizers, exact types: they give the same result on a flat ZeRO shard as on
 whole tensors. Lamb is deliberately absent, as FusedLamb is from DeepSpeed's list (spec §3.2.5):

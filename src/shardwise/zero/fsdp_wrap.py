@@ -150,7 +150,9 @@ def _place_parameters(tracker: _Tracker, policy: ShardPolicy) -> list[nn.Paramet
     )
     persistent: list[nn.Parameter] = []
     for index, p in enumerate(params):
-        if index in chosen or p.dim() == 0:  # scalars too: FSDP2 cannot shard them
+        # scalars too (FSDP2 cannot shard them), and Muon's matrices (``use_muon``): its
+        # Newton-Schulz step needs each whole, so they stay whole on every rank
+        if index in chosen or p.dim() == 0 or getattr(p, "use_muon", False):
             stash = stash_of(p)
             value = gather_stash(stash) if stash is not None else p.detach()
             value = value.to(

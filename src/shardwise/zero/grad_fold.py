@@ -14,7 +14,8 @@ subnormal and huge gradients included). Gradients, masters, optimizer state and 
 are then identical whichever path ran, on clipping steps as on the others.
 
 Folding also needs the optimizer to read exactly the gradients the division would touch (all
-fp32), to be a plain ``torch.optim.Adam``/``AdamW`` with ``fused=True`` in every group, and no
+fp32), to be a plain ``torch.optim.Adam``/``AdamW`` (or DeepSpeed's ``FusedAdam``/``DeepSpeedCPUAdam``,
+which are torch's Adam under another name) with ``fused=True`` in every group, and no
 ``grad_scale``/``found_inf`` of someone else's set on it; otherwise nothing is folded.
 
 Example:
@@ -30,11 +31,12 @@ from contextlib import contextmanager
 
 import torch
 
+from shardwise.optim.fused_adam import ADAM_CLASSES
 from shardwise.zero.step_math import fp32
 
 __all__ = ["divide_", "foldable_divisor", "folded_divisor", "scaled_step"]
 
-_FUSED_TYPES = (torch.optim.Adam, torch.optim.AdamW)
+_FUSED_TYPES = (torch.optim.Adam, torch.optim.AdamW, *ADAM_CLASSES)  # DeepSpeed's names, torch's update
 
 
 def foldable_divisor(divisor: float) -> bool:

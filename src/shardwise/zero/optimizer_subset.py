@@ -19,6 +19,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from shardwise.optim.fused_adam import ADAM_CLASSES
+
 __all__ = ["restricted", "split_sub_groups", "step_in_sub_groups", "steps_per_tensor"]
 
 # torch's element-wise optimizers: each tensor's update depends on itself, its gradient, its own
@@ -26,6 +28,7 @@ __all__ = ["restricted", "split_sub_groups", "step_in_sub_groups", "steps_per_te
 _PER_TENSOR_TYPES: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam,
     torch.optim.AdamW,
+    *ADAM_CLASSES,  # DeepSpeed's FusedAdam / DeepSpeedCPUAdam: torch's Adam update
     torch.optim.SGD,
     torch.optim.Adagrad,
     torch.optim.Adamax,

@@ -41,6 +41,7 @@ from shardwise.zero.async_gather import BucketKey, PendingGathers
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
 from shardwise.zero.grad_fold import divide_, scaled_step
+from shardwise.zero.muon_shards import flat_matrices
 from shardwise.zero.offload import checkpoint_view
 from shardwise.zero.optimizer_subset import restricted, steps_per_tensor
 from shardwise.zero.param_owner import register_owner
@@ -112,6 +113,9 @@ class ZeroOptimizer(ZeroStrategy):
         self.group_index: list[int] = []  # flat group -> user param group
         self.tp_flags: list[bool] = []
         self.optimizer = optimizer_factory(self._build_flat_groups(param_groups))
+        attach = getattr(self.optimizer, "attach_flat_matrices", None)
+        if attach is not None and policy.stage >= 1:
+            attach(flat_matrices(self.groups, self.group_index, param_groups, policy.process_group))
         self.reducer = self._build_reducer()
         self.exchanging: GradientExchangingOptimizer | None = (
             self.optimizer if isinstance(self.optimizer, GradientExchangingOptimizer) else None
@@ -336,6 +340,7 @@ class ZeroOptimizer(ZeroStrategy):
         if not plan.apply:
             self.zero_grad()
             return plan.result()
+        self._bind_master_grads()  # again: a script's zero_grad() on the inner optimizer drops them
         self._update(plan.divisor)
         self.zero_grad()
         return plan.result()

@@ -65,9 +65,10 @@ def test_accelerator_on_cpu() -> None:
 def test_deepspeed_only_arguments_that_change_nothing_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32_optimizer_states=False and Adagrad's amsgrad are accepted, with a warning naming them."""
     from shardwise.compat import ops
+    from shardwise.optim import fused_adam
 
     said: list[str] = []
-    monkeypatch.setattr(ops.logger, "warning", lambda fmt, *args: said.append(fmt % args))
+    monkeypatch.setattr(fused_adam.logger, "warning", lambda fmt, *args: said.append(fmt % args))
     w = [torch.nn.Parameter(torch.ones(2))]
     ops.DeepSpeedCPUAdam(w)
     ops.DeepSpeedCPUAdagrad(w)

@@ -25,7 +25,6 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "sparse_gradients": {"sparse_gradients": True},
     "disable_python_gc": {"disable_python_gc": True},
     "vocabulary_size": {"vocabulary_size": 50257},
-    "zero_force_ds_cpu_optimizer": {"zero_force_ds_cpu_optimizer": False},
     "use_data_before_expert_parallelism": {"use_data_before_expert_parallelism": True},
     "data_parallel_size": {"data_parallel_size": 2},
     "sequence_parallel_size": {"sequence_parallel_size": 2},

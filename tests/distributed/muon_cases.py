@@ -1,0 +1,171 @@
+"""Per-rank scenarios and the single-process reference for test_muon_engine.py.
+
+The reference is torch's own optimizers on the model: ``torch.optim.Muon`` for the parameters
+DeepSpeed's rule gives Muon (matrices whose name has neither ``embed`` nor ``lm_head``) and
+``torch.optim.AdamW`` (fused) for the rest, fed the ranks' gradients summed in the ranks' order and
+divided by the world size, as the engine's all-reduce / reduce-scatter does (exact for 2 ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from zero_reference import _full_masters, _micro_batch, make_model
+
+import shardwise
+from shardwise.optim.muon_groups import uses_muon
+
+MUON = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.05, "muon_lr": 0.03, "adam_lr": 0.01, "ns_method": "standard"}
+BETAS, EPS = (0.9, 0.99), 1e-8
+
+
+def config(stage: int, gas: int, micro_batch: int, **zero: Any) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": gas,
+        # no clipping: torch's Newton-Schulz runs in bf16, so any rounding difference in the gradients
+        # (a clip factor applied in another order) moves the update far beyond 1e-6; unclipped, the
+        # engine's gradients are the reference's bit for bit
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "Muon", "params": {**MUON, "betas": list(BETAS), "eps": EPS}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, **zero},
+    }
+
+
+def reference(world: int, steps: int, micro_batch: int, gas: int = 1, reduce_every_micro: bool = False) -> dict[str, Any]:
+    """Final weights (model order) of the single-process torch.optim.Muon + AdamW run.
+
+    The ranks' micro batches (the same samples the engine's ``same_data`` split sees) are run one
+    by one; each rank's ``loss / gas`` gradients are accumulated and the ranks' sums added in rank
+    order (stages 0-1), or the ranks' gradients of each micro batch are summed and those sums
+    accumulated (``reduce_every_micro``: stages 2-3), then divided by the world size, as the
+    engine's reductions do.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_model()
+        named = list(model.named_parameters())
+        matrices = [p for n, p in named if uses_muon(n, p.shape)]
+        rest = [p for n, p in named if not uses_muon(n, p.shape)]
+        muon = torch.optim.Muon(matrices, lr=MUON["muon_lr"], momentum=MUON["momentum"], weight_decay=MUON["weight_decay"])
+        adamw = torch.optim.AdamW(rest, lr=MUON["adam_lr"], betas=BETAS, eps=EPS, weight_decay=MUON["weight_decay"], fused=True)
+        case = {"micro_batch": micro_batch, "gas": gas, "same_data": True}
+        for step in range(steps):
+            grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+            for rank in range(world):
+                for micro in range(gas):
+                    model.zero_grad(set_to_none=True)
+                    x, y = _micro_batch(case, step, micro, rank)
+                    loss = model(x, y)
+                    (loss / gas if gas > 1 else loss).backward()
+                    grads[(micro, rank)] = [p.grad.clone() for _, p in named]
+            for i, (_, p) in enumerate(named):
+                if reduce_every_micro:
+                    total = torch.zeros_like(p)
+                    for micro in range(gas):
+                        summed = grads[(micro, 0)][i].clone()
+                        for rank in range(1, world):
+                            summed.add_(grads[(micro, rank)][i])
+                        total.add_(summed)
+                else:
+                    per_rank = []
+                    for rank in range(world):
+                        acc = torch.zeros_like(p)
+                        for micro in range(gas):
+                            acc.add_(grads[(micro, rank)][i])
+                        per_rank.append(acc)
+                    total = per_rank[0].clone()
+                    for rank in range(1, world):
+                        total.add_(per_rank[rank])
+                p.grad = total / world
+            muon.step()
+            adamw.step()
+        return {"params": [p.detach().clone() for _, p in named], "matrices": len(matrices)}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _weights(engine: Any, stage: int) -> list[torch.Tensor]:
+    if stage == 3:
+        return engine.optimizer.full_fp32_parameters()
+    return _full_masters(engine)
+
+
+def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """``case``: stage, gas, micro_batch, steps, optional zero keys and ``init`` (zero.Init)."""
+    torch.set_num_threads(1)
+    cfg = config(case["stage"], case["gas"], case["micro_batch"], **case.get("zero", {}))
+    if case.get("init"):
+        with shardwise.zero.Init(config_dict_or_path=cfg):
+            model = make_model()
+        reference = make_model().state_dict()  # Init draws other values: load the reference's
+        with shardwise.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            if rank == 0:
+                model.load_state_dict(reference)
+    else:
+        model = make_model()
+    engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for step in range(case["steps"]):
+        for micro in range(case["gas"]):
+            x, y = _micro_batch({**case, "same_data": True}, step, micro, rank)
+            engine.backward(engine(x, y))
+            engine.step()
+    inner = engine.optimizer.optimizer
+    inner = getattr(inner, "inner", inner)  # inside optimizer offload's proxy
+    muon_params = [p for g in inner.param_groups if g["use_muon"] for p in g["params"]]
+    state_keys = sorted({tuple(sorted(inner.state[p])) for p in muon_params if p in inner.state})
+    return {
+        "params": _weights(engine, case["stage"]),
+        "optimizer": type(inner).__name__,
+        "ns_matrices": inner.newton_schulz_matrices,
+        "ns_iterations": inner.newton_schulz_iterations,
+        "muon_state_keys": state_keys,
+        "steps": engine.global_steps,
+    }
+
+
+def _full_state(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's fp32 value and Muon / AdamW state, whole (collective)."""
+    from shardwise.zero.param_access import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out: dict[str, torch.Tensor] = {}
+    for name, param in engine.module.named_parameters():
+        out[f"{name}/fp32"] = safe_get_full_fp32_param(param)
+        keys = ("momentum_buffer",) if getattr(param, "use_muon", False) else ("exp_avg", "exp_avg_sq")
+        for key in keys:
+            out[f"{name}/{key}"] = safe_get_full_optimizer_state(param, key)
+    return out
+
+
+def save_state(rank: int, world: int, case: dict[str, Any], path: str) -> dict[str, torch.Tensor]:
+    """Train 3 steps at ``case['stage']`` and save; the whole values and state saved."""
+    torch.set_num_threads(1)
+    model = make_model()
+    engine, _, _, _ = shardwise.initialize(model=model, config=config(case["stage"], 1, 2))
+    for step in range(3):
+        x, y = _micro_batch({"micro_batch": 2, "gas": 1}, step, 0, rank)
+        engine.backward(engine(x, y))
+        engine.step()
+    engine.save_checkpoint(path, tag="muon")
+    return _full_state(engine)
+
+
+def load_state(rank: int, world: int, case: dict[str, Any], path: str) -> dict[str, torch.Tensor]:
+    """Load the checkpoint at ``case['stage']`` on this world size; the whole values and state."""
+    torch.set_num_threads(1)
+    model = make_model(seed=1)  # other values: the load must bring the saved ones
+    engine, _, _, _ = shardwise.initialize(model=model, config=config(case["stage"], 1, 2))
+    engine.load_checkpoint(path, tag="muon")
+    return _full_state(engine)
+
+
+def offload_refusal(rank: int, world: int) -> str:
+    """Muon with optimizer offload at stage 1: the error message (or "accepted")."""
+    cfg = config(1, 1, 2, offload_optimizer={"device": "cpu"})
+    try:
+        shardwise.initialize(model=make_model(), config=cfg)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
