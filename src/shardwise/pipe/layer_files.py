@@ -93,7 +93,9 @@ def save_layers(
         _save(checkpoint_engine, state, module.ckpt_layer_path(save_dir, local))
 
 
-def load_layers(module: PipelineModule, load_dir: str, checkpoint_engine: Any = None, strict: bool = True) -> None:
+def load_layers(
+    module: PipelineModule, load_dir: str, checkpoint_engine: Any = None, strict: bool = True
+) -> None:
     """Load every layer of this stage that has state from its file.
 
     Raises:
@@ -110,7 +112,9 @@ def load_layers(module: PipelineModule, load_dir: str, checkpoint_engine: Any = 
                 f"no checkpoint file for pipeline layer {index} in {load_dir} (expected "
                 f"layer_{index:02d}-*model_states.pt); was it saved from a model with the same layers?"
             )
-        slice_files = [f for f in files if f"model_{module._grid.get_slice_parallel_rank():02d}" in f] or files
+        slice_files = [
+            f for f in files if f"model_{module._grid.get_slice_parallel_rank():02d}" in f
+        ] or files
         if len(slice_files) > 1:
             raise NotImplementedError(
                 f"pipeline layer {index} has {len(slice_files)} files in {load_dir}: merging tensor slices "

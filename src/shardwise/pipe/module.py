@@ -143,6 +143,7 @@ class PipelineModule(nn.Module):
         self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
         self.forward_funcs: list[Callable[..., Any]] = []
         self.fwd_map: dict[str, int] = {}
+        self.layer_indices: list[int] = []  # the global index of each entry of forward_funcs
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self.activation_checkpoint_interval = activation_checkpoint_interval
@@ -150,20 +151,30 @@ class PipelineModule(nn.Module):
         self.is_checkpointable_results: list[bool] = []
         self.is_checkpointable_results_interval: int | None = None
         self.checkpoint_parallel_write_pipeline = False
-        self._build()
+        self.dynamic_shape = dynamic_shape
+        self.chunk_ranges = [(self._local_start, self._local_stop)]  # global layer ranges this rank runs
+        self._build(self.chunk_ranges)
+        self._index_ties([self.stage_owner(i) for i in range(self._num_layers)])
+
+    def _index_ties(self, rank_stage_of_layer: list[int]) -> None:
+        """Find the tie keys, the stages holding each, this stage's copies; make the copies equal."""
         self.to(_device())
-        stage_of = [self.stage_owner(i) for i in range(self._num_layers)]
-        self._ties = tied.index_ties(self._layer_specs, stage_of, self._grid.pp_group)
+        self._ties = tied.index_ties(self._layer_specs, rank_stage_of_layer, self._grid.pp_group)
+        held = dict(self.tied_modules.items())
         for tie in self._ties:
-            tie.module = self.tied_modules[tie.key] if tie.key in self.tied_modules else None
+            tie.module = held.get(tie.key)
         tied.mark_replicas(self._ties, self.stage_id)
         self.tied_comms = {
-            t.key: {"ranks": t.ranks, "group": self._grid.pp_proc_group, "weight_attr": t.attrs, "module": t.module}
+            t.key: {
+                "ranks": t.ranks,
+                "group": self._grid.pp_proc_group,
+                "weight_attr": t.attrs,
+                "module": t.module,
+            }
             for t in self._ties
             if t.module is not None and len(t.stages) > 1
         }
         self._synchronize_tied_weights()
-        self.dynamic_shape = dynamic_shape
 
     # ------------------------------------------------------------------ building
     def _partition(self, method: str) -> list[int]:
@@ -171,7 +182,9 @@ class PipelineModule(nn.Module):
         if method_l == "uniform":
             return partition.partition_uniform(self._num_layers, self.num_stages)
         if method_l == "parameters":
-            return partition.partition_balanced([_trainable_count(s) for s in self._layer_specs], self.num_stages)
+            return partition.partition_balanced(
+                [_trainable_count(s) for s in self._layer_specs], self.num_stages
+            )
         if method_l.startswith("type:"):
             names = [layer_name(s) for s in self._layer_specs]
             weights = partition.type_weights(names, method.split(":", 1)[1])
@@ -181,9 +194,14 @@ class PipelineModule(nn.Module):
             "(pipeline.partition / PipelineModule(partition_method=...))"
         )
 
-    def _build(self) -> None:
-        for layer_idx in range(self._local_start, self._local_stop):
+    def _build(self, ranges: list[tuple[int, int]], built: dict[int, nn.Module] | None = None) -> None:
+        """Build the layers of the global ``ranges`` (reusing modules in ``built``, by layer index)."""
+        self.forward_funcs, self.fwd_map, self.layer_indices = [], {}, []
+        for layer_idx in (i for a, b in ranges for i in range(a, b)):
+            self.layer_indices.append(layer_idx)
             layer = self._layer_specs[layer_idx]
+            if built is not None and layer_idx in built:
+                layer = built[layer_idx]
             if self.seed_layers:
                 (self.seed_fn or _seed_everything)(self.base_seed + layer_idx)
             if isinstance(layer, PipelineModule):
@@ -242,7 +260,7 @@ class PipelineModule(nn.Module):
         def run(*inputs: Any) -> Any:
             x: Any = inputs[0] if len(inputs) == 1 else inputs
             for idx, layer in enumerate(self.forward_funcs[start:end]):
-                self.curr_layer = start + idx + self._local_start
+                self.curr_layer = self.layer_indices[start + idx]
                 if self.seed_layers:
                     (self.seed_fn or _seed_everything)(self.base_seed * micro_offset + self.curr_layer)
                 x = layer(x)
@@ -252,18 +270,29 @@ class PipelineModule(nn.Module):
 
     def forward(self, forward_input: Any) -> Any:
         """Run this stage's layers on ``forward_input`` (a tensor or a tuple)."""
+        return self._forward_range(0, len(self.forward_funcs), forward_input)
+
+    def _forward_range(self, start: int, end: int, forward_input: Any) -> Any:
+        """Layers ``start:end`` (local indices), checkpointed every ``activation_checkpoint_interval``."""
         self.micro_offset += 1
         offset = self.micro_offset + 1
-        n = len(self.forward_funcs)
         interval = self.activation_checkpoint_interval
         if interval == 0:
-            return self._run_layers(0, n, offset)(forward_input)
-        self._precompute_checkpointable_values()
+            return self._run_layers(start, end, offset)(forward_input)
+        whole = (start, end) == (0, len(self.forward_funcs))
+        if whole:
+            self._precompute_checkpointable_values()
         x = forward_input
-        for block, start in enumerate(range(0, n, interval)):
-            run = self._run_layers(start, min(start + interval, n), offset)
+        for block, first in enumerate(range(start, end, interval)):
+            last = min(first + interval, end)
+            run = self._run_layers(first, last, offset)
             args = x if isinstance(x, tuple) else (x,)
-            x = self.activation_checkpoint_func(run, *args) if self.is_checkpointable_results[block] else run(*args)
+            use = (
+                self.is_checkpointable_results[block]
+                if whole
+                else self._is_checkpointable(self.forward_funcs[first:last])
+            )
+            x = self.activation_checkpoint_func(run, *args) if use else run(*args)
         return x
 
     # ------------------------------------------------------------------ queries
@@ -298,13 +327,19 @@ class PipelineModule(nn.Module):
     def get_tied_weights_and_groups(self) -> list[tuple[torch.Tensor, Any]]:
         """``(tensor, group)`` for every tied tensor this stage holds (group: the pipeline group)."""
         return [
-            (tied.resolve_attr(c["module"], attr), c["group"]) for c in self.tied_comms.values() for attr in c["weight_attr"]
+            (tied.resolve_attr(c["module"], attr), c["group"])
+            for c in self.tied_comms.values()
+            for attr in c["weight_attr"]
         ]
 
     def allreduce_tied_weight_gradients(self) -> None:
         """Sum the tied gradients (``param.grad``) over the stages that hold them (collective)."""
         tied.sum_gradients(
-            self._ties, lambda t: t.grad, self._grid.pp_proc_group, self._grid.pipe_parallel_size, _device(),
+            self._ties,
+            lambda t: t.grad,
+            self._grid.pp_proc_group,
+            self._grid.pipe_parallel_size,
+            _device(),
             torch.float32,
         )
 
@@ -316,6 +351,54 @@ class PipelineModule(nn.Module):
             else:
                 self.forward_funcs[i] = torch.compile(layer, *args, **kwargs)
 
+    # ------------------------------------------------------------------ virtual stages
+    def split_virtual_stages(
+        self, stage_indices: list[int], total: int, rank_of_stage: Callable[[int], int]
+    ) -> None:
+        """Re-cut the layers into ``total`` stages and hold the chunks ``stage_indices`` (collective).
+
+        Layers this rank already built and still holds are kept (with their values); the others
+        are built from their specs. Called by the engine for schedules with several stages per
+        rank, before the optimizer is made.
+        """
+        saved = self.partition_method
+        num_stages, self.num_stages = self.num_stages, total
+        try:
+            parts = self._partition(saved)
+        finally:
+            self.num_stages = num_stages
+        built = {int(name): module for name, module in list(self.named_children()) if name.isdigit()}
+        for name in list(built):
+            delattr(self, str(name))
+        self.chunk_parts = parts
+        self.chunk_ranges = [(parts[i], parts[i + 1]) for i in stage_indices]
+        self._build(self.chunk_ranges, built)
+        used = {
+            s.key for s in (self._layer_specs[i] for i in self.layer_indices) if isinstance(s, TiedLayerSpec)
+        }
+        for key in [k for k in self.tied_modules if k not in used]:
+            del self.tied_modules[key]
+            self.tied_weight_attrs.pop(key, None)
+        owner = [
+            rank_of_stage(next(i for i in range(total) if parts[i] <= layer < parts[i + 1]))
+            for layer in range(self._num_layers)
+        ]
+        self.is_checkpointable_results_interval = None
+        self._index_ties(owner)
+
+    def chunk(self, index: int) -> tuple[Callable[[Any], Any], list[nn.Module]]:
+        """Chunk ``index`` of this rank: its forward and the modules it uses (tied ones included)."""
+        sizes = [b - a for a, b in self.chunk_ranges]
+        start = sum(sizes[:index])
+        end = start + sizes[index]
+        modules: list[nn.Module] = []
+        for f in self.forward_funcs[start:end]:
+            target = f.args[0] if isinstance(f, functools.partial) else f
+            if isinstance(target, nn.Module) and all(target is not m for m in modules):
+                modules.append(target)
+        offset = self
+        return (lambda x: offset._forward_range(start, end, x)), modules
+
     # ------------------------------------------------------------------ checkpoint files
     def ckpt_prefix(self, checkpoints_path: str, tag: str) -> str:
         """The prefix of this rank's module files (``module-pipe_00[-model_00]``)."""
@@ -323,13 +406,17 @@ class PipelineModule(nn.Module):
 
     def ckpt_layer_path(self, ckpt_dir: str, local_layer_idx: int) -> str:
         """The file of a layer: ``layer_{global index:02d}[-model_XX]-model_states.pt``."""
-        return layer_files.layer_path(self._topo, self.global_rank, ckpt_dir, local_layer_idx + self._local_start)
+        return layer_files.layer_path(
+            self._topo, self.global_rank, ckpt_dir, self.layer_indices[local_layer_idx]
+        )
 
     def ckpt_layer_path_list(self, ckpt_dir: str, local_layer_idx: int) -> list[str]:
         """Every saved file of a layer (one per tensor slice)."""
-        return layer_files.layer_path_list(ckpt_dir, local_layer_idx + self._local_start)
+        return layer_files.layer_path_list(ckpt_dir, self.layer_indices[local_layer_idx])
 
-    def save_state_dict(self, save_dir: str, checkpoint_engine: Any = None, exclude_frozen_params: bool = False) -> None:
+    def save_state_dict(
+        self, save_dir: str, checkpoint_engine: Any = None, exclude_frozen_params: bool = False
+    ) -> None:
         """Write one file per layer of this stage (data-parallel rank 0 writes; see :mod:`layer_files`)."""
         layer_files.save_layers(self, save_dir, checkpoint_engine, exclude_frozen_params)
 

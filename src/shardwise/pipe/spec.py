@@ -69,7 +69,9 @@ class TiedLayerSpec(LayerSpec):
         super().__init__(typename, *module_args, **module_kwargs)
         self.key = key
         self.forward_fn = forward_fn
-        self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+        self.tied_weight_attr = (
+            [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+        )
 
 
 def _global_rank() -> int:

@@ -66,10 +66,13 @@ def index_ties(specs: list[object], stage_of: list[int], pipe_ranks: list[int]) 
         assert isinstance(first, TiedLayerSpec)
         with torch.device("meta"):
             shell = first.build()
-        shapes = [(resolve_attr(shell, a).shape, resolve_attr(shell, a).dtype) for a in first.tied_weight_attr]
+        shapes = [
+            (resolve_attr(shell, a).shape, resolve_attr(shell, a).dtype) for a in first.tied_weight_attr
+        ]
         stages = sorted({stage_of[i] for i in idxs})
-        ties.append(TiedKey(key, stages, list(first.tied_weight_attr), shapes,
-                            ranks=[pipe_ranks[s] for s in stages]))
+        ties.append(
+            TiedKey(key, stages, list(first.tied_weight_attr), shapes, ranks=[pipe_ranks[s] for s in stages])
+        )
     return ties
 
 

@@ -30,7 +30,9 @@ class ProcessTopology:
 
     def __init__(self, axes: Sequence[str], dims: Sequence[int]) -> None:
         if len(axes) != len(dims):
-            raise ValueError(f"ProcessTopology: {len(axes)} axes {list(axes)} but {len(dims)} dims {list(dims)}")
+            raise ValueError(
+                f"ProcessTopology: {len(axes)} axes {list(axes)} but {len(dims)} dims {list(dims)}"
+            )
         self.axes = list(axes)
         self.dims = list(dims)
         self.ProcessCoord = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]
@@ -75,7 +77,11 @@ class ProcessTopology:
         return math.prod(self.dims)
 
     def get_rank_repr(
-        self, rank: int, omit_axes: Sequence[str] = ("data", "pipe"), inner_sep: str = "_", outer_sep: str = "-"
+        self,
+        rank: int,
+        omit_axes: Sequence[str] = ("data", "pipe"),
+        inner_sep: str = "_",
+        outer_sep: str = "-",
     ) -> str:
         """``rank``'s coordinate as text, e.g. ``'model_01'`` (used in checkpoint file names)."""
         coord = self.get_coord(rank)
