@@ -168,7 +168,7 @@ class PipelineModule(nn.Module):
             t.key: {
                 "ranks": t.ranks,
                 "group": self._grid.pp_proc_group,
-                "weight_attr": t.attrs,
+                "weight_attr": self.tied_weight_attrs.get(t.key, t.attrs),
                 "module": t.module,
             }
             for t in self._ties

@@ -3,7 +3,10 @@
 Each stage that holds a :class:`~shardwise.pipe.spec.TiedLayerSpec` key builds its own copy. At
 start the copies take the first holder's values (a broadcast) and, each step, their gradients
 are summed over the holders before the data-parallel reduction, so every copy takes the same
-update (DeepSpeed's ``ReduceTiedGrads``). Both go over the layout's pipeline group, the only
+update (DeepSpeed's ``ReduceTiedGrads``). Unlike DeepSpeed, which keeps only ``tied_weight_attr``
+equal, every parameter of the tied module is (the declared tensors first): a copy's unused parts
+(a position table on the head's stage) would otherwise drift under weight decay, and checkpoints
+keyed by parameter name would hold two different values for one name. Both go over the layout's pipeline group, the only
 group the mesh gives along the pipe axis: stages that do not hold a key add zeros of the same
 shape (taken from a meta-device build of the spec), so the sum is exactly the holders' sum.
 
@@ -66,13 +69,13 @@ def index_ties(specs: list[object], stage_of: list[int], pipe_ranks: list[int]) 
         assert isinstance(first, TiedLayerSpec)
         with torch.device("meta"):
             shell = first.build()
-        shapes = [
-            (resolve_attr(shell, a).shape, resolve_attr(shell, a).dtype) for a in first.tied_weight_attr
-        ]
+        # The declared tied tensors, then every other parameter of the module: a copy is kept
+        # whole-equal, so unused parts of it (a position table on the head's stage) do not drift.
+        attrs = list(first.tied_weight_attr)
+        attrs += [name for name, _ in shell.named_parameters() if name not in attrs]
+        shapes = [(resolve_attr(shell, a).shape, resolve_attr(shell, a).dtype) for a in attrs]
         stages = sorted({stage_of[i] for i in idxs})
-        ties.append(
-            TiedKey(key, stages, list(first.tied_weight_attr), shapes, ranks=[pipe_ranks[s] for s in stages])
-        )
+        ties.append(TiedKey(key, stages, attrs, shapes, ranks=[pipe_ranks[s] for s in stages]))
     return ties
 
 
