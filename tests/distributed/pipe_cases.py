@@ -68,7 +68,9 @@ def build_pipe(stages: int, schedule: str = "1f1b", virtual_stages: int = 1, **e
     """A pipelined TinyGPT engine starting from :func:`initial_gpt_state`."""
     from shardwise.pipe import PipelineModule
 
-    net = PipelineModule(pm.gpt_layers(GPT), num_stages=stages, loss_fn=pm.gpt_loss, partition_method="uniform")
+    net = PipelineModule(
+        pm.gpt_layers(GPT), num_stages=stages, loss_fn=pm.gpt_loss, partition_method="uniform"
+    )
     engine, *_ = shardwise.initialize(model=net, config=config(schedule, virtual_stages, **extra))
     pm.state_from_gpt(engine.module, initial_gpt_state(), GPT.n_layer)
     return engine
@@ -76,7 +78,9 @@ def build_pipe(stages: int, schedule: str = "1f1b", virtual_stages: int = 1, **e
 
 def stage_weights(engine: Any) -> dict[str, torch.Tensor]:
     """This stage's parameters under TinyGPT's names (every tied copy, under its one name)."""
-    return {pm.pipe_name_to_gpt(k, GPT.n_layer): v.detach().clone() for k, v in engine.module.named_parameters()}
+    return {
+        pm.pipe_name_to_gpt(k, GPT.n_layer): v.detach().clone() for k, v in engine.module.named_parameters()
+    }
 
 
 def train(engine: Any, steps: int, first_step: int = 0) -> list[float]:
@@ -84,7 +88,9 @@ def train(engine: Any, steps: int, first_step: int = 0) -> list[float]:
     grid = engine.grid
     losses = []
     for step in range(first_step, first_step + steps):
-        batches = [micro_batch(step, i, grid.data_parallel_id, grid.data_parallel_size) for i in range(MICRO_BATCHES)]
+        batches = [
+            micro_batch(step, i, grid.data_parallel_id, grid.data_parallel_size) for i in range(MICRO_BATCHES)
+        ]
         losses.append(float(engine.train_batch(iter(batches))))
     return losses
 
@@ -95,3 +101,128 @@ def pipelined(rank: int, world: int, case: tuple[str, int], steps: int) -> dict[
     engine = build_pipe(2, schedule, virtual)
     losses = train(engine, steps)
     return {"losses": losses, "weights": stage_weights(engine), "chunks": len(engine.executor.stages)}
+
+
+def resume_save(rank: int, world: int, directory: str, stages: int) -> dict[str, Any]:
+    """Train 3 steps on ``stages`` stages, save (engine checkpoint and per-layer files), train one more."""
+    engine = build_pipe(stages)
+    train(engine, 3)
+    engine.save_checkpoint(directory, tag="step3")
+    engine.module.save_state_dict(f"{directory}/layers")
+    after = train(engine, 1, first_step=3)
+    return {"next_loss": after[0], "weights": stage_weights(engine)}
+
+
+def resume_load(rank: int, world: int, directory: str, stages: int) -> dict[str, Any]:
+    """A fresh ``stages``-stage engine (other weights) loads the checkpoint and trains the next step;
+    a second fresh module loads the per-layer files."""
+    from shardwise.pipe import PipelineModule
+
+    torch.manual_seed(1234 + rank)
+    engine = build_pipe(stages)
+    for p in engine.module.parameters():  # start far from the saved weights
+        torch.nn.init.normal_(p.data, std=0.5)
+    engine.load_checkpoint(directory, tag="step3")
+    after = train(engine, 1, first_step=3)
+    module = PipelineModule(
+        pm.gpt_layers(GPT), num_stages=stages, loss_fn=pm.gpt_loss, partition_method="uniform"
+    )
+    module.load_state_dir(f"{directory}/layers")
+    return {
+        "next_loss": after[0],
+        "weights": stage_weights(engine),
+        "layer_files": {
+            pm.pipe_name_to_gpt(k, GPT.n_layer): v.detach().clone() for k, v in module.named_parameters()
+        },
+    }
+
+
+def overflow_agreement(rank: int, world: int) -> dict[str, Any]:
+    """fp16 with an infinite gradient on the last stage only, at the second step: every stage skips it
+    and halves its loss scale; the first stage's weights do not move at that step."""
+    engine = build_pipe(
+        2, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000, "hysteresis": 1}
+    )
+    train(engine, 1)
+    last = list(engine.module.parameters())[-1]
+    handle = None
+    if engine.is_last_stage():
+        handle = last.register_hook(lambda g: g * float("inf"))
+    before = {k: v.clone() for k, v in stage_weights(engine).items()}
+    train(engine, 1, first_step=1)
+    if handle is not None:
+        handle.remove()
+    unchanged = all((before[k] == v).all().item() for k, v in stage_weights(engine).items())
+    train(engine, 1, first_step=2)
+    return {
+        "skipped": engine.skipped_steps,
+        "scale": engine.loss_scale,
+        "unchanged": unchanged,
+        "steps": engine.global_steps,
+    }
+
+
+def refusals(rank: int, world: int) -> list[str]:
+    """Config keys refused by name, and the unpipelined entry points."""
+    from shardwise.config import ConfigError
+
+    messages = []
+    for extra in ({"zero_optimization": {"stage": 2}}, {"pipeline": {"stages": 4}}):
+        from shardwise.pipe import PipelineModule
+
+        net = PipelineModule(pm.gpt_layers(GPT), num_stages=2, loss_fn=pm.gpt_loss)
+        try:
+            shardwise.initialize(model=net, config={**config(), **extra})
+        except ConfigError as exc:
+            messages.append(str(exc))
+    engine = build_pipe(2)
+    try:
+        engine(torch.zeros(1))
+    except RuntimeError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+def eval_sequential(rank: int, world: int) -> dict[str, Any]:
+    """DeepSpeed's test_pipe_module check (skipped on CPU there): eval_batch of an nn.Sequential cut in
+    two equals the whole model's output, on both stages; with a loss_fn it returns the mean loss."""
+    from torch import nn
+
+    from shardwise.data import RepeatingLoader
+    from shardwise.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)], nn.Linear(32, 1))
+    x = torch.randn(1, 32)
+    expected = base(x).detach()
+    pipe = PipelineModule(layers=base, num_stages=2)
+    cfg = {
+        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.001}},
+    }
+    engine, *_ = shardwise.initialize(config=cfg, model=pipe, model_parameters=list(pipe.parameters()))
+    out = engine.eval_batch(iter(RepeatingLoader([(x, 0)])))
+    loss_pipe = PipelineModule(layers=base, num_stages=2, loss_fn=lambda o, y: ((o - y) ** 2).mean())
+    engine2, *_ = shardwise.initialize(
+        config=cfg, model=loss_pipe, model_parameters=list(loss_pipe.parameters())
+    )
+    y = torch.randn(1, 1)
+    loss, logits = engine2.eval_batch(iter(RepeatingLoader([(x, y)])), return_logits=True)
+    return {
+        "out": out,
+        "expected": expected,
+        "loss": loss,
+        "expected_loss": ((expected - y) ** 2).mean(),
+        "logits": logits,
+        "first": engine.is_first_stage(),
+        "last": engine.is_last_stage(),
+    }
+
+
+def pipe_data_parallel(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """2 stages x 2 data-parallel ranks, ZeRO stage 1."""
+    engine = build_pipe(2, zero_optimization={"stage": 1})
+    assert engine.grid.data_parallel_size == 2 and engine.dp_world_size == 2
+    losses = train(engine, steps)
+    return {"losses": losses, "weights": stage_weights(engine), "dp": engine.grid.data_parallel_id}

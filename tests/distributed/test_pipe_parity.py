@@ -30,7 +30,10 @@ def test_every_schedule_matches_the_unpipelined_model() -> None:
     for (name, virtual), per_rank in zip(CASES, results):
         for out in per_rank:
             assert out["chunks"] == virtual, name
-            assert max(abs(a - b) for a, b in zip(out["losses"], ref["losses"])) <= 1e-6, (name, out["losses"])
+            assert max(abs(a - b) for a, b in zip(out["losses"], ref["losses"])) <= 1e-6, (
+                name,
+                out["losses"],
+            )
             for key, value in out["weights"].items():
                 assert (value - ref["weights"][key]).abs().max().item() <= 1e-6, (name, key)
         held = set(per_rank[0]["weights"]) | set(per_rank[1]["weights"])

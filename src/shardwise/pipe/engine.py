@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from shardwise.checkpoint import engine_io
 from shardwise.comm import collectives
 from shardwise.engine import ShardwiseEngine
 from shardwise.pipe import executor as ex
@@ -308,6 +309,30 @@ class PipelineEngine(ShardwiseEngine):
         )
         collectives.broadcast(data, src=self._loss_rank, group=group)
         return data
+
+    # ------------------------------------------------------------------ checkpoints
+    def load_checkpoint(
+        self, load_dir: Any, tag: object = None, load_module_strict: bool = True, **kwargs: Any
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """``engine.load_checkpoint`` for any number of stages: entries are keyed by global layer
+        index, so every stage reads its own layers' parameters and optimizer state from a checkpoint
+        written with any stage count. Strict means every entry of this stage was saved (the other
+        stages' entries are expected, not unexpected)."""
+        from shardwise.checkpoint import dcp_io, keys
+
+        path, client_state = engine_io.load_checkpoint(
+            self, load_dir, tag=tag, load_module_strict=False, **kwargs
+        )
+        if path is not None and load_module_strict:
+            saved = dcp_io.saved_entries(dcp_io.read_metadata(path))
+            missing = [k for k in self.module.state_dict() if keys.MODEL + k not in saved]
+            if missing:
+                raise RuntimeError(
+                    f"pipeline stage {self.stage_id}: {path} has no entries for {missing}; was it saved from a "
+                    "PipelineModule with the same layers? (load_module_strict=False loads what matches)"
+                )
+        self.module._synchronize_tied_weights()
+        return path, client_state
 
     # ------------------------------------------------------------------ refused here
     def forward(self, *args: object, **kwargs: object) -> Any:
