@@ -73,7 +73,7 @@ def test_config_names_the_schedules() -> None:
         {"train_batch_size": 4, "pipeline": {"schedule": "zbv_zero_bubble", "virtual_stages": 2}}
     )
     assert cfg.config.pipeline.schedule == "zbv_zero_bubble"
-    with pytest.raises(ConfigError, match="pipeline.schedule"):
+    with pytest.raises(ConfigError, match=r"pipeline\.schedule"):
         load_config({"train_batch_size": 4, "pipeline": {"schedule": "zb1p"}})
     assert sorted(executor.SCHEDULES) == sorted(
         [
