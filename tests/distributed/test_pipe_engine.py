@@ -57,7 +57,7 @@ def test_fp16_overflow_on_one_stage_skips_on_every_stage() -> None:
 def test_refusals_name_the_key() -> None:
     messages = run_distributed(refusals, world_size=2, timeout=240)[0]
     assert "zero_optimization.stage" in messages[0] and "stage 0 or 1" in messages[0]
-    assert "pipeline.stages" in messages[1] and "2" in messages[1]
+    assert "pipeline.virtual_stages" in messages[1] and "2 or more" in messages[1]
     assert "Only train_batch() is accessible in pipeline mode." in messages[2]
 
 

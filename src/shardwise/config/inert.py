@@ -323,6 +323,18 @@ INERT_KEYS: tuple[InertKey, ...] = (
     InertKey("hybrid_engine", "there is no generation engine; the model trains as a plain module", _enabled),
     InertKey("tensor_parallel", "no automatic tensor parallelism: the model is not split"),
     InertKey(
+        "pipeline.stages",
+        "the PipelineModule's num_stages (or topology) decides the stages; DeepSpeed's engine does not read it either",
+    ),
+    InertKey(
+        "pipeline.partition",
+        "the PipelineModule's partition_method decides how layers are cut; DeepSpeed's engine does not read it either",
+    ),
+    InertKey(
+        "pipeline.seed_layers",
+        "the PipelineModule's seed_layers argument decides; DeepSpeed's engine does not read it either",
+    ),
+    InertKey(
         "pipeline.pipe_partitioned",
         "activations are sent whole: partitioning them acts only with tensor slicing (a topology's model axis), "
         "which shardwise's pipelines refuse",

@@ -1,11 +1,11 @@
 """What ``initialize`` does for a PipelineModule before the optimizer exists.
 
-* the ``pipeline`` config section: each key acts on the module or is refused by name
-  (``stages``, ``partition`` and ``seed_layers`` must agree with the module, which decides them;
-  ``activation_checkpoint_interval`` and ``use_reentrant`` set its checkpointing;
-  ``schedule``/``virtual_stages`` re-cut it into chunks for interleaved and V-shaped schedules;
-  ``pipe_partitioned``/``grad_partitioned`` act only with tensor slicing, which shardwise's
-  pipelines refuse);
+* the ``pipeline`` config section: ``activation_checkpoint_interval`` and ``use_reentrant`` set
+  the module's checkpointing; ``schedule``/``virtual_stages`` pick the torch schedule and re-cut
+  the module into chunks for interleaved and V-shaped ones (an impossible pair is refused by
+  name). ``stages``, ``partition`` and ``seed_layers`` are read by neither DeepSpeed's engine nor
+  this one (the module's own arguments decide), and ``pipe_partitioned``/``grad_partitioned`` act
+  only with tensor slicing: :mod:`shardwise.config.inert` reports them when set;
 * ZeRO: stages 0 and 1 only (DeepSpeed's rule; stage 2 reduce-scatters every micro batch inside
   backward, which the pipeline's tied-gradient sum must precede, and stage 3 shards layers the
   stages already split);
@@ -39,7 +39,6 @@ def pipe_group(grid: PipelineParallelGrid) -> Group:
 
 
 def _check_config(module: PipelineModule, root: ShardwiseConfig) -> None:
-    section = root.pipeline
     stage = int(root.zero_stage)
     if stage >= 2:
         raise ConfigError(
@@ -48,27 +47,6 @@ def _check_config(module: PipelineModule, root: ShardwiseConfig) -> None:
             "and ZeRO-3 shards the layers the stages already split (DeepSpeed refuses both too)",
             "use stage 0 or 1 with pipeline parallelism",
             value=stage,
-        )
-    if section.stages != "auto" and section.stages != module.num_stages:
-        raise ConfigError(
-            "pipeline.stages",
-            f"the PipelineModule has {module.num_stages} stages",
-            f"set it to {module.num_stages} or 'auto' (the module's num_stages/topology decides)",
-            value=section.stages,
-        )
-    if section.partition != "best" and section.partition.lower() != module.partition_method.lower():
-        raise ConfigError(
-            "pipeline.partition",
-            f"the PipelineModule was partitioned with partition_method={module.partition_method!r}",
-            "pass partition_method= to PipelineModule (it cuts the layers before the config is read), or drop the key",
-            value=section.partition,
-        )
-    if section.seed_layers and not module.seed_layers:
-        raise ConfigError(
-            "pipeline.seed_layers",
-            "the layers were already built unseeded",
-            "pass seed_layers=True to PipelineModule, or drop the key",
-            value=True,
         )
     if module._grid.model_parallel_size > 1:
         raise ConfigError(
@@ -96,7 +74,15 @@ def prepare(module: PipelineModule, root: ShardwiseConfig, model_parameters: Any
         module.activation_checkpoint_interval = section.activation_checkpoint_interval
     if module.activation_checkpoint_interval > 0:
         module._precompute_checkpointable_values()
-    kind = ex.check_schedule(section.schedule, section.virtual_stages)
+    try:
+        kind = ex.check_schedule(section.schedule, section.virtual_stages)
+    except ValueError as exc:
+        raise ConfigError(
+            "pipeline.virtual_stages",
+            str(exc),
+            "set the stages per rank the schedule runs",
+            value=section.virtual_stages,
+        ) from None
     if kind.stages_per_rank == 1:
         return model_parameters
     p = module.num_stages
