@@ -5,7 +5,12 @@ pipeline engine, on 2 gloo ranks (2 stages)::
     python benchmarks/pipeline_bubble.py --quick          # m = 4, fewer steps
     python benchmarks/pipeline_bubble.py --ds-python /work/venv-ds/bin/python   # adds DeepSpeed's column
 
-Workload: a stack of MLP blocks (``Linear(w, 4w) -> GELU -> Linear(4w, w)`` with a residual), cut
+Workload (``--workload``): ``sleep`` (default), blocks whose forward and backward each take a fixed
+wall time (a small linear layer, then ``time.sleep``), so the schedule's bubble shows however loaded
+the machine is (a 2-core machine shared with other jobs makes matmul timings noise); or ``mlp``, a
+stack of real MLP blocks (``Linear(w, 4w) -> GELU -> Linear(4w, w)`` with a residual). The zero-bubble
+schedules gain only with ``mlp``: they split each backward into its input-gradient and
+weight-gradient passes, and a sleep is one indivisible backward. Either stack is cut
 uniformly into 2 stages (or 4 chunks for the two-chunk schedules), MSE loss, AdamW, ZeRO 0, fp32,
 ``gradient_accumulation_steps = m``. Per schedule: the step time (the least wall time of
 ``train_batch`` over the timed steps after warm-up, both ranks entering together: on a machine shared
@@ -40,6 +45,10 @@ SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zbv_zero_bubb
 
 
 def _layers(args: dict[str, Any], spec: Any, nn: Any) -> list[Any]:
+    if args.get("workload") == "sleep":
+        block = _sleep_block_class()
+        return [spec(block, args["width"], args["fwd_ms"], args["bwd_ms"]) for _ in range(args["blocks"])]
+
     class Block(nn.Module):
         def __init__(self, width: int) -> None:
             super().__init__()
@@ -49,6 +58,39 @@ def _layers(args: dict[str, Any], spec: Any, nn: Any) -> list[Any]:
             return x + self.down(self.act(self.up(x)))
 
     return [spec(Block, args["width"]) for _ in range(args["blocks"])]
+
+
+def _sleep_block_class() -> Any:
+    import torch
+    from torch import nn
+
+    class _Sleep(torch.autograd.Function):
+        """Identity whose forward and backward take a fixed wall time (a layer's compute, immune to
+        other load on the machine, so the schedule's bubble shows alone)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, fwd_s: float, bwd_s: float) -> Any:
+            ctx.bwd_s = bwd_s
+            time.sleep(fwd_s)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            time.sleep(ctx.bwd_s)
+            return grad, None, None
+
+    class SleepBlock(nn.Module):
+        """A small linear layer followed by a fixed-time forward/backward."""
+
+        def __init__(self, width: int, fwd_ms: float, bwd_ms: float) -> None:
+            super().__init__()
+            self.lin = nn.Linear(width, width)
+            self.fwd_s, self.bwd_s = fwd_ms / 1000, bwd_ms / 1000
+
+        def forward(self, x: Any) -> Any:
+            return _Sleep.apply(self.lin(x), self.fwd_s, self.bwd_s)
+
+    return SleepBlock
 
 
 def _config(args: dict[str, Any], schedule: str | None, virtual: int) -> dict[str, Any]:
@@ -192,6 +234,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--micro", type=int, default=64, help="samples per micro batch")
+    parser.add_argument(
+        "--workload",
+        choices=["sleep", "mlp"],
+        default="sleep",
+        help="sleep: each block's forward/backward takes a fixed wall time (the default: the "
+        "bubble shows whatever else loads the machine); mlp: real matmuls",
+    )
+    parser.add_argument("--fwd-ms", type=float, default=10.0, help="sleep workload: forward time per block")
+    parser.add_argument("--bwd-ms", type=float, default=20.0, help="sleep workload: backward time per block")
     parsed = parser.parse_args()
     if parsed.ds_worker:
         deepspeed_rank(json.loads(parsed.ds_worker))
@@ -202,7 +253,16 @@ def main() -> None:
     steps = 4 if parsed.quick else 8
     rows = []
     for m in ms:
-        args = {"width": parsed.width, "blocks": parsed.blocks, "micro": parsed.micro, "m": m, "steps": steps}
+        args = {
+            "width": parsed.width,
+            "blocks": parsed.blocks,
+            "micro": parsed.micro,
+            "m": m,
+            "steps": steps,
+            "workload": parsed.workload,
+            "fwd_ms": parsed.fwd_ms,
+            "bwd_ms": parsed.bwd_ms,
+        }
         results = run_distributed_cases(shardwise_rank, SCHEDULES, world_size=2, args=(args,), timeout=1200)
         for (name, v), per_rank in zip(SCHEDULES, results):
             rows.append((m, f"shardwise {name}", v, per_rank))

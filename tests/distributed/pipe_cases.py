@@ -5,6 +5,7 @@ Module level so the harness can pickle them."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -195,7 +196,7 @@ def eval_sequential(rank: int, world: int) -> dict[str, Any]:
     base = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)], nn.Linear(32, 1))
     x = torch.randn(1, 32)
     expected = base(x).detach()
-    pipe = PipelineModule(layers=base, num_stages=2)
+    pipe = PipelineModule(layers=copy.deepcopy(base), num_stages=2)
     cfg = {
         "train_batch_size": 2,
         "train_micro_batch_size_per_gpu": 1,
@@ -203,13 +204,28 @@ def eval_sequential(rank: int, world: int) -> dict[str, Any]:
     }
     engine, *_ = shardwise.initialize(config=cfg, model=pipe, model_parameters=list(pipe.parameters()))
     out = engine.eval_batch(iter(RepeatingLoader([(x, 0)])))
-    loss_pipe = PipelineModule(layers=base, num_stages=2, loss_fn=lambda o, y: ((o - y) ** 2).mean())
+    loss_pipe = PipelineModule(
+        layers=copy.deepcopy(base), num_stages=2, loss_fn=lambda o, y: ((o - y) ** 2).mean()
+    )
     engine2, *_ = shardwise.initialize(
         config=cfg, model=loss_pipe, model_parameters=list(loss_pipe.parameters())
     )
     y = torch.randn(1, 1)
     loss, logits = engine2.eval_batch(iter(RepeatingLoader([(x, y)])), return_logits=True)
+    # initialize(training_data=...): train_batch() with no iterator reads the engine's own loader
+    gen = torch.Generator().manual_seed(
+        3
+    )  # the same samples on both stages (inputs on one, labels on the other)
+    data = [(torch.randn(32, generator=gen), torch.randn(1, generator=gen)) for _ in range(8)]
+    third = PipelineModule(
+        layers=copy.deepcopy(base), num_stages=2, loss_fn=lambda o, y: ((o - y) ** 2).mean()
+    )
+    engine3, *_ = shardwise.initialize(
+        config=cfg, model=third, model_parameters=list(third.parameters()), training_data=data
+    )
+    from_loader = [float(engine3.train_batch()) for _ in range(3)]
     return {
+        "from_loader": from_loader,
         "out": out,
         "expected": expected,
         "loss": loss,

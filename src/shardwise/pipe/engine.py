@@ -9,10 +9,10 @@ gradient norm and overflow check span the whole pipeline (the norm group is the 
 fp16 overflow together. The loss returned is the mean over micro batches and data-parallel ranks,
 broadcast from the loss stage to every stage.
 
-How gradients reach ZeRO: the schedule's backwards accumulate without reducing; then one backward
-of zeros on the parameters (exact: ``g + 0 == g``) passes every gradient through ZeRO's hooks into
-its buffer; the tied gradients are summed there; a second zero backward at the boundary launches
-the data-parallel reduction through the same hooks a normal ``engine.backward`` uses.
+How gradients reach ZeRO: the schedule's backwards accumulate into ZeRO's flat buffer through its
+hooks without reducing (``prepare_backward(False)``); the tied gradients are summed there, in place;
+then ZeRO reduces the window over the stage's data-parallel ranks in its usual launch order
+(``reduce_gradients``), as the boundary backward of an unpipelined run would.
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ class PipelineEngine(ShardwiseEngine):
         self.num_stages = self.grid.pipe_parallel_size
         self.stage_id = self.grid.stage_id
         self.prev_stage, self.next_stage = self.stage_id - 1, self.stage_id + 1
-        self.micro_batch_size = self.train_micro_batch_size_per_gpu()
-        self.micro_batches = self.gradient_accumulation_steps()
         self.is_pipe_parallel = self.num_stages > 1
         self.is_data_parallel = self.grid.data_parallel_size > 1
         self.is_model_parallel = self.grid.model_parallel_size > 1
@@ -82,6 +80,16 @@ class PipelineEngine(ShardwiseEngine):
             self._scaled_loss,
         )
         self._loss_rank = self._holder_rank(self.executor.holds_loss)
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per micro batch (``train_micro_batch_size_per_gpu``)."""
+        return self.train_micro_batch_size_per_gpu()
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro batches per ``train_batch``: ``gradient_accumulation_steps`` (follows ``set_train_batch_size``)."""
+        return self.gradient_accumulation_steps()
 
     # ------------------------------------------------------------------ stage queries
     def is_first_stage(self) -> bool:
@@ -132,6 +140,11 @@ class PipelineEngine(ShardwiseEngine):
         """``n`` micro batches: the inputs where stage 0 runs, the labels where the loss is computed."""
         if not (self.executor.holds_input or self.executor.holds_loss):
             return None, None
+        if self.data_iterator is None and self.training_dataloader is not None:
+            from shardwise.data import RepeatingLoader
+
+            # initialize(training_data=...) built the loader over this stage's data-parallel ranks
+            self.data_iterator = iter(RepeatingLoader(self.training_dataloader))
         if self.data_iterator is None:
             raise RuntimeError(
                 "train_batch/eval_batch on the first or last pipeline stage needs data: pass data_iter=, call "
@@ -208,27 +221,20 @@ class PipelineEngine(ShardwiseEngine):
         self.agg_train_loss = self._aggregate_loss(self._micro_losses)
         return self.agg_train_loss
 
-    def _zero_backward(self, params: list[torch.Tensor]) -> None:
-        """Add zeros to every gradient through autograd, so ZeRO's hooks see each parameter."""
-        torch.autograd.backward(params, grad_tensors=[torch.zeros_like(p) for p in params])
-
     def _reduce_gradients(self, optimizer: Any) -> None:
-        """DeepSpeed's ReduceTiedGrads then ReduceGrads, through ZeRO's own hooks (module docstring)."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        self._zero_backward(params)  # fold every gradient into ZeRO's buffer, unreduced
-        optimizer.after_backward()
-        grad_dtype = self.precision.grad_accum_dtype
-        tied.sum_gradients(
-            self.module._ties,
-            optimizer.accumulated_gradient,
-            pipe_group(self.grid),
-            self.num_stages,
-            self.device,
-            grad_dtype,
-        )
-        optimizer.prepare_backward(True)
-        self._zero_backward(params)  # the boundary backward: reduce over the data-parallel ranks
-        optimizer.after_backward()
+        """DeepSpeed's ReduceTiedGrads then ReduceGrads on ZeRO's own buffers (module docstring)."""
+        optimizer.after_backward()  # the schedule's backwards: accumulated, nothing reduced
+        if self.module._ties and self.num_stages > 1:
+            optimizer.fold_gradients()  # a zero-bubble weight pass may have left .grad outside the buffer
+            tied.sum_gradients(
+                self.module._ties,
+                optimizer.accumulated_gradient,
+                pipe_group(self.grid),
+                self.num_stages,
+                self.device,
+                self.precision.grad_accum_dtype,
+            )
+        optimizer.reduce_gradients()  # over this stage's data-parallel ranks, ZeRO's usual launch order
 
     # ------------------------------------------------------------------ evaluation
     def eval_batch(

@@ -269,6 +269,16 @@ class ZeroOptimizer(ZeroStrategy):
         """Complete this backward's reductions (waits for in-flight buckets)."""
         self.reducer.finish()
 
+    def fold_gradients(self) -> None:
+        """Every gradient of this window into the flat buffers, unreduced (see ``BucketReducer.fold_window``)."""
+        self.reducer.fold_window()
+
+    def reduce_gradients(self) -> None:
+        """Reduce this window's accumulated gradients now, as a boundary backward would (a pipeline's
+        ReduceGrads, after the backwards of its micro batches ran with ``prepare_backward(False)``)."""
+        self.reducer.optimizer_exchanges = self._optimizer_exchanges()
+        self.reducer.reduce_window()
+
     def accumulated_gradient(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s gradient accumulated in this window and not yet reduced (stages 0-1), as a
         view of the full gradient buffer: a pipeline sums tied weights' gradients over its stages
