@@ -72,8 +72,12 @@ def build_pipe(stages: int, schedule: str = "1f1b", virtual_stages: int = 1, **e
     net = PipelineModule(
         pm.gpt_layers(GPT), num_stages=stages, loss_fn=pm.gpt_loss, partition_method="uniform"
     )
+    pm.state_from_gpt(net, initial_gpt_state(), GPT.n_layer)  # before initialize: ZeRO's masters copy these
     engine, *_ = shardwise.initialize(model=net, config=config(schedule, virtual_stages, **extra))
-    pm.state_from_gpt(engine.module, initial_gpt_state(), GPT.n_layer)
+    if (
+        virtual_stages > 1
+    ):  # re-cut into chunks at initialize: new layers (fp32: the masters are the parameters)
+        pm.state_from_gpt(engine.module, initial_gpt_state(), GPT.n_layer)
     return engine
 
 
@@ -242,3 +246,8 @@ def pipe_data_parallel(rank: int, world: int, steps: int) -> dict[str, Any]:
     assert engine.grid.data_parallel_size == 2 and engine.dp_world_size == 2
     losses = train(engine, steps)
     return {"losses": losses, "weights": stage_weights(engine), "dp": engine.grid.data_parallel_id}
+
+
+def bf16_pipelined(rank: int, world: int, steps: int) -> list[float]:
+    """bf16 (fp32 masters and gradient accumulation) on 2 stages."""
+    return train(build_pipe(2, bf16={"enabled": True}), steps)
