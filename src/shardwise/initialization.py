@@ -319,8 +319,14 @@ def initialize(
         from shardwise.compression.zero_rules import prepare_for_engine
 
         prepare_for_engine(model, cfg, optimizer, model_parameters)
+    zero_topology = topology
+    if _is_pipeline(model):
+        from shardwise.pipe import setup as pipe_setup
+
+        model_parameters = pipe_setup.prepare(model, root, model_parameters)  # may re-cut it into chunks
+        zero_topology = pipe_setup.norm_topology(topology, model)  # gradient norm over every stage
     model, zero_optimizer = _place_and_build_zero(
-        root, precision, topology, device, model, model_parameters, optimizer
+        root, precision, zero_topology, device, model, model_parameters, optimizer
     )
     _synchronize_buffers(model, topology)
     scheduler = _build_scheduler(root.scheduler, lr_scheduler, zero_optimizer)
@@ -380,6 +386,14 @@ def _missing_model(args: object) -> AssertedValueError:
     )
 
 
+def _is_pipeline(model: nn.Module) -> bool:
+    """A ``shardwise.pipe.PipelineModule`` (checked without importing the pipe package otherwise)."""
+    import sys
+
+    pipe_module = sys.modules.get("shardwise.pipe.module")
+    return pipe_module is not None and isinstance(model, pipe_module.PipelineModule)
+
+
 def _start_distributed(
     distributed_port: int, dist_init_required: bool | None, mpu: object, source: object
 ) -> Topology:
@@ -430,6 +444,8 @@ def _configure_process(root: ShardwiseConfig, mpu: object) -> CheckpointingSetti
 
 def _synchronize_buffers(model: nn.Module, topology: Topology) -> None:
     """Every data-parallel rank takes the first rank's buffers; expanded views that differ are an error."""
+    if topology.dp_size == 1:
+        return  # one data-parallel rank: its group is None in a mesh layout, which means the world to torch
     source = comm.group_source_rank(topology.dp_group)
     buffers = list(model.named_buffers())
     unequal = [name for name, b in buffers if not comm.broadcast_into(b, src=source, group=topology.dp_group)]
@@ -465,7 +481,12 @@ def _build_engine(
         mp_size=topology.mp_size,
         precision=precision,
     )
-    return ShardwiseEngine(
+    engine_class = ShardwiseEngine
+    if _is_pipeline(model):
+        from shardwise.pipe.engine import PipelineEngine
+
+        engine_class = PipelineEngine  # train_batch / eval_batch over the pipeline's stages
+    return engine_class(
         model,
         cfg,
         topology,

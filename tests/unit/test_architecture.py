@@ -39,6 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("compression",),  # compression_training: quantization, pruning, layer reduction (a step hook)
     ("data_efficiency", "autotuning"),  # curriculum/sampler/random-LTD; autotuning (metric hook, space, tuners)
     ("engine", "step_hook_factory"),  # orchestration only; the builder of the configured step hooks
+    ("pipe",),  # pipeline parallelism (deepspeed.pipe): PipelineModule, topologies, schedules, PipelineEngine
     ("initialization", "launcher"),  # the two entry points: initialize() and the launcher
     ("compat",),  # deepspeed.<path> -> shardwise: the forwarding table behind the 'deepspeed' package
     ("cli",),  # the ``shardwise`` command
@@ -60,6 +61,7 @@ ALLOWED_DIST: dict[str, tuple[str, ...]] = {
         "torch.distributed.device_mesh",
     ),
     "launcher": ("torch.distributed.run", "torch.distributed.elastic"),  # torchrun's agent
+    "pipe": ("torch.distributed.pipelining",),  # torch's pipeline stages and schedules (their p2p)
 }
 # testing/ is exempt: it is the harness that creates and destroys the bare process groups the code
 # under test runs in (the comm layer included), so it must not depend on comm/.

@@ -45,6 +45,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.runtime.precision_config": ("shardwise.compat.ds_config",),
     "deepspeed.runtime.config_utils": ("shardwise.compat.config_model",),
     "deepspeed.runtime.activation_checkpointing.checkpointing": ("shardwise.checkpointing",),
+    "deepspeed.runtime.pipe": ("shardwise.pipe",),
+    "deepspeed.runtime.pipe.topology": ("shardwise.pipe.topology", "shardwise.pipe.grid"),
+    "deepspeed.runtime.pipe.module": ("shardwise.pipe.module", "shardwise.pipe.spec"),
+    "deepspeed.runtime.pipe.schedule": ("shardwise.pipe.schedule",),
+    "deepspeed.runtime.pipe.engine": ("shardwise.pipe.engine",),
     "deepspeed.launcher.runner": ("shardwise.compat.launcher_runner", "shardwise.launcher.command"),
     "deepspeed.launcher.multinode_runner": ("shardwise.compat.launcher_runner",),
     "deepspeed.monitor.config": ("shardwise.compat.monitors",),
@@ -72,14 +77,11 @@ RENAMES: dict[str, str] = {
     "deepspeed.utils.torch.required_torch_version": "shardwise.compat.small_names:required_torch_version",
     "deepspeed.utils.numa.parse_range_list": "shardwise.compat.small_names:parse_range_list",
     "deepspeed.runtime.zero.utils.ZeRORuntimeException": "shardwise.compat.small_names:ZeRORuntimeException",
+    "deepspeed.utils.RepeatingLoader": "shardwise.data:RepeatingLoader",
     **{
         f"deepspeed.{path}": f"shardwise.compat.unavailable:{path.rpartition('.')[2]}"
         for path in (
-            "pipe.PipelineModule",
-            "pipe.LayerSpec",
-            "pipe.TiedLayerSpec",
-            "runtime.pipe.topology.PipeModelDataParallelTopology",
-            "runtime.pipe.engine.PipelineEngine",
+            "pipe.DualPipeVModule",
             "moe.layer.MoE",
             "moe.utils.split_params_into_different_moe_groups_for_optimizer",
             "moe.utils.is_moe_param",
@@ -97,7 +99,7 @@ RENAMES: dict[str, str] = {
     },
 }
 """Single names: DeepSpeed's spelling -> ``module:attribute`` in shardwise. The ``unavailable`` ones are
-DeepSpeed parts shardwise does not have (pipeline, MoE, DeepSpeed's own optimizer wrappers): importable,
+DeepSpeed parts shardwise does not have (DualPipeVModule, MoE, DeepSpeed's own optimizer wrappers): importable,
 raising with their name and the alternative when used."""
 
 PACKAGES: frozenset[str] = frozenset({"deepspeed.runtime", "deepspeed.ops", "deepspeed.launcher"})

@@ -2,8 +2,9 @@
 subclasses them loads), failing when used with an error naming the DeepSpeed name and what to use instead.
 
 Two kinds: DeepSpeed's own optimizer wrappers and ZeRO internals (shardwise's engine has its own
-strategies, :mod:`shardwise.zero`), and ``deepspeed.pipe`` / ``deepspeed.moe``, which come with the
-pipeline-parallel and MoE work.
+strategies, :mod:`shardwise.zero`), and ``deepspeed.moe``, which comes with the MoE work. Of
+``deepspeed.pipe`` only ``DualPipeVModule`` is here: shardwise runs DualPipeV as a schedule of an
+ordinary PipelineModule (:mod:`shardwise.pipe.executor`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NoReturn
 
-_PIPE = "pipeline parallelism (deepspeed.pipe) is not in shardwise yet; train the model without PipelineModule"
+_DUALPIPEV = (
+    "shardwise runs DualPipeV as a schedule of a plain PipelineModule: set the config's pipeline.schedule to "
+    '"dualpipev" and pipeline.virtual_stages to 2'
+)
 _MOE = "mixture of experts (deepspeed.moe) is not in shardwise yet; use the model's own MoE layer without expert parallelism"
 _SP = ("DeepSpeed's Ulysses attention layers are not in shardwise; pass an mpu with sequence-parallel groups to "
        "initialize and keep the model's attention")
@@ -49,11 +53,7 @@ def unavailable_function(qualname: str, instead: str) -> Callable[..., NoReturn]
     return function
 
 
-PipelineModule = unavailable_class("deepspeed.pipe.PipelineModule", _PIPE)
-LayerSpec = unavailable_class("deepspeed.pipe.LayerSpec", _PIPE)
-TiedLayerSpec = unavailable_class("deepspeed.pipe.TiedLayerSpec", _PIPE)
-PipeModelDataParallelTopology = unavailable_class("deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology", _PIPE)
-PipelineEngine = unavailable_class("deepspeed.runtime.pipe.engine.PipelineEngine", _PIPE)
+DualPipeVModule = unavailable_class("deepspeed.pipe.DualPipeVModule", _DUALPIPEV)
 MoE = unavailable_class("deepspeed.moe.layer.MoE", _MOE)
 split_params_into_different_moe_groups_for_optimizer = unavailable_function(
     "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer", _MOE)

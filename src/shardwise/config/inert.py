@@ -324,7 +324,28 @@ INERT_KEYS: tuple[InertKey, ...] = (
     InertKey("quantize_training", "no MoQ quantization: weights stay in the training precision", _enabled),
     InertKey("hybrid_engine", "there is no generation engine; the model trains as a plain module", _enabled),
     InertKey("tensor_parallel", "no automatic tensor parallelism: the model is not split"),
-    InertKey("pipeline", "there is no pipeline engine: the section is used only with a PipelineModule"),
+    InertKey(
+        "pipeline.stages",
+        "the PipelineModule's num_stages (or topology) decides the stages; DeepSpeed's engine does not read it either",
+    ),
+    InertKey(
+        "pipeline.partition",
+        "the PipelineModule's partition_method decides how layers are cut; DeepSpeed's engine does not read it either",
+    ),
+    InertKey(
+        "pipeline.seed_layers",
+        "the PipelineModule's seed_layers argument decides; DeepSpeed's engine does not read it either",
+    ),
+    InertKey(
+        "pipeline.pipe_partitioned",
+        "activations are sent whole: partitioning them acts only with tensor slicing (a topology's model axis), "
+        "which shardwise's pipelines refuse",
+    ),
+    InertKey(
+        "pipeline.grad_partitioned",
+        "gradients are sent whole: partitioning them acts only with tensor slicing (a topology's model axis), "
+        "which shardwise's pipelines refuse",
+    ),
     InertKey("compile", "the model is not compiled by shardwise; call torch.compile on it yourself"),
     InertKey("checkpoint.writer", "checkpoints are written by shardwise's own writer", _present),
     InertKey("checkpoint.parallel_write", "every rank writes its own files"),

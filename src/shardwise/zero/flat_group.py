@@ -179,6 +179,16 @@ class FlatGroup:
                 self.grad_buffer[lo:hi].zero_()
                 self._written[index] = True
 
+    def gradient_slot(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s accumulated gradient of this window, as a view of the full
+        gradient buffer shaped like the parameter (zeroed first if no gradient reached it)."""
+        assert self.grad_buffer is not None, "gradient_slot needs the full gradient buffer (stages 0-1)"
+        lo, hi = self.param_view(index)
+        if not self._written[index]:
+            self.grad_buffer[lo:hi].zero_()
+            self._written[index] = True
+        return self.grad_buffer[lo:hi].view_as(self.params[index])
+
     def zero_grads(self) -> None:
         """Start a new accumulation window: every parameter's ``.grad`` is None until its
         first gradient arrives (see ``fold_grad``); sharded accumulators are zeroed."""

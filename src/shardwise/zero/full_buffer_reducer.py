@@ -64,6 +64,11 @@ class FullBufferReducer(GradientReducer):
 
     def _launch_unit(self, k: int) -> None:
         unit = self._unit(k)
+        if self.groups[unit.group].world_size == 1:
+            # One data-parallel rank (e.g. a pipeline stage with no replica): its gradients are the
+            # sums. The layout's group of one rank is None, which a collective would take as the world.
+            self.groups[unit.group].settle(unit.bucket)
+            return
         if not self.in_pieces:
             self._launch_bucket(unit.group, unit.bucket)
             return

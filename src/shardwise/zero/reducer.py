@@ -162,6 +162,24 @@ class GradientReducer(ABC):
         for k in self.order.arrive(gi, pi, reducing=self._reducing()):
             self._launch_unit(k)
 
+    def fold_window(self) -> None:
+        """Bring every gradient autograd left outside this layout's buffers into them, as the hooks
+        do (a ``.grad`` assigned rather than accumulated, e.g. by a zero-bubble pipeline's weight pass)."""
+        for gi, group in enumerate(self.groups):
+            for pi, param in enumerate(group.params):
+                self._accumulate(gi, pi, param)
+
+    def reduce_window(self) -> None:
+        """Reduce the window now, as a boundary backward would: every parameter counts as arrived
+        (its gradient folded in first) and the units launch in the usual order, then :meth:`finish`.
+        For a pipeline, whose micro batches' backwards ran without reducing and whose tied
+        gradients were summed over stages in between."""
+        self.reduce_this_backward = True
+        for gi, group in enumerate(self.groups):
+            for pi, param in enumerate(group.params):
+                self._on_grad(gi, pi, param)
+        self.finish()
+
     def remove_hooks(self) -> None:
         """Detach every hook (when the optimizer is closed: ``engine.destroy()``)."""
         for handle in self._handles:

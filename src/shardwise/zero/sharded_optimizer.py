@@ -246,6 +246,8 @@ class ZeroOptimizer(ZeroStrategy):
 
     def broadcast_parameters(self) -> None:
         """Make every rank start from the first data-parallel rank's parameters (and masters)."""
+        if self.policy.world_size == 1:
+            return  # nothing to agree on; the layout's group of one rank is None (the world, to torch)
         src = group_source_rank(self.policy.process_group)
         self.wait_for_parameters()
         for flat in self.groups:
@@ -270,6 +272,26 @@ class ZeroOptimizer(ZeroStrategy):
     def after_backward(self) -> None:
         """Complete this backward's reductions (waits for in-flight buckets)."""
         self.reducer.finish()
+
+    def fold_gradients(self) -> None:
+        """Every gradient of this window into the flat buffers, unreduced (see ``BucketReducer.fold_window``)."""
+        self.reducer.fold_window()
+
+    def reduce_gradients(self) -> None:
+        """Reduce this window's accumulated gradients now, as a boundary backward would (a pipeline's
+        ReduceGrads, after the backwards of its micro batches ran with ``prepare_backward(False)``)."""
+        self.reducer.optimizer_exchanges = self._optimizer_exchanges()
+        self.reducer.reduce_window()
+
+    def accumulated_gradient(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s gradient accumulated in this window and not yet reduced (stages 0-1), as a
+        view of the full gradient buffer: a pipeline sums tied weights' gradients over its stages
+        there, before the data-parallel reduction."""
+        for flat in self.groups:
+            for index, p in enumerate(flat.params):
+                if p is param:
+                    return flat.gradient_slot(index)
+        raise KeyError(f"parameter of shape {tuple(param.shape)} is not optimized by this ZeRO optimizer")
 
     def zero_grad(self) -> None:
         """Clear accumulated gradients."""

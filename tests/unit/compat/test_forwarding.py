@@ -85,6 +85,11 @@ DEEPSPEED_TEST_NAMES = [
     ("deepspeed.pipe", "PipelineModule"),
     ("deepspeed.pipe", "LayerSpec"),
     ("deepspeed.pipe", "TiedLayerSpec"),
+    ("deepspeed.runtime.pipe", "ProcessTopology"),
+    ("deepspeed.runtime.pipe.module", "PipelineModule"),
+    ("deepspeed.runtime.pipe.topology", "PipelineParallelGrid"),
+    ("deepspeed.runtime.pipe.schedule", "TrainSchedule"),
+    ("deepspeed.runtime.pipe.engine", "PipelineEngine"),
     ("deepspeed.runtime.activation_checkpointing.checkpointing", "checkpoint"),
     ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer"),
     ("deepspeed.runtime.config", "ADAM_OPTIMIZER"),
@@ -179,13 +184,13 @@ def test_unlisted_path_falls_back_to_the_shardwise_module_of_that_path() -> None
 
 
 def test_unavailable_parts_import_and_fail_with_their_names(deepspeed_package: object) -> None:
-    from deepspeed.pipe import PipelineModule  # type: ignore[import-not-found]
+    from deepspeed.pipe import DualPipeVModule  # type: ignore[import-not-found]
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # type: ignore[import-not-found]
 
-    class Pipe(PipelineModule):  # subclassing works, as DeepSpeed's test models do
+    class Pipe(DualPipeVModule):  # subclassing works, as DeepSpeed's test models do
         pass
 
-    with pytest.raises(NotImplementedError, match=r"deepspeed\.pipe\.PipelineModule is not provided by shardwise"):
+    with pytest.raises(NotImplementedError, match=r"deepspeed\.pipe\.DualPipeVModule is not provided.*dualpipev"):
         Pipe()
     with pytest.raises(NotImplementedError, match=r"DeepSpeedZeroOptimizer_Stage3.*engine\.optimizer"):
         DeepSpeedZeroOptimizer_Stage3()

@@ -103,6 +103,12 @@ class PipelineConfig(Section):
     pipe_partitioned: bool = True
     grad_partitioned: bool = True
     use_reentrant: bool = True
+    # shardwise keys: which torch.distributed.pipelining schedule runs, and stages per rank for
+    # the interleaved / V-shaped ones (shardwise.pipe.executor).
+    schedule: Literal[
+        "1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
+    ] = "1f1b"
+    virtual_stages: int = Field(1, ge=1)
 
 
 class CompileConfig(Section):
