@@ -197,8 +197,8 @@ def _place_and_build_zero(
         _check_zero_optimizer(root, inner)
         return inner
 
-    reduction = reduction_factors(
-        topology.dp_size,
+    reduction = reduction_factors(  # ZeRO averages over data x sequence parallel (sdp): see docs/sequence-parallelism.md
+        topology.shard_size,
         allreduce_op=root.gradient_allreduce_op,
         prescale=root.prescale_gradients,
         predivide_factor=root.gradient_predivide_factor,
@@ -296,6 +296,8 @@ def _start_distributed(
     mpu) it is read as before.
     """
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    if getattr(mpu, "reads_process_layout", False):
+        mpu = None  # an mpu over the mesh itself (shardwise.sequence.parallel_state): the layout is the mesh's
     sp, tp = _declared_in_config(source)
     if mpu is None and (mesh.current_layout() is not None or sp is not None or tp is not None):
         return mesh.ensure_layout(sp=sp, tp=tp, source="the config (sequence_parallel_size / tensor_parallel)")
@@ -333,14 +335,15 @@ def _configure_process(root: ShardwiseConfig, mpu: object) -> CheckpointingSetti
 
 
 def _synchronize_buffers(model: nn.Module, topology: Topology) -> None:
-    """Every data-parallel rank takes the first rank's buffers; expanded views that differ are an error."""
-    source = comm.group_source_rank(topology.dp_group)
+    """Every rank of the model replica's group (data x sequence parallel, the group ZeRO shards over)
+    takes the first rank's buffers; expanded views that differ are an error."""
+    source = comm.group_source_rank(topology.shard_group)
     buffers = list(model.named_buffers())
-    unequal = [name for name, b in buffers if not comm.broadcast_into(b, src=source, group=topology.dp_group)]
+    unequal = [name for name, b in buffers if not comm.broadcast_into(b, src=source, group=topology.shard_group)]
     # Only expanded buffers can fail, and the model's structure is the same on every rank: the
     # agreement (every rank stops, not just the one that differs) costs a collective only then.
     shared = any(not b.is_contiguous() and 0 in b.stride() for _, b in buffers)
-    if shared and comm.all_reduce_max_flag(bool(unequal), group=topology.dp_group):
+    if shared and comm.all_reduce_max_flag(bool(unequal), group=topology.shard_group):
         raise ValueError(
             f"buffer(s) {unequal or '(on another rank)'} are expanded views (their elements share memory) "
             f"and differ from rank {source}'s, so they cannot be made equal on every rank; register "

@@ -19,6 +19,12 @@ from __future__ import annotations
 from shardwise.comm import groups
 from shardwise.comm.group_type import Group
 
+reads_process_layout = True
+"""This mpu answers from the process layout (:mod:`shardwise.comm.mesh`): ``initialize`` reads the
+layout directly instead of reading this module as a Ulysses mpu (so the model-parallel aliases below
+do not make the sequence-parallel ranks model-parallel ones: ``engine.mp_world_size`` stays 1, as
+in DeepSpeed)."""
+
 __all__ = [
     "get_model_parallel_group",
     "get_model_parallel_rank",
