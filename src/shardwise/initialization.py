@@ -177,7 +177,11 @@ def _place_and_build_zero(
     )
 
     zero, aio = root.zero_optimization, root.aio
-    comm_dtype = communication_dtype(root.communication_data_type)
+    # under sequence parallelism DeepSpeed reduces gradients in seq_parallel_communication_data_type (default fp32)
+    sequence_parallel = topology.sp_size > 1
+    comm_dtype = communication_dtype(
+        root.seq_parallel_communication_data_type if sequence_parallel else root.communication_data_type
+    )
     prepared = prepare_module(  # stage 3: sharded in place, with its record
         model,
         zero=zero,

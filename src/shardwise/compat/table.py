@@ -59,6 +59,15 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.ops.adagrad": ("shardwise.compat.ops",),
     "deepspeed.ops.lion": ("shardwise.compat.ops",),
     "deepspeed.ops.lamb": ("shardwise.compat.ops",),
+    "deepspeed.sequence": ("shardwise.sequence",),
+    "deepspeed.sequence.layer": ("shardwise.sequence.layer",),
+    "deepspeed.runtime.sequence_parallel": ("shardwise.sequence",),
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": (
+        "shardwise.sequence.hf_attention",
+        "shardwise.sequence.data",
+        "shardwise.sequence.tiled",
+    ),
+    "deepspeed.runtime.sequence_parallel.parallel_state_sp": ("shardwise.sequence.parallel_state",),
 }
 
 RENAMES: dict[str, str] = {
@@ -90,8 +99,6 @@ RENAMES: dict[str, str] = {
             "runtime.bf16_optimizer.BF16_Optimizer",
             "runtime.zero.partition_parameters.MultipleAllGatherHandles",
             "runtime.zero.partition_parameters.partitioned_param_data_shape",
-            "sequence.layer.DistributedAttention",
-            "runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF",
             "tp_model_init",
         )
     },
