@@ -49,8 +49,13 @@ def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
             program declared a different ``sp`` degree (the error names both).
     """
     from shardwise.comm import mesh
-    from shardwise.comm.init import get_world_size
+    from shardwise.comm.init import get_world_size, is_initialized
 
+    if not is_initialized():
+        raise RuntimeError(
+            f"initialize_sequence_parallel({sequence_parallel_size!r}): no process group yet; call "
+            "deepspeed.init_distributed() (shardwise.init_distributed()) first, under a launcher"
+        )
     world = get_world_size()
     if (
         isinstance(sequence_parallel_size, bool)
