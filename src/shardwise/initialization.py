@@ -251,10 +251,8 @@ def initialize(
     """
     if model is None:
         raise ValueError("shardwise.initialize needs model=...")
-    if mesh_param is not None:
-        raise ValueError("mesh_param (sequence/data-parallel meshes) is not supported in this release")
     source = _config_source(args, config, config_params)
-    topology = _start_distributed(distributed_port, dist_init_required, mpu, source)
+    topology = _start_distributed(distributed_port, dist_init_required, mpu, source, mesh_param)
     cfg = load_checked_config(
         source,
         context=ResolutionContext(
@@ -289,7 +287,11 @@ def initialize(
 
 
 def _start_distributed(
-    distributed_port: int, dist_init_required: bool | None, mpu: object, source: object
+    distributed_port: int,
+    dist_init_required: bool | None,
+    mpu: object,
+    source: object,
+    mesh_param: Any = None,
 ) -> Topology:
     """Join (or start) the process group and read the process layout, registered for
     :mod:`shardwise.comm.groups`' accessors.
@@ -301,13 +303,36 @@ def _start_distributed(
     """
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     if getattr(mpu, "reads_process_layout", False):
-        mpu = None  # an mpu over the mesh itself (shardwise.sequence.parallel_state): the layout is the mesh's
+        mpu = (
+            None  # an mpu over the mesh itself (shardwise.sequence.parallel_state): the layout is the mesh's
+        )
     sp, tp = _declared_in_config(source)
+    if mesh_param is not None:
+        sp = _sequence_degree_of_mesh_param(mesh_param, comm.get_world_size())
     if mpu is None and (mesh.current_layout() is not None or sp is not None or tp is not None):
-        return mesh.ensure_layout(sp=sp, tp=tp, source="the config (sequence_parallel_size / tensor_parallel)")
+        return mesh.ensure_layout(
+            sp=sp, tp=tp, source="the config (sequence_parallel_size / tensor_parallel)"
+        )
     topology = build_topology(mpu)
     set_topology(topology)  # utils.groups-style accessors (shardwise.comm.groups) read this layout
     return topology
+
+
+def _sequence_degree_of_mesh_param(mesh_param: Any, world: int) -> int | None:
+    """DeepSpeed's ``initialize(mesh_param=(data_parallel, sequence_parallel))``: the sp degree it declares."""
+    valid = isinstance(mesh_param, (tuple, list)) and len(mesh_param) == 2
+    if not valid or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in mesh_param):
+        raise ValueError(
+            f"mesh_param={mesh_param!r}: DeepSpeed's mesh_param is (data_parallel_size, sequence_parallel_size), "
+            "two ints >= 1; e.g. mesh_param=(2, 2) on 4 ranks"
+        )
+    dp, sp = mesh_param
+    if dp * sp != world:
+        raise ValueError(
+            f"mesh_param={tuple(mesh_param)}: data_parallel_size {dp} x sequence_parallel_size {sp} must equal "
+            f"the world size {world}; launch {dp * sp} ranks or change mesh_param"
+        )
+    return sp if sp > 1 else None
 
 
 def _declared_in_config(source: object) -> tuple[int | None, int | None]:
@@ -343,7 +368,9 @@ def _synchronize_buffers(model: nn.Module, topology: Topology) -> None:
     takes the first rank's buffers; expanded views that differ are an error."""
     source = comm.group_source_rank(topology.shard_group)
     buffers = list(model.named_buffers())
-    unequal = [name for name, b in buffers if not comm.broadcast_into(b, src=source, group=topology.shard_group)]
+    unequal = [
+        name for name, b in buffers if not comm.broadcast_into(b, src=source, group=topology.shard_group)
+    ]
     # Only expanded buffers can fail, and the model's structure is the same on every rank: the
     # agreement (every rank stops, not just the one that differs) costs a collective only then.
     shared = any(not b.is_contiguous() and 0 in b.stride() for _, b in buffers)

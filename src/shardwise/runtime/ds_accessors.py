@@ -35,6 +35,11 @@ class DeepSpeedAccessors:
         return int(self.topology.mp_size)
 
     @property
+    def checkpoint_mp_rank(self) -> int:
+        """The model-parallel rank that names this rank's checkpoint files (0 without model parallelism)."""
+        return int(self.topology.mp_rank) if self.topology.mp_size > 1 else 0
+
+    @property
     def data_parallel_group(self) -> Any:
         """The data-parallel group (None: the world, or a degree of 1 under sequence parallelism)."""
         return self.topology.dp_group

@@ -20,7 +20,14 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["HEAD_DIM", "head_shard_sizes", "padded_length", "sequence_dim", "shard_bounds"]
+__all__ = [
+    "HEAD_DIM",
+    "get_shard_size_list",
+    "head_shard_sizes",
+    "padded_length",
+    "sequence_dim",
+    "shard_bounds",
+]
 
 HEAD_DIM = 2
 """The heads dimension of a 4-D attention tensor, ``[b, s, h, d]`` or ``[s, b, h, d]``."""
@@ -86,3 +93,34 @@ def shard_bounds(length: int, world_size: int, rank: int) -> tuple[int, int]:
 def padded_length(length: int, multiple: int) -> int:
     """``length`` rounded up to a multiple of ``multiple``."""
     return -(-length // multiple) * multiple
+
+
+def get_shard_size_list(
+    total_size: int, mp_size: int, meta: object = None, name: str | None = None
+) -> list[int]:
+    """DeepSpeed's ``module_inject.tp_shard.get_shard_size_list``: each rank's share of ``total_size``.
+
+    With ``meta.num_kv_heads`` dividing ``total_size`` (and ``name`` not an MLP or ``lm_head``
+    weight) the split follows key/value heads (:func:`head_shard_sizes`); otherwise it is near-even
+    in units of ``meta.tp_grain_size`` (default 1), the first ranks taking one unit more and the last
+    rank the remainder below one unit.
+
+    Example:
+        >>> get_shard_size_list(7, 2), get_shard_size_list(10, 4)
+        ([4, 3], [3, 3, 2, 2])
+    """
+    kv = getattr(meta, "num_kv_heads", None)
+    grain = int(getattr(meta, "tp_grain_size", 1) or 1)
+    excluded = name is not None and (
+        "mlp" in name
+        or name in ("lm_head", "embed_out")
+        or any(s in name for s in ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"))
+    )
+    if kv is not None and total_size % kv == 0 and not excluded:
+        return head_shard_sizes(total_size, mp_size, kv)
+    if total_size < grain:
+        return [total_size // mp_size + (1 if r < total_size % mp_size else 0) for r in range(mp_size)]
+    units, remainder = divmod(total_size, grain)
+    sizes = [(units // mp_size + (1 if r < units % mp_size else 0)) * grain for r in range(mp_size)]
+    sizes[-1] += remainder
+    return sizes
