@@ -256,8 +256,9 @@ def initialize(
     cfg = load_checked_config(
         source,
         context=ResolutionContext(
-            # the batch rule divides by sequence_parallel_size itself: give it the dp x sp ranks
-            world_size=topology.size_of("sdp") if topology.groups else topology.dp_size,
+            # the batch rule divides by the config's sequence_parallel_size itself: then give it the dp x sp
+            # ranks; an sp declared elsewhere (an mpu, register_with_transformers) leaves the dp ranks
+            world_size=topology.dp_size * (topology.sp_size if _declared_in_config(source)[0] else 1),
             optimizer_hparams=_client_hparams(optimizer),
             hidden_size=_hidden_size(model),
         ),
