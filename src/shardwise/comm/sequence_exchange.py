@@ -176,7 +176,7 @@ class _AllGatherCat(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # reduced in place: never autograd's buffer
         dist.all_reduce(grad, group=ctx.group)
         mine = torch.split(grad, ctx.sizes, dim=ctx.dim)[group_rank(ctx.group)]
         return mine.contiguous(), None, None, None
