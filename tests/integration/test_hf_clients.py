@@ -145,3 +145,15 @@ def test_accelerate_sequence_parallel_matches_whole_sequences(
     assert len(record["got"]) == len(record["expected"]) == 4
     for got, expected in zip(record["got"], record["expected"], strict=True):
         assert abs(got - expected) < 1e-5, (record["got"], record["expected"])
+
+
+def test_trainer_sequence_parallel_first_loss_is_a_whole_sequence_loss(
+    client_env: dict[str, str], tmp_path: Path
+) -> None:
+    # Trainer(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)): Ulysses attention, the SP
+    # loader and the Trainer's own token-weighted loss over the SP group; the first step sees the initial weights,
+    # so its loss is one sample's whole-sequence loss (which one depends on the Trainer's shuffle)
+    _torchrun("trainer_sp_run.py", str(tmp_path), env=client_env, cwd=tmp_path)
+    record = torch.load(tmp_path / "trainer_sp.pt")
+    assert record["sp"] == 2 and len(record["losses"]) == 4
+    assert min(abs(record["losses"][0] - loss) for loss in record["initial"]) < 1e-5, record
