@@ -9,8 +9,9 @@ against real DeepSpeed 0.19.8 (``DS_ACCELERATOR=cpu``). Per side it reports, per
 
 * saved activation bytes at ``--seq`` with SP=2 over SP=1 (the issue's bound: <= 0.55);
 * TiledMLP's peak temporary memory over the plain MLP's on the same tokens (bound: <= 1/4), where
-  temporary is the peak resident memory during forward + backward minus the MLP's input, output and
-  their gradients (which any MLP needs);
+  temporary is the rise of resident memory during forward + backward (input and upstream gradient
+  already resident) minus the output and the input's gradient, which any MLP makes; the raw rises
+  are printed too;
 * the longest sequence that fits the memory the baseline (SP=1, plain MLP and loss) uses at
   ``--seq`` with ALST (SP=2 + TiledMLP + TiledFusedLogitsLoss), as a ratio to ``--seq``: peak
   resident memory is measured at ``--seq / 2`` and ``--seq`` and extrapolated linearly (SDPA's CPU
@@ -85,25 +86,30 @@ def side(name: str, python: str, env: dict[str, str], seq: int) -> dict[str, Any
     slope = (alst["peak_rss_delta"] - half_alst["peak_rss_delta"]) / (seq - seq // 2)
     fixed = alst["peak_rss_delta"] - slope * seq
     longest = int((budget - fixed) / slope) // 256 * 256 if slope > 0 else seq
-    # verified by a run only up to twice --seq: dense attention's compute grows with the square of the
-    # length, which one CPU thread per rank does not finish in reasonable time beyond that
+    # the linear model is checked at twice --seq (a run at the predicted length itself is made only when it
+    # is at most that: dense attention's time grows with the square of the length, too slow on one CPU thread)
+    double = measure(python, env, 2 * seq, 2, tiled=True)
     check = measure(python, env, longest, 2, tiled=True) if longest <= 2 * seq else None
     base_slope = (sp1["peak_rss_delta"] - half_base["peak_rss_delta"]) / (seq - seq // 2)
-    temp = lambda m: max(1.0, m["mlp_peak_delta"] - m["mlp_io_bytes"])  # noqa: E731
+    temp = lambda m: max(0.0, m["mlp_peak_delta"] - m["mlp_io_bytes"])  # noqa: E731
     return {
         "side": name,
         "saved_sp1": sp1["saved_bytes"],
         "saved_sp2": sp2["saved_bytes"],
         "saved_ratio": sp2["saved_bytes"] / sp1["saved_bytes"],
+        "mlp_peak_plain": sp1["mlp_peak_delta"],
+        "mlp_peak_tiled": tiled1["mlp_peak_delta"],
         "mlp_temp_plain": temp(sp1),
         "mlp_temp_tiled": temp(tiled1),
-        "mlp_ratio": temp(tiled1) / temp(sp1),
+        "mlp_ratio": temp(tiled1) / max(1.0, temp(sp1)),
         "budget": budget,
         "baseline_bytes_per_token": base_slope,
         "alst_bytes_per_token": slope,
         "longest_alst": longest,
         "longest_ratio": longest / seq,
         "longest_measured_peak": None if check is None else check["peak_rss_delta"],
+        "alst_at_double_predicted": fixed + slope * 2 * seq,
+        "alst_at_double_measured": double["peak_rss_delta"],
     }
 
 
@@ -117,13 +123,15 @@ def report(rows: list[dict[str, Any]], seq: int) -> str:
         ("saved activations, SP=1", lambda r: mib(r["saved_sp1"])),
         ("saved activations, SP=2", lambda r: mib(r["saved_sp2"])),
         ("  SP=2 / SP=1 (bound <= 0.55)", lambda r: f"{r['saved_ratio']:.3f}"),
+        ("MLP peak rise in fwd+bwd, plain / TiledMLP", lambda r: f"{mib(r['mlp_peak_plain'])} / {mib(r['mlp_peak_tiled'])}"),
         ("MLP peak temporary, plain", lambda r: mib(r["mlp_temp_plain"])),
         ("MLP peak temporary, TiledMLP", lambda r: mib(r["mlp_temp_tiled"])),
         ("  tiled / plain (bound <= 0.25)", lambda r: f"{r['mlp_ratio']:.3f}"),
         (f"budget: baseline peak at {seq}", lambda r: mib(r["budget"])),
         ("bytes per token, baseline / ALST", lambda r: f"{r['baseline_bytes_per_token']:.0f} / {r['alst_bytes_per_token']:.0f}"),
         ("longest ALST sequence in the budget", lambda r: str(r["longest_alst"])),
-        ("  its measured peak", lambda r: "not run" if r["longest_measured_peak"] is None else mib(r["longest_measured_peak"])),
+        (f"  linear model at {2 * seq}: predicted / measured", lambda r: f"{mib(r['alst_at_double_predicted'])} / {mib(r['alst_at_double_measured'])}"),
+        ("  measured peak at the longest", lambda r: "not run" if r["longest_measured_peak"] is None else mib(r["longest_measured_peak"])),
         (f"  longest ratio ALST / baseline ({seq})", lambda r: f"{r['longest_ratio']:.2f}x"),
     ]
     for label, fmt in fields:

@@ -183,7 +183,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "saved_bytes": saved.peak_bytes,
         "peak_rss_delta": whole,
         "mlp_peak_delta": mlp_peak,
-        "mlp_io_bytes": 4 * x.numel() * 4,  # x, its gradient, the output and the upstream gradient (fp32)
+        "mlp_io_bytes": 2 * x.numel() * 4,  # made by any MLP's forward + backward: the output and x's gradient
     }
 
 
