@@ -204,7 +204,11 @@ def _place_and_build_zero(
     )
 
     zero, aio = root.zero_optimization, root.aio
-    comm_dtype = communication_dtype(root.communication_data_type)
+    # under sequence parallelism DeepSpeed reduces gradients in seq_parallel_communication_data_type (default fp32)
+    sequence_parallel = topology.sp_size > 1
+    comm_dtype = communication_dtype(
+        root.seq_parallel_communication_data_type if sequence_parallel else root.communication_data_type
+    )
     muon = _is_muon(root.optimizer, client_optimizer)
     if muon:  # before sharding: stage 3 keeps the tagged matrices whole
         from shardwise.optim.muon_groups import tag_muon_parameters
@@ -240,8 +244,8 @@ def _place_and_build_zero(
             _check_client_offload_optimizer(root, inner)
         return inner
 
-    reduction = reduction_factors(
-        topology.dp_size,
+    reduction = reduction_factors(  # ZeRO averages over data x sequence parallel (sdp): see docs/sequence-parallelism.md
+        topology.shard_size,
         allreduce_op=root.gradient_allreduce_op,
         prescale=root.prescale_gradients,
         predivide_factor=root.gradient_predivide_factor,
@@ -296,15 +300,14 @@ def initialize(
     """
     if model is None:
         raise _missing_model(args)
-    if mesh_param is not None:
-        raise ValueError("mesh_param (sequence/data-parallel meshes) is not supported in this release")
     source = _config_source(args, config, config_params)
-    topology = _start_distributed(distributed_port, dist_init_required, mpu, source)
+    topology = _start_distributed(distributed_port, dist_init_required, mpu, source, mesh_param)
     cfg = load_checked_config(
         source,
         context=ResolutionContext(
-            # the batch rule divides by sequence_parallel_size itself: give it the dp x sp ranks
-            world_size=topology.size_of("sdp") if topology.groups else topology.dp_size,
+            # the batch rule divides by the config's sequence_parallel_size itself: then give it the dp x sp
+            # ranks; an sp declared elsewhere (an mpu, register_with_transformers) leaves the dp ranks
+            world_size=topology.dp_size * (topology.sp_size if _declared_in_config(source)[0] else 1),
             optimizer_hparams=_client_hparams(optimizer),
             hidden_size=_hidden_size(model),
         ),
@@ -395,7 +398,11 @@ def _is_pipeline(model: nn.Module) -> bool:
 
 
 def _start_distributed(
-    distributed_port: int, dist_init_required: bool | None, mpu: object, source: object
+    distributed_port: int,
+    dist_init_required: bool | None,
+    mpu: object,
+    source: object,
+    mesh_param: Any = None,
 ) -> Topology:
     """Join (or start) the process group and read the process layout, registered for
     :mod:`shardwise.comm.groups`' accessors.
@@ -406,12 +413,37 @@ def _start_distributed(
     mpu) it is read as before.
     """
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    if getattr(mpu, "reads_process_layout", False):
+        mpu = (
+            None  # an mpu over the mesh itself (shardwise.sequence.parallel_state): the layout is the mesh's
+        )
     sp, tp = _declared_in_config(source)
+    if mesh_param is not None:
+        sp = _sequence_degree_of_mesh_param(mesh_param, comm.get_world_size())
     if mpu is None and (mesh.current_layout() is not None or sp is not None or tp is not None):
-        return mesh.ensure_layout(sp=sp, tp=tp, source="the config (sequence_parallel_size / tensor_parallel)")
+        return mesh.ensure_layout(
+            sp=sp, tp=tp, source="the config (sequence_parallel_size / tensor_parallel)"
+        )
     topology = build_topology(mpu)
     set_topology(topology)  # utils.groups-style accessors (shardwise.comm.groups) read this layout
     return topology
+
+
+def _sequence_degree_of_mesh_param(mesh_param: Any, world: int) -> int | None:
+    """DeepSpeed's ``initialize(mesh_param=(data_parallel, sequence_parallel))``: the sp degree it declares."""
+    valid = isinstance(mesh_param, (tuple, list)) and len(mesh_param) == 2
+    if not valid or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in mesh_param):
+        raise ValueError(
+            f"mesh_param={mesh_param!r}: DeepSpeed's mesh_param is (data_parallel_size, sequence_parallel_size), "
+            "two ints >= 1; e.g. mesh_param=(2, 2) on 4 ranks"
+        )
+    dp, sp = mesh_param
+    if dp * sp != world:
+        raise ValueError(
+            f"mesh_param={tuple(mesh_param)}: data_parallel_size {dp} x sequence_parallel_size {sp} must equal "
+            f"the world size {world}; launch {dp * sp} ranks or change mesh_param"
+        )
+    return sp if sp > 1 else None
 
 
 def _declared_in_config(source: object) -> tuple[int | None, int | None]:
@@ -443,16 +475,19 @@ def _configure_process(root: ShardwiseConfig, mpu: object) -> CheckpointingSetti
 
 
 def _synchronize_buffers(model: nn.Module, topology: Topology) -> None:
-    """Every data-parallel rank takes the first rank's buffers; expanded views that differ are an error."""
-    if topology.dp_size == 1:
-        return  # one data-parallel rank: its group is None in a mesh layout, which means the world to torch
-    source = comm.group_source_rank(topology.dp_group)
+    """Every rank of the model replica's group (data x sequence parallel, the group ZeRO shards over)
+    takes the first rank's buffers; expanded views that differ are an error."""
+    if topology.shard_size == 1:
+        return  # one rank holds this replica (slice): nothing to agree on
+    source = comm.group_source_rank(topology.shard_group)
     buffers = list(model.named_buffers())
-    unequal = [name for name, b in buffers if not comm.broadcast_into(b, src=source, group=topology.dp_group)]
+    unequal = [
+        name for name, b in buffers if not comm.broadcast_into(b, src=source, group=topology.shard_group)
+    ]
     # Only expanded buffers can fail, and the model's structure is the same on every rank: the
     # agreement (every rank stops, not just the one that differs) costs a collective only then.
     shared = any(not b.is_contiguous() and 0 in b.stride() for _, b in buffers)
-    if shared and comm.all_reduce_max_flag(bool(unequal), group=topology.dp_group):
+    if shared and comm.all_reduce_max_flag(bool(unequal), group=topology.shard_group):
         raise ValueError(
             f"buffer(s) {unequal or '(on another rank)'} are expanded views (their elements share memory) "
             f"and differ from rank {source}'s, so they cannot be made equal on every rank; register "

@@ -130,3 +130,30 @@ def test_accelerate_launch_use_deepspeed(client_env: dict[str, str], tmp_path: P
     )
     record = torch.load(tmp_path / "full.pt")
     assert record["stage"] == 2 and len(record["rows"]) == 6
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_accelerate_sequence_parallel_matches_whole_sequences(
+    client_env: dict[str, str], tmp_path: Path, stage: int
+) -> None:
+    # ParallelismConfig(sp_backend="deepspeed", sp_size=2): accelerate registers Ulysses attention, wraps the
+    # loader and passes the mpu; the SP run's losses equal a plain SGD run on whole sequences
+    # (SGD's update is linear in the gradient: SP's few-ulp gradient differences stay at that level,
+    # where Adam's first steps, close to lr * sign(g), would magnify them)
+    _torchrun("accelerate_sp_loop.py", str(stage), str(tmp_path), env=client_env, cwd=tmp_path)
+    record = torch.load(tmp_path / "sp.pt")
+    assert len(record["got"]) == len(record["expected"]) == 4
+    for got, expected in zip(record["got"], record["expected"], strict=True):
+        assert abs(got - expected) < 1e-5, (record["got"], record["expected"])
+
+
+def test_trainer_sequence_parallel_first_loss_is_a_whole_sequence_loss(
+    client_env: dict[str, str], tmp_path: Path
+) -> None:
+    # Trainer(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)): Ulysses attention, the SP
+    # loader and the Trainer's own token-weighted loss over the SP group; the first step sees the initial weights,
+    # so its loss is one sample's whole-sequence loss (which one depends on the Trainer's shuffle)
+    _torchrun("trainer_sp_run.py", str(tmp_path), env=client_env, cwd=tmp_path)
+    record = torch.load(tmp_path / "trainer_sp.pt")
+    assert record["sp"] == 2 and len(record["losses"]) == 4
+    assert min(abs(record["losses"][0] - loss) for loss in record["initial"]) < 1e-5, record

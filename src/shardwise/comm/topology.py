@@ -190,14 +190,15 @@ class Topology:
         return DeviceMesh.from_group(pgs, device_type, mesh=layout, mesh_dim_names=tuple(names))
 
     def data_parallel_mesh(self, device_type: str) -> DeviceMesh:
-        """The 1-D ``DeviceMesh`` named ``dp_shard`` over the data-parallel group (the world when None).
+        """The 1-D ``DeviceMesh`` named ``dp_shard`` over the group ZeRO shards over (``shard_group``:
+        the data-parallel group, times the sequence-parallel one under Ulysses; the world when None).
 
         FSDP2 (stage 3) shards over it; hpZ's secondary groups are its runs
         (``dims.dp_shard_runs``), which FSDP2 forms itself from ``reshard_after_forward=k``.
         """
         from torch.distributed.device_mesh import DeviceMesh
 
-        group = self.dp_group if self.dp_group is not None else get_world_group()
+        group = self.shard_group if self.shard_group is not None else get_world_group()
         return DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
 
 

@@ -64,6 +64,15 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.ops.adagrad": ("shardwise.compat.ops",),
     "deepspeed.ops.lion": ("shardwise.compat.ops",),
     "deepspeed.ops.lamb": ("shardwise.compat.ops",),
+    "deepspeed.sequence": ("shardwise.sequence",),
+    "deepspeed.sequence.layer": ("shardwise.sequence.layer",),
+    "deepspeed.runtime.sequence_parallel": ("shardwise.sequence",),
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": (
+        "shardwise.sequence.hf_attention",
+        "shardwise.sequence.data",
+        "shardwise.sequence.tiled",
+    ),
+    "deepspeed.runtime.sequence_parallel.parallel_state_sp": ("shardwise.sequence.parallel_state",),
 }
 
 RENAMES: dict[str, str] = {
@@ -73,6 +82,7 @@ RENAMES: dict[str, str] = {
     "deepspeed.DeepSpeedConfig": "shardwise.compat.ds_config:DeepSpeedConfig",
     "deepspeed.OnDevice": "shardwise.compat.small_names:OnDevice",
     "deepspeed.launcher.runner.main": "shardwise.compat.launcher_runner:main",
+    "deepspeed.module_inject.tp_shard.get_shard_size_list": "shardwise.sequence.layout:get_shard_size_list",
     "deepspeed.ops.__compatible_ops__": "shardwise.compat.op_builder:COMPATIBLE_OPS",
     "deepspeed.utils.torch.required_torch_version": "shardwise.compat.small_names:required_torch_version",
     "deepspeed.utils.numa.parse_range_list": "shardwise.compat.small_names:parse_range_list",
@@ -92,8 +102,8 @@ RENAMES: dict[str, str] = {
             "runtime.bf16_optimizer.BF16_Optimizer",
             "runtime.zero.partition_parameters.MultipleAllGatherHandles",
             "runtime.zero.partition_parameters.partitioned_param_data_shape",
-            "sequence.layer.DistributedAttention",
-            "runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF",
+            "sequence.fpdt_layer._FPDTGPUOffloadingAttentionImpl_",
+            "sequence.fpdt_layer.FPDT_InputConstruct",
             "tp_model_init",
         )
     },

@@ -162,12 +162,6 @@ INERT_KEYS: tuple[InertKey, ...] = (
     InertKey(
         "data_parallel_size", "the data-parallel size comes from the launch (world size / model parallel)"
     ),
-    InertKey(
-        "sequence_parallel_size",
-        "no sequence parallelism is set up; only the batch arithmetic divides the world size by it",
-        lambda cfg, value, world: value is not None and value > 1,
-    ),
-    InertKey("seq_parallel_communication_data_type", "there is no sequence parallelism"),
     InertKey("graph_harvesting", "CUDA graphs are not captured"),
     InertKey("expert_parallel", "there is no expert parallelism", _present),
     InertKey("weight_quantization", "weights are not quantized", _present),

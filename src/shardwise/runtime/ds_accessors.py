@@ -34,6 +34,36 @@ class DeepSpeedAccessors:
         """Model-parallel ranks (1 without an ``mpu``)."""
         return int(self.topology.mp_size)
 
+    @property
+    def checkpoint_mp_rank(self) -> int:
+        """The model-parallel rank that names this rank's checkpoint files (0 without model parallelism)."""
+        return int(self.topology.mp_rank) if self.topology.mp_size > 1 else 0
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The data-parallel group (None: the world, or a degree of 1 under sequence parallelism)."""
+        return self.topology.dp_group
+
+    @property
+    def seq_parallel_group(self) -> Any:
+        """The sequence-parallel group (None without sequence parallelism)."""
+        return self.topology.sp_group
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """The sequence-parallel degree (``sequence_parallel_size``; 1 without it)."""
+        return int(self.topology.sp_size)
+
+    @property
+    def seq_data_parallel_group(self) -> Any:
+        """The group ZeRO shards and averages gradients over: data x sequence parallel."""
+        return self.topology.shard_group
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """The size of :attr:`seq_data_parallel_group`."""
+        return int(self.topology.shard_size)
+
     def fp16_enabled(self) -> bool:
         """``fp16.enabled``."""
         return bool(self._config.config.fp16.enabled)

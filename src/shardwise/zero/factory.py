@@ -155,12 +155,12 @@ def prepare_module(
         settings=settings_from_zero(zero),
         compute_dtype=precision.param_dtype,
         reduce_dtype=comm_dtype or precision.grad_accum_dtype,
-        process_group=topology.dp_group,
+        process_group=topology.shard_group,
         device=device,
         mesh=topology.data_parallel_mesh(device.type),
         param_offload=param_offload_spec(zero, aio),
-        rank=topology.dp_rank,
-        world_size=topology.dp_size,
+        rank=topology.shard_rank,
+        world_size=topology.shard_size,
     )
     return PreparedModel(model, shard_model(model, policy))
 
@@ -226,7 +226,7 @@ def build_zero_optimizer(
         return Stage3Optimizer(record, param_groups, optimizer_factory, policy3)
     spec = optimizer_offload_spec(zero, aio)
     if spec is not None:
-        optimizer_factory = _offloaded_factory(optimizer_factory, spec, topology.dp_rank)
+        optimizer_factory = _offloaded_factory(optimizer_factory, spec, topology.shard_rank)
     policy = _flat_policy(
         zero, pre, post, gradient_clipping, comm_dtype, precision, topology, disable_allgather, param_names
     )
@@ -248,13 +248,13 @@ def _stage3_policy(
     from shardwise.zero.stage3 import Stage3Policy
 
     return Stage3Policy(
-        rank=topology.dp_rank,
-        world_size=topology.dp_size,
+        rank=topology.shard_rank,
+        world_size=topology.shard_size,
         pre_multiplier=pre,
         post_divisor=post,
         check_overflow=precision.check_overflow,
         gradient_clipping=gradient_clipping,
-        process_group=topology.dp_group,
+        process_group=topology.shard_group,
         comm_dtype=comm_dtype,
         reduce_bucket_numel=int(zero.reduce_bucket_size),
         optimizer_offload=optimizer_offload_spec(
@@ -282,8 +282,8 @@ def _flat_policy(
     """Stages 0-2's policy from the config sections and the layout."""
     return ZeroPolicy(
         stage=int(zero.stage),
-        rank=topology.dp_rank,
-        world_size=topology.dp_size,
+        rank=topology.shard_rank,
+        world_size=topology.shard_size,
         bucket_numel=int(zero.reduce_bucket_size),
         overlap_comm=zero.overlap_comm_effective,
         grad_dtype=precision.grad_accum_dtype,
@@ -292,7 +292,7 @@ def _flat_policy(
         post_divisor=post,
         check_overflow=precision.check_overflow,
         gradient_clipping=gradient_clipping,
-        process_group=topology.dp_group,
+        process_group=topology.shard_group,
         mp_group=topology.mp_group if topology.mp_size > 1 else None,
         mp_rank=topology.mp_rank,
         publish=PublishPolicy(

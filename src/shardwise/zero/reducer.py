@@ -157,6 +157,8 @@ class GradientReducer(ABC):
         return hook
 
     def _on_grad(self, gi: int, pi: int, param: torch.Tensor) -> None:
+        if getattr(param, "ds_grad_is_ready", True) is False:
+            return  # a tiled compute (sequence/tiled.py) adds more of this backward's gradient before it is done
         self.arrived.add((gi, pi))
         self._accumulate(gi, pi, param)
         for k in self.order.arrive(gi, pi, reducing=self._reducing()):

@@ -27,8 +27,6 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "vocabulary_size": {"vocabulary_size": 50257},
     "use_data_before_expert_parallelism": {"use_data_before_expert_parallelism": True},
     "data_parallel_size": {"data_parallel_size": 2},
-    "sequence_parallel_size": {"sequence_parallel_size": 2},
-    "seq_parallel_communication_data_type": {"seq_parallel_communication_data_type": "bf16"},
     "graph_harvesting": {"graph_harvesting": True},
     "expert_parallel": {"expert_parallel": {"enabled": True}},
     "weight_quantization": {"weight_quantization": {"bits": 8}},
