@@ -246,7 +246,7 @@ def initialize(
         raise ValueError("shardwise.initialize needs model=...")
     if mesh_param is not None:
         raise ValueError("mesh_param (sequence/data-parallel meshes) is not supported in this release")
-    source = _config_source(args, config, config_params)
+    source = _merge_tp_model_init(_config_source(args, config, config_params), mpu)
     topology = _start_distributed(distributed_port, dist_init_required, mpu)
     cfg = load_checked_config(
         source,
@@ -262,6 +262,7 @@ def initialize(
         root.fp16, root.bf16, amp=root.amp, torch_autocast=root.torch_autocast, data_types=root.data_types
     )
     device = _device()
+    model_parameters = _split_tensor_parallel(root, topology, model, model_parameters, optimizer)
     if root.compression_training is not None:
         from shardwise.compression.zero_rules import prepare_for_engine
 
@@ -278,6 +279,34 @@ def initialize(
         engine.training_dataloader = loader
     _log_ready(cfg, precision, topology, activation_checkpointing)
     return engine, zero_optimizer, loader, scheduler
+
+
+def _merge_tp_model_init(source: Any, mpu: object) -> Any:
+    """The config with ``tp_model_init``'s recorded degree and dtype merged into ``tensor_parallel``."""
+    from shardwise.tensor_parallel.model_init import merge_into_config, recorded
+
+    if recorded() is None:
+        return source
+    from shardwise.config.loading import read_config_source
+
+    raw, _ = read_config_source(source)
+    return merge_into_config(raw, mpu)
+
+
+def _split_tensor_parallel(
+    root: ShardwiseConfig, topology: Topology, model: nn.Module, model_parameters: Any, optimizer: object
+) -> Any:
+    """Split the model over the tensor-parallel dimension (``tensor_parallel.autotp_size`` > 1);
+    returns ``model_parameters`` (and re-points a client optimizer) at the local slices."""
+    from shardwise.tensor_parallel.engine_setup import remap_optimizer, remap_parameters, split_for_engine
+
+    report = split_for_engine(model, root.tensor_parallel, topology)
+    if report is None:
+        return model_parameters
+    remap_optimizer(optimizer, report)
+    logger.info("tensor parallel: %d layers split over %d ranks (%s)", len(report.kinds), topology.mp_size,
+                report.source)
+    return remap_parameters(model_parameters, report)
 
 
 def _start_distributed(distributed_port: int, dist_init_required: bool | None, mpu: object) -> Topology:
