@@ -295,6 +295,7 @@ def _flat_policy(
         process_group=topology.dp_group,
         mp_group=topology.mp_group if topology.mp_size > 1 else None,
         mp_rank=topology.mp_rank,
+        mp_size=topology.mp_size,
         publish=PublishPolicy(
             bucket_numel=int(zero.allgather_bucket_size),
             broadcast=disable_allgather or not zero.allgather_partitions,

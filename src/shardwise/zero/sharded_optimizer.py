@@ -78,8 +78,9 @@ class ZeroPolicy:
     check_overflow: bool
     gradient_clipping: float
     process_group: Group = None
-    mp_group: Group = None
+    mp_group: Group = None  # with mp_size > 1, None is the world (tensor parallel over every rank)
     mp_rank: int = 0
+    mp_size: int = 1
     publish: PublishPolicy = field(default_factory=PublishPolicy)
     all_reduce_gradients: bool = False  # reduce_scatter: false (stages 1-2): all-reduce, then slice
     fail_on_unused: bool = False  # ignore_unused_parameters: false
@@ -293,7 +294,7 @@ class ZeroOptimizer(ZeroStrategy):
             total += squared_norm(flat.grad).to(total.device)
         if (self.policy.stage >= 1 or local_gradients) and self.policy.world_size > 1:
             collectives.all_reduce(total, op="sum", group=self.policy.process_group)
-        if self.policy.mp_group is not None:
+        if self.policy.mp_size > 1:
             collectives.all_reduce(total, op="sum", group=self.policy.mp_group)
         return total
 
