@@ -169,6 +169,7 @@ def _place_and_build_zero(
 ) -> tuple[nn.Module, ZeroStrategy | None]:
     """Place (stage 3: shard) the model and build the ZeRO optimizer, handing each builder the
     sections and values it reads. Returns the model and the optimizer (None without one)."""
+    from shardwise.tensor_parallel.engine_setup import split_parameter_names
     from shardwise.zero.factory import (
         build_zero_optimizer,
         communication_dtype,
@@ -178,6 +179,7 @@ def _place_and_build_zero(
 
     zero, aio = root.zero_optimization, root.aio
     comm_dtype = communication_dtype(root.communication_data_type)
+    tp_param_names = split_parameter_names(model)  # before FSDP2 replaces the parameters (stage 3)
     prepared = prepare_module(  # stage 3: sharded in place, with its record
         model,
         zero=zero,
@@ -217,6 +219,7 @@ def _place_and_build_zero(
         disable_allgather=bool(root.disable_allgather),
         param_names={id(p): name for name, p in prepared.module.named_parameters()},
         module=prepared.module,
+        tp_param_names=tp_param_names,
     )
     zero_optimizer.broadcast_parameters()
     return prepared.module, zero_optimizer

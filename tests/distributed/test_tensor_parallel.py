@@ -37,3 +37,21 @@ def test_tp2_trains_like_tp1_at_stages_0_1_2_with_half_the_split_weights() -> No
                 gap = max(abs(a - b) for a, b in zip(result["losses"], reference))
                 assert gap < TOLERANCE, (stage, gap)
         assert two[0]["bytes"] * 2 == one[0]["bytes"] and two[1]["bytes"] * 2 == one[1]["bytes"]
+
+
+@pytest.mark.slow
+def test_zero3_with_tp_on_a_2x2_mesh_trains_like_tp1() -> None:
+    """4 ranks: dp_shard=2 x tp=2 (FSDP2 shards each rank's slices over its data-parallel pair)
+    against dp=4 at TP=1; the same tokens on every rank, so both see the same gradient."""
+    cases = [{"tp": tp, "stage": 3, "steps": STEPS} for tp in (1, 2)]
+    one, two = run_distributed_cases(llama_losses, cases, world_size=4, timeout=900)
+    assert [r["tp"] for r in two] == [2] * 4 and [r["dp"] for r in two] == [2] * 4
+    reference = one[0]["losses"]
+    assert reference[-1] < reference[0] - 0.1
+    for result in [*one, *two]:
+        gap = max(abs(a - b) for a, b in zip(result["losses"], reference))
+        assert gap < TOLERANCE, gap
+    # a 2-D layout: each rank holds a quarter of every split weight (half by TP, half of that by
+    # FSDP2 over its data-parallel pair), as many bytes as a rank of the 4-way FSDP2 run
+    whole = sum(r["bytes"] for r in one)
+    assert whole == 73728 and [r["bytes"] for r in two] == [whole // 4] * 4

@@ -46,6 +46,8 @@ def llama_config(tp: int, stage: int, **extra: Any) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,  # SGD is elementwise: exact on flat shards
         "zero_optimization": {"stage": stage},
     }
+    if stage == 3:  # shard every weight (the tiny model's are below the default persistence threshold)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if tp > 1:
         config["tensor_parallel"] = {"autotp_size": tp}
     config.update(extra)

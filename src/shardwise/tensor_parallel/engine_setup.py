@@ -17,12 +17,12 @@ from shardwise.comm.topology import Topology
 from shardwise.config.sections.features import TensorParallelConfig
 from shardwise.tensor_parallel.batch_check import install_batch_check
 from shardwise.tensor_parallel.hf_plan import hf_tp_plan, specs_from_hf_plan
-from shardwise.tensor_parallel.layers import TPGroup
+from shardwise.tensor_parallel.layers import TensorParallelLayer, TPGroup
 from shardwise.tensor_parallel.partitioner import SplitReport, split_model
 from shardwise.tensor_parallel.presets import resolve_plan
 from shardwise.tensor_parallel.specs import PartitionPlan
 
-__all__ = ["check_section", "remap_optimizer", "remap_parameters", "split_for_engine", "tp_group_of"]
+__all__ = ["check_section", "remap_optimizer", "remap_parameters", "split_for_engine", "split_parameter_names", "tp_group_of"]
 
 
 def check_section(section: TensorParallelConfig) -> PartitionPlan | None:
@@ -101,3 +101,18 @@ def remap_optimizer(optimizer: object, report: SplitReport) -> None:
     """Re-point a client ``torch.optim.Optimizer`` built on the whole model at the local slices."""
     for group in getattr(optimizer, "param_groups", None) or ():
         group["params"] = [report.replaced.get(id(p), p) for p in group["params"]]
+
+
+def split_parameter_names(model: nn.Module) -> frozenset[str]:
+    """The names of the parameters ``model`` holds only a tensor-parallel slice of: those of its
+    tensor-parallel layers and any marked ``tensor_model_parallel`` / ``model_parallel`` (an mpu's
+    Megatron-style layers)."""
+    names = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if isinstance(module, TensorParallelLayer)
+        for name in module.splits
+    }
+    marked = {name for name, p in model.named_parameters()
+              if getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)}
+    return frozenset(names | marked)
