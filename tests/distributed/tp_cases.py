@@ -146,3 +146,37 @@ def layers_match_whole_ones(rank: int, world: int, case: dict[str, Any]) -> dict
         local_ref = emb.splits["weight"].local(whole_emb.weight.grad, rank)
         errors[f"embedding dim {dim} grad"] = (emb.weight.grad - local_ref).abs().max().item()
     return errors
+
+
+def _engine(tp: int, stage: int) -> Any:
+    mesh.reset_layout()
+    model = tiny_llama()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    engine, _, _, _ = shardwise.initialize(model=model, optimizer=sgd, config=llama_config(tp, stage))
+    return engine
+
+
+def _train(engine: Any, tokens: list[torch.Tensor]) -> list[float]:
+    losses = []
+    for batch in tokens:
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def resume_at_other_degree(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Train 6 steps at ``case["save_tp"]``, save; the next 2 steps' losses there and, from the
+    checkpoint, at ``case["load_tp"]`` (a new engine on a new layout)."""
+    torch.set_num_threads(1)
+    tokens = batches(8)
+    saver = _engine(case["save_tp"], case["stage"])
+    _train(saver, tokens[:6])
+    saver.save_checkpoint(case["dir"], tag="t")
+    continued = _train(saver, tokens[6:])
+    loader = _engine(case["load_tp"], case["stage"])
+    loader.load_checkpoint(case["dir"], tag="t")
+    resumed = _train(loader, tokens[6:])
+    mesh.reset_layout()
+    return {"continued": continued, "resumed": resumed}
