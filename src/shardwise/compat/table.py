@@ -59,6 +59,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.ops.adagrad": ("shardwise.compat.ops",),
     "deepspeed.ops.lion": ("shardwise.compat.ops",),
     "deepspeed.ops.lamb": ("shardwise.compat.ops",),
+    "deepspeed.module_inject": ("shardwise.compat.autotp",),
+    "deepspeed.module_inject.layers": ("shardwise.compat.autotp",),
+    "deepspeed.module_inject.tp_shard": ("shardwise.compat.autotp",),
+    "deepspeed.module_inject.autotp_config": ("shardwise.tensor_parallel.specs", "shardwise.tensor_parallel.presets"),
+    "deepspeed.runtime.tensor_parallel": ("shardwise.tensor_parallel.model_init",),
 }
 
 RENAMES: dict[str, str] = {
@@ -72,6 +77,7 @@ RENAMES: dict[str, str] = {
     "deepspeed.utils.torch.required_torch_version": "shardwise.compat.small_names:required_torch_version",
     "deepspeed.utils.numa.parse_range_list": "shardwise.compat.small_names:parse_range_list",
     "deepspeed.runtime.zero.utils.ZeRORuntimeException": "shardwise.compat.small_names:ZeRORuntimeException",
+    "deepspeed.tp_model_init": "shardwise.tensor_parallel.model_init:tp_model_init",
     **{
         f"deepspeed.{path}": f"shardwise.compat.unavailable:{path.rpartition('.')[2]}"
         for path in (
@@ -92,7 +98,6 @@ RENAMES: dict[str, str] = {
             "runtime.zero.partition_parameters.partitioned_param_data_shape",
             "sequence.layer.DistributedAttention",
             "runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF",
-            "tp_model_init",
         )
     },
 }

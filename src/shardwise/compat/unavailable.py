@@ -15,7 +15,6 @@ _PIPE = "pipeline parallelism (deepspeed.pipe) is not in shardwise yet; train th
 _MOE = "mixture of experts (deepspeed.moe) is not in shardwise yet; use the model's own MoE layer without expert parallelism"
 _SP = ("DeepSpeed's Ulysses attention layers are not in shardwise; pass an mpu with sequence-parallel groups to "
        "initialize and keep the model's attention")
-_TP = "automatic tensor parallelism is not in shardwise; shard with ZeRO stage 3 (zero_optimization.stage 3)"
 _ZERO = "the engine's optimizer is a shardwise ZeRO strategy (engine.optimizer); use its methods, not DeepSpeed's classes"
 
 
@@ -72,4 +71,3 @@ partitioned_param_data_shape = unavailable_function(
     "stage-3 parameters are FSDP2 DTensors; read param.to_local().shape for this rank's shard")
 DistributedAttention = unavailable_class("deepspeed.sequence.layer.DistributedAttention", _SP)
 UlyssesSPAttentionHF = unavailable_class("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF", _SP)
-tp_model_init = unavailable_function("deepspeed.tp_model_init", _TP)

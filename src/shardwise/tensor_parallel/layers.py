@@ -15,6 +15,11 @@ FSDP2's own. The two collectives of a layer are explicit autograd functions
 * :class:`ParallelEmbedding`: the embedding dimension split (outputs gathered) or the vocabulary
   split (rows outside the slice give zeros, summed over the group).
 
+The constructors also take DeepSpeed's ``(module, mp_group, name=...)`` form (a process group
+instead of a :class:`TPGroup`; ``tp_meta``, DeepSpeed's head-count hint, is accepted and unused:
+the cut is given by ``unit``), so ``deepspeed.module_inject.layers.LinearLayer`` /
+``LinearAllreduce`` are these classes.
+
 Split parameters carry ``tensor_model_parallel = True`` (Megatron's and DeepSpeed's marker;
 ZeRO's gradient norm counts them on every rank, replicated ones once). Each layer keeps the
 :class:`~shardwise.tensor_parallel.shards.Split` of each split parameter in ``splits``
@@ -29,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.comm import init as comm_init
 from shardwise.comm.group_type import Group
 from shardwise.tensor_parallel.functions import copy_to_group, gather_from_group, reduce_from_group
 from shardwise.tensor_parallel.shards import Split
@@ -45,6 +51,14 @@ class TPGroup:
     size: int
 
 
+def as_tp_group(tp: TPGroup | Group) -> TPGroup:
+    """``tp`` itself, or the :class:`TPGroup` of a process group (DeepSpeed's layer signature takes the
+    group; None is the world)."""
+    if isinstance(tp, TPGroup):
+        return tp
+    return TPGroup(tp, comm_init.get_rank(tp), comm_init.get_world_size(tp))
+
+
 def _local_parameter(full: torch.Tensor, split: Split, rank: int, requires_grad: bool) -> nn.Parameter:
     param = nn.Parameter(split.local(full.detach(), rank), requires_grad=requires_grad)
     param.tensor_model_parallel = True  # type: ignore[attr-defined]
@@ -55,9 +69,10 @@ def _local_parameter(full: torch.Tensor, split: Split, rank: int, requires_grad:
 class TensorParallelLayer(nn.Module):
     """Common state: the group, and the :class:`Split` of each split parameter by name."""
 
-    def __init__(self, tp: TPGroup) -> None:
+    def __init__(self, tp: TPGroup | Group, name: str | None = None) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp = as_tp_group(tp)
+        self.name = name
         self.splits: dict[str, Split] = {}
 
     def extra_repr(self) -> str:
@@ -68,9 +83,10 @@ class TensorParallelLayer(nn.Module):
 class ColumnParallelLinear(TensorParallelLayer):
     """``nn.Linear`` with its output features split over the group (weight rows, bias)."""
 
-    def __init__(self, linear: nn.Linear, tp: TPGroup, *, gather_output: bool = False,
-                 sub_sizes: tuple[int, ...] = (), unit: int = 1) -> None:
-        super().__init__(tp)
+    def __init__(self, linear: nn.Linear, tp: TPGroup | Group = None, name: str | None = None, *,
+                 gather_output: bool = False, sub_sizes: tuple[int, ...] = (), unit: int = 1, tp_meta: object = None) -> None:
+        super().__init__(tp, name)
+        tp = self.tp
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gather_output = gather_output
         split = Split.plan(dim=0, total=linear.out_features, parts=tp.size, sub_sizes=sub_sizes, unit=unit)
@@ -97,8 +113,10 @@ class ColumnParallelLinear(TensorParallelLayer):
 class RowParallelLinear(TensorParallelLayer):
     """``nn.Linear`` with its input features split over the group; outputs summed, bias added once."""
 
-    def __init__(self, linear: nn.Linear, tp: TPGroup, *, sub_sizes: tuple[int, ...] = (), unit: int = 1) -> None:
-        super().__init__(tp)
+    def __init__(self, linear: nn.Linear, tp: TPGroup | Group = None, name: str | None = None, *,
+                 sub_sizes: tuple[int, ...] = (), unit: int = 1, tp_meta: object = None) -> None:
+        super().__init__(tp, name)
+        tp = self.tp
         self.in_features, self.out_features = linear.in_features, linear.out_features
         split = Split.plan(dim=1, total=linear.in_features, parts=tp.size, sub_sizes=sub_sizes, unit=unit)
         self.weight = _local_parameter(linear.weight, split, tp.rank, linear.weight.requires_grad)
@@ -123,8 +141,10 @@ class ParallelEmbedding(TensorParallelLayer):
     """``nn.Embedding`` split on the embedding dimension (``dim=1``: outputs gathered) or the
     vocabulary (``dim=0``: each rank looks up its rows, the results summed)."""
 
-    def __init__(self, embedding: nn.Embedding, tp: TPGroup, *, dim: int = 1) -> None:
-        super().__init__(tp)
+    def __init__(self, embedding: nn.Embedding, tp: TPGroup | Group = None, name: str | None = None, *,
+                 dim: int = 1) -> None:
+        super().__init__(tp, name)
+        tp = self.tp
         if dim not in (0, 1):
             raise ValueError(f"tensor_parallel.partition_config.embedding_partition_dim = {dim}: it must be 0 "
                              "(vocabulary) or 1 (embedding dimension)")

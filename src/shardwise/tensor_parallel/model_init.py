@@ -23,7 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["RecordedInit", "merge_into_config", "recorded", "reset_recorded", "tp_model_init"]
+__all__ = [
+    "RecordedInit",
+    "is_autotp_training_mode",
+    "merge_into_config",
+    "recorded",
+    "reset_recorded",
+    "set_autotp_mode",
+    "tp_model_init",
+]
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,17 @@ class RecordedInit:
 
 
 _RECORDED: list[RecordedInit] = []
+_TRAINING: list[bool] = [False]
+
+
+def set_autotp_mode(training: bool = False) -> None:
+    """DeepSpeed's AutoTP mode flag: training (True) or inference (False)."""
+    _TRAINING[0] = bool(training)
+
+
+def is_autotp_training_mode() -> bool:
+    """Whether AutoTP is in training mode (``tp_model_init`` or ``set_autotp_mode(training=True)``)."""
+    return _TRAINING[0]
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -77,6 +96,7 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype, config: ob
             f"dtype={old.dtype}, then tp_size={new.tp_size}, dtype={new.dtype}; call it once per model"
         )
     _RECORDED[:] = [new]
+    set_autotp_mode(training=True)
     return model
 
 

@@ -204,14 +204,14 @@ def split_model(model: nn.Module, tp: TPGroup, plan: PartitionPlan | None, *, so
 
     def _replace(child: nn.Module, name: str, kind: str, spec: LayerSpec | None) -> nn.Module:
         if kind == "embedding":
-            return ParallelEmbedding(child, tp, dim=names_plan.embedding_partition_dim)
+            return ParallelEmbedding(child, tp, name, dim=names_plan.embedding_partition_dim)
         dim = 1 if kind == "row" else 0
         total = child.weight.shape[dim]
         attention = ("attn" in name or "attention" in name) and kv_heads and total % kv_heads == 0
         unit = total // kv_heads if attention else 1
         if kind == "row":
-            return RowParallelLinear(child, tp, sub_sizes=_sub_sizes(spec, child, 1), unit=unit)
-        return ColumnParallelLinear(child, tp, gather_output=kind == "column+gather",
+            return RowParallelLinear(child, tp, name, sub_sizes=_sub_sizes(spec, child, 1), unit=unit)
+        return ColumnParallelLinear(child, tp, name, gather_output=kind == "column+gather",
                                     sub_sizes=_sub_sizes(spec, child, 0), unit=unit)
 
     visit(model, "", False)
