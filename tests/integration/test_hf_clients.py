@@ -130,3 +130,20 @@ def test_accelerate_launch_use_deepspeed(client_env: dict[str, str], tmp_path: P
     )
     record = torch.load(tmp_path / "full.pt")
     assert record["stage"] == 2 and len(record["rows"]) == 6
+
+
+def test_trainer_with_a_tensor_parallel_config_trains_and_counts_the_data_parallel_batch(
+    client_env: dict[str, str], tmp_path: Path
+) -> None:
+    """autotp_size 2 on 2 ranks: one data-parallel rank, so the total batch is micro 2 x accumulation 2 = 4
+    (DeepSpeed's own Trainer integration counts the world: DeepSpeed issue 7298)."""
+    import json
+
+    _torchrun("trainer_tp_run.py", str(tmp_path), env=client_env, cwd=tmp_path)
+    results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)]
+    for result in results:
+        assert result["engine"] == "ShardwiseEngine" and result["tp"] == 2
+        assert result["logged_total"] == 4 and result["train_batch_size"] == 4
+        assert result["losses"][-1] < result["losses"][0]
+    whole = 2 * (32 * 32 * 2 + 16 * 32 * 2 + 64 * 32 * 3) * 4  # q, o; k, v; gate, up, down; fp32; 2 layers
+    assert [r["split_bytes"] for r in results] == [whole // 2] * 2

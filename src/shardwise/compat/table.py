@@ -34,6 +34,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.utils.zero_to_fp32": ("shardwise.compat.zero_to_fp32",),
     "deepspeed.checkpoint.utils": ("shardwise.compat.ds_utils",),
     "deepspeed.checkpoint": ("shardwise.compat.ds_utils",),
+    "deepspeed.checkpoint.constants": ("shardwise.compat.constants",),
     "deepspeed.runtime.engine": ("shardwise.engine",),
     "deepspeed.runtime.lr_schedules": ("shardwise.compat.lr_schedules", "shardwise.schedulers"),
     "deepspeed.runtime.zero": ("shardwise.zero",),
