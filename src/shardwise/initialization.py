@@ -306,7 +306,10 @@ def _split_tensor_parallel(
     """Split the model over the tensor-parallel dimension (``tensor_parallel.autotp_size`` > 1);
     returns ``model_parameters`` (and re-points a client optimizer) at the local slices."""
     from shardwise.tensor_parallel.engine_setup import remap_optimizer, remap_parameters, split_for_engine
+    from shardwise.tensor_parallel.model_init import set_autotp_mode
 
+    if root.tensor_parallel.autotp_size > 0:
+        set_autotp_mode(training=True)  # as DeepSpeed's initialize does for an AutoTP config
     report = split_for_engine(model, root.tensor_parallel, topology)
     if report is None:
         return model_parameters

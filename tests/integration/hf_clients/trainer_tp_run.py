@@ -87,7 +87,8 @@ args = TrainingArguments(
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[losses])
 trainer.train()
 engine = trainer.model_wrapped
-total = next(int(line.rsplit("=", 1)[1].replace(",", "")) for line in lines.lines if "Total train batch size" in line)
+logged = [int(line.rsplit("=", 1)[1].replace(",", "")) for line in lines.lines if "Total train batch size" in line]
+total = logged[0] if logged else None  # the Trainer logs on the main process only
 split = sum(p.numel() * p.element_size() for n, p in engine.module.named_parameters() if n.endswith("_proj.weight"))
 with open(os.path.join(out_dir, f"result-{engine.global_rank}.json"), "w") as f:
     json.dump({"logged_total": total, "train_batch_size": engine.train_batch_size(), "losses": losses.losses,

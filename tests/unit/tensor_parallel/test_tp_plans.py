@@ -151,3 +151,15 @@ def test_tp_model_init_fills_the_config_and_refuses_conflicts() -> None:
     finally:
         reset_recorded()
     assert merge_into_config({"a": 1}, mpu=None) == {"a": 1}
+
+
+def test_a_batch_counting_the_tp_ranks_is_read_as_deepspeeds_arithmetic_and_said() -> None:
+    from shardwise.config import ConfigError, load_config
+
+    base = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "tensor_parallel": {"autotp_size": 2}}
+    resolved = load_config({**base, "train_batch_size": 8}, world_size=1)  # 1 data-parallel rank, 2 TP ranks
+    assert resolved.batch.train_batch_size == 4
+    assert any("issue 7298" in w and "= 4 samples" in w for w in resolved.warnings)
+    assert load_config({**base, "train_batch_size": 4}, world_size=1).warnings == []
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        load_config({**base, "train_batch_size": 6}, world_size=1)
