@@ -308,9 +308,21 @@ def _split_tensor_parallel(
     from shardwise.tensor_parallel.engine_setup import remap_optimizer, remap_parameters, split_for_engine
     from shardwise.tensor_parallel.model_init import set_autotp_mode
 
-    if root.tensor_parallel.autotp_size > 0:
+    section = root.tensor_parallel
+    if section.autotp_size > 0:
         set_autotp_mode(training=True)  # as DeepSpeed's initialize does for an AutoTP config
-    report = split_for_engine(model, root.tensor_parallel, topology)
+    if section.autotp_size > 1:
+        from shardwise.zero.init_context import stash_of
+
+        if any(stash_of(p) is not None for p in model.parameters()):
+            raise ConfigError(
+                "tensor_parallel.autotp_size",
+                "the model was built under zero.Init (its parameters are placeholders), so it cannot be split",
+                "build the model without zero.Init when training it with tensor parallelism (stage 3 still shards "
+                "the slices)",
+                value=section.autotp_size,
+            )
+    report = split_for_engine(model, section, topology, zero_stage=root.zero_stage)
     if report is None:
         return model_parameters
     remap_optimizer(optimizer, report)

@@ -54,12 +54,15 @@ def _kv_heads(model: nn.Module) -> int | None:
     return None
 
 
-def split_for_engine(model: nn.Module, section: TensorParallelConfig, topology: Topology) -> SplitReport | None:
+def split_for_engine(model: nn.Module, section: TensorParallelConfig, topology: Topology, *,
+                     zero_stage: int = 0) -> SplitReport | None:
     """Split ``model`` in place when ``autotp_size`` > 1; None otherwise.
 
     Raises:
         ValueError: the topology's tensor-parallel degree is not ``autotp_size`` (the layout was
-            declared by someone else), or the plan cannot be applied.
+            declared by someone else), the plan cannot be applied, or it sums a replicated
+            parameter's gradient (``grad_allreduce``) at ZeRO stage 3, where FSDP2 replaces the
+            parameter that carries the hook.
     """
     plan = check_section(section)
     size = section.autotp_size
@@ -79,6 +82,13 @@ def split_for_engine(model: nn.Module, section: TensorParallelConfig, topology: 
     tp = tp_group_of(topology)
     report = split_model(model, tp, plan, source=source, model_type=getattr(config, "model_type", None),
                          kv_heads=_kv_heads(model))
+    summed = sorted(name for name, kind in report.kinds.items() if kind == "grad_allreduce")
+    if summed and zero_stage == 3:
+        raise ValueError(
+            f"tensor parallelism: {summed} sum their gradients over the tensor-parallel ranks "
+            "(replicated_with_grad_allreduce / grad_allreduce), which shardwise does at ZeRO stages 0-2 only; "
+            "use stage 0-2, or a layer spec that splits those layers"
+        )
     install_batch_check(model, tp)
     return report
 
