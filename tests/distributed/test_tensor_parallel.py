@@ -3,10 +3,14 @@ with the losses of TP=1 (fp32, 20 steps) at ZeRO stages 0-2, holding half the sp
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from tp_cases import layers_match_whole_ones, llama_losses, resume_at_other_degree
+import torch
+from tp_cases import batches, layers_match_whole_ones, llama_losses, resume_at_other_degree, tiny_llama
 
 from shardwise.checkpoint import dcp_io
+from shardwise.checkpoint.export import load_full_state_dict
 from shardwise.testing import run_distributed, run_distributed_cases
 
 pytestmark = [pytest.mark.distributed]
@@ -58,13 +62,14 @@ def test_zero3_with_tp_on_a_2x2_mesh_trains_like_tp1() -> None:
     assert whole == 73728 and [r["bytes"] for r in two] == [whole // 4] * 4
 
 
-def test_a_tp2_checkpoint_holds_whole_tensors_and_resumes_at_tp1_and_back(tmp_path) -> None:
+def test_a_tp2_checkpoint_holds_whole_tensors_and_resumes_at_tp1_and_back(tmp_path: Path) -> None:
     """Saved at TP=2 (dp=1), loaded at TP=1 (dp=2), and the reverse: the next two steps' losses (the
     first from the loaded weights, the second after a step from the loaded momentum) are the
     saving run's, within the parity bound."""
     cases = [{"save_tp": a, "load_tp": b, "stage": stage, "dir": str(tmp_path / f"{a}{b}{stage}")}
              for stage in (0, 1, 3) for a, b in ((2, 1), (1, 2))]
-    for case, ranks in zip(cases, run_distributed_cases(resume_at_other_degree, cases, timeout=900)):
+    run_results = run_distributed_cases(resume_at_other_degree, cases, timeout=900)
+    for case, ranks in zip(cases, run_results):
         for result in ranks:
             gap = max(abs(a - b) for a, b in zip(result["continued"], result["resumed"]))
             assert gap < TOLERANCE, (case, result)
@@ -73,3 +78,11 @@ def test_a_tp2_checkpoint_holds_whole_tensors_and_resumes_at_tp1_and_back(tmp_pa
     assert saved["model/model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)
     assert saved["optim/model.layers.1.mlp.down_proj.weight/momentum_buffer"].shape == (32, 64)
     assert not any(key.startswith("mp") for key in saved)
+    # the export is one ordinary state dict: a plain model loads it and computes the saving run's next loss
+    plain = tiny_llama()
+    plain.load_state_dict(load_full_state_dict(tmp_path / "210", tag="t"))
+    tokens = batches(8)[6]
+    with torch.no_grad():
+        loss = plain(input_ids=tokens, labels=tokens).loss.item()
+    continued = run_results[cases.index(next(c for c in cases if c["dir"].endswith("210")))][0]["continued"][0]
+    assert abs(loss - continued) < TOLERANCE
