@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tp_cases import batches, layers_match_whole_ones, llama_losses, resume_at_other_degree, tiny_llama
+from tp_cases import (
+    batches,
+    different_batches_are_refused,
+    layers_match_whole_ones,
+    llama_losses,
+    resume_at_other_degree,
+    tiny_llama,
+)
 
 from shardwise.checkpoint import dcp_io
 from shardwise.checkpoint.export import load_full_state_dict
@@ -25,6 +32,12 @@ TOLERANCE = 1e-6
 def test_split_layers_equal_whole_ones_forward_and_backward() -> None:
     for errors in run_distributed(layers_match_whole_ones, 2, args=({},), timeout=300):
         assert max(errors.values()) < 1e-6, errors
+
+
+def test_the_tp_ranks_must_get_the_same_batch() -> None:
+    for result in run_distributed(different_batches_are_refused, 2, args=({},), timeout=300):
+        assert result["refused"] is not None and "Data inconsistency within the TP group" in result["refused"]
+        assert len(result["same"]) == 1
 
 
 def test_tp2_trains_like_tp1_at_stages_0_1_2_with_half_the_split_weights() -> None:

@@ -180,3 +180,19 @@ def resume_at_other_degree(rank: int, world: int, case: dict[str, Any]) -> dict[
     resumed = _train(loader, tokens[6:])
     mesh.reset_layout()
     return {"continued": continued, "resumed": resumed}
+
+
+def different_batches_are_refused(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """TP=2: the first forward with a different batch on each TP rank fails on both, naming the cause;
+    a fresh engine given the same batch trains."""
+    torch.set_num_threads(1)
+    engine = _engine(2, 0)
+    tokens = batches(1)[0]
+    try:
+        engine(input_ids=tokens + rank, labels=tokens)
+        refused = None
+    except AssertionError as error:
+        refused = str(error)
+    same = _train(_engine(2, 0), [tokens])
+    mesh.reset_layout()
+    return {"refused": refused, "same": same}
