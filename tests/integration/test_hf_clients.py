@@ -147,3 +147,13 @@ def test_trainer_with_a_tensor_parallel_config_trains_and_counts_the_data_parall
         assert result["losses"][-1] < result["losses"][0]
     whole = 2 * (32 * 32 * 2 + 16 * 32 * 2 + 64 * 32 * 3) * 4  # q, o; k, v; gate, up, down; fp32; 2 layers
     assert [r["split_bytes"] for r in results] == [whole // 2] * 2
+    # the saved model holds whole tensors: a plain Llama of the same config loads it strictly
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    saved = load_file(tmp_path / "final" / "model.safetensors")
+    assert saved["model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)
+    assert saved["model.layers.1.mlp.down_proj.weight"].shape == (32, 64)
+    plain = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                         tie_word_embeddings=False))
+    plain.load_state_dict(saved, strict=True)

@@ -25,7 +25,8 @@ from shardwise.checkpoint import keys
 from shardwise.checkpoint.boxes import Box
 from shardwise.checkpoint.dcp_io import FlatShards, SavedEntry
 from shardwise.comm.fsdp_internals import is_dtensor, local_tensor
-from shardwise.tensor_parallel.layers import TensorParallelLayer
+from shardwise.tensor_parallel.functions import gather_whole
+from shardwise.tensor_parallel.layers import TensorParallelLayer, TPGroup
 from shardwise.tensor_parallel.shards import Split
 
 __all__ = ["TPSlices", "tp_slices"]
@@ -51,11 +52,19 @@ def _local_boxes(value: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
 
 
 class TPSlices:
-    """Every split parameter of a model by name: its :class:`Split` and this rank's index."""
+    """Every split parameter of a model by name: its :class:`Split` and its tensor-parallel group."""
 
-    def __init__(self, splits: Mapping[str, tuple[Split, int]], whole_shapes: Mapping[str, tuple[int, ...]]) -> None:
+    def __init__(self, splits: Mapping[str, tuple[Split, TPGroup]], whole_shapes: Mapping[str, tuple[int, ...]]) -> None:
         self.splits = dict(splits)
         self.whole_shapes = dict(whole_shapes)
+
+    def gathered(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of split parameter ``name`` from this rank's whole slice ``value``
+        (collective over its tensor-parallel group); other names unchanged."""
+        if name not in self.splits:
+            return value
+        split, tp = self.splits[name]
+        return gather_whole(value, split, tp)
 
     def __bool__(self) -> bool:
         return bool(self.splits)
@@ -70,10 +79,21 @@ class TPSlices:
             return name if name in self.splits else None
         return None
 
+    def localized(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """``state`` (a module state dict of whole tensors) with every split parameter's whole
+        tensor cut to this rank's slice (anything else, or already a slice, unchanged)."""
+        out = dict(state)
+        for name, (split, tp) in self.splits.items():
+            value = out.get(name)
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == self.whole_shapes[name]:
+                out[name] = split.local(value, tp.rank)
+        return out
+
     def whole(self, name: str, value: Any) -> Any:
         """``value`` (a tensor, flat-range shards or a DTensor shard at the slice's shape) as boxes of
         the whole tensor; anything not at the slice's shape (a scalar ``step``) unchanged."""
-        split, rank = self.splits[name]
+        split, tp = self.splits[name]
+        rank = tp.rank
         whole_shape = self.whole_shapes[name]
         local_shape = list(whole_shape)
         local_shape[split.dim] = split.local_size(rank)
@@ -127,16 +147,16 @@ class TPSlices:
             name = self.param_of(key)
             if name is None or entry.shape is None or tuple(entry.shape) != self.whole_shapes[name]:
                 continue
-            split, rank = self.splits[name]
+            split, tp = self.splits[name]
             shape = list(entry.shape)
-            shape[split.dim] = split.local_size(rank)
+            shape[split.dim] = split.local_size(tp.rank)
             out[key] = SavedEntry(tuple(shape), entry.dtype)
         return out
 
 
 def tp_slices(module: nn.Module) -> TPSlices:
     """The split parameters of ``module``'s tensor-parallel layers (empty without any)."""
-    splits: dict[str, tuple[Split, int]] = {}
+    splits: dict[str, tuple[Split, TPGroup]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for prefix, layer in module.named_modules():
         if not isinstance(layer, TensorParallelLayer):
@@ -148,7 +168,7 @@ def tp_slices(module: nn.Module) -> TPSlices:
             if len(shape) <= split.dim:
                 continue
             shape[split.dim] = split.total
-            splits[name] = (split, layer.tp.rank)
+            splits[name] = (split, layer.tp)
             shapes[name] = tuple(shape)
             assert math.prod(shape) > 0
     return TPSlices(splits, shapes)

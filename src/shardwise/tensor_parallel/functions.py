@@ -8,19 +8,24 @@
   slices padded for the collective), this rank's slice of the gradient backward.
 
 Each takes the group and this rank's index in it; a group of one is the identity.
+:func:`gather_whole` (no autograd) rebuilds a whole tensor from every rank's slice, for exports.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise.comm import collectives
 from shardwise.comm.group_type import Group
 from shardwise.comm.torch_api import all_gather
+from shardwise.tensor_parallel.shards import Split
 
-__all__ = ["copy_to_group", "gather_from_group", "reduce_from_group"]
+if TYPE_CHECKING:
+    from shardwise.tensor_parallel.layers import TPGroup
+
+__all__ = ["copy_to_group", "gather_from_group", "gather_whole", "reduce_from_group"]
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -79,3 +84,21 @@ def reduce_from_group(x: torch.Tensor, group: Group, size: int) -> torch.Tensor:
 def gather_from_group(x: torch.Tensor, group: Group, rank: int, sizes: tuple[int, ...]) -> torch.Tensor:
     """Every rank's last-dimension slice (widths ``sizes``) concatenated; backward keeps this rank's."""
     return x if len(sizes) == 1 else _GatherFromGroup.apply(x, group, rank, sizes)
+
+
+def gather_whole(local: torch.Tensor, split: Split, tp: TPGroup) -> torch.Tensor:
+    """The whole tensor from every rank's slice ``local`` (collective over ``tp``; no autograd).
+
+    Slices of unequal sizes are padded along the split dimension for the collective.
+    """
+    if tp.size == 1:
+        return local
+    widest = max(split.local_size(r) for r in range(split.parts))
+    padded = local.detach().contiguous()
+    if padded.shape[split.dim] < widest:
+        shape = list(padded.shape)
+        shape[split.dim] = widest - padded.shape[split.dim]
+        padded = torch.cat([padded, padded.new_zeros(shape)], dim=split.dim)
+    pieces = [torch.empty_like(padded) for _ in range(tp.size)]
+    all_gather(pieces, padded, group=tp.group)
+    return split.whole([p.narrow(split.dim, 0, split.local_size(r)) for r, p in enumerate(pieces)])

@@ -4,7 +4,8 @@ usage: torchrun --nproc-per-node 2 trainer_tp_run.py OUT_DIR
 A tiny random Llama built from a config, autotp_size 2 on 2 ranks (so one data-parallel rank),
 micro batch 2, accumulation 2: the total batch is 4, not micro x accumulation x world = 8.
 Writes OUT_DIR/result-<rank>.json: the Trainer's logged total batch size, the engine's
-train_batch_size, the losses, and the bytes of this rank's split weights.
+train_batch_size, the losses, and the bytes of this rank's split weights; and the saved model in
+OUT_DIR/final.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ ds_config = {
     "gradient_accumulation_steps": "auto",
     "train_batch_size": "auto",
     "gradient_clipping": "auto",
-    "zero_optimization": {"stage": 1},
+    "zero_optimization": {"stage": 1, "stage3_gather_16bit_weights_on_model_save": True},  # save_model gathers
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
     "tensor_parallel": {"autotp_size": 2},
 }
@@ -90,6 +91,7 @@ engine = trainer.model_wrapped
 logged = [int(line.rsplit("=", 1)[1].replace(",", "")) for line in lines.lines if "Total train batch size" in line]
 total = logged[0] if logged else None  # the Trainer logs on the main process only
 split = sum(p.numel() * p.element_size() for n, p in engine.module.named_parameters() if n.endswith("_proj.weight"))
+trainer.save_model(os.path.join(out_dir, "final"))  # accelerate gathers the slices (_consolidated_16bit_state_dict)
 with open(os.path.join(out_dir, f"result-{engine.global_rank}.json"), "w") as f:
     json.dump({"logged_total": total, "train_batch_size": engine.train_batch_size(), "losses": losses.losses,
                "tp": engine.autotp_size(), "split_bytes": split, "engine": type(engine).__name__}, f)
