@@ -109,6 +109,7 @@ class ZeroOptimizer(ZeroStrategy):
             "" if self.gradient_sync_toggle else sharded_gradients_refusal(policy.stage)
         )
         self.overflow = False  # the last boundary step was skipped (DeepSpeed's name)
+        self._global_grad_norm: float | None = None  # the last boundary step's norm (DeepSpeed's name)
         self.groups: list[FlatGroup] = []
         self.group_index: list[int] = []  # flat group -> user param group
         self.tp_flags: list[bool] = []
@@ -334,6 +335,7 @@ class ZeroOptimizer(ZeroStrategy):
             check_overflow=self.policy.check_overflow,
         )
         self.overflow = not plan.apply  # DeepSpeed's name: accelerate reads it as 'step skipped'
+        self._global_grad_norm = plan.grad_norm  # DeepSpeed's optimizer attribute (the unclipped global norm)
         if not plan.apply:
             self.zero_grad()
             return plan.result()

@@ -159,6 +159,7 @@ class Stage3Optimizer(ZeroStrategy):
         self.gradient_sync_toggle = False  # gradients are reduce-scattered into shards every micro step
         self.gradient_sync_refusal = sharded_gradients_refusal(3)
         self.overflow = False  # the last boundary step was skipped (DeepSpeed's name)
+        self._global_grad_norm: float | None = None  # the last boundary step's norm (DeepSpeed's name)
         self.sharded: list[nn.Parameter] = []  # trainable sharded params, optimizer order
         self.masters: list[torch.Tensor] = []  # their local fp32 shards (views)
         group_members, replicated_params = self._sort_parameters(param_groups)
@@ -441,6 +442,7 @@ class Stage3Optimizer(ZeroStrategy):
             check_overflow=policy.check_overflow,
         )
         self.overflow = not plan.apply  # DeepSpeed's name: accelerate reads it as 'step skipped'
+        self._global_grad_norm = plan.grad_norm  # DeepSpeed's optimizer attribute (the unclipped global norm)
         if not plan.apply:
             self.zero_grad()
             return plan.result()
