@@ -70,11 +70,12 @@ def test_a_hung_rank_is_named_then_the_job_recovers(tmp_path, uninterrupted) -> 
     assert torch.equal(_final(tmp_path, "ckpt"), uninterrupted[2])
 
 
-def test_a_node_whose_agent_is_killed_is_restarted_by_the_launcher(tmp_path, uninterrupted) -> None:
+@pytest.mark.parametrize("runner", ["ssh", "pdsh"])
+def test_a_node_whose_agent_is_killed_is_restarted_by_the_launcher(tmp_path, uninterrupted, runner: str) -> None:
     bin_dir = install_stand_ins(tmp_path / "box")
     hostfile = write_hostfile(tmp_path / "hostfile", 3)
     out = _launch(
-        tmp_path, "ckpt", "agent", "-H", str(hostfile), "--launcher", "ssh", "--max_restarts", "1",
+        tmp_path, "ckpt", "agent", "-H", str(hostfile), "--launcher", runner, "--max_restarts", "1",
         PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SHARDWISE_TIMEOUT_SECONDS="15",
     )  # fmt: skip
     assert "restarting every node" in out, out[-4000:]
