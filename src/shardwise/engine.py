@@ -445,6 +445,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
     wait_for_checkpoint = engine_io.wait_for_checkpoint
     zero_gather_16bit_weights_on_model_save = engine_io.gather_16bit_weights_on_model_save
     _zero3_consolidated_16bit_state_dict = engine_io.consolidated_16bit_state_dict
+    _consolidated_16bit_state_dict = engine_io.consolidated_16bit_state_dict  # accelerate's name under AutoTP
     load_module_state_dict = engine_io.load_module_state_dict
 
     def __getattr__(self, name: str) -> Any:

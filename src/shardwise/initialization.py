@@ -196,6 +196,7 @@ def _place_and_build_zero(
 ) -> tuple[nn.Module, ZeroStrategy | None]:
     """Place (stage 3: shard) the model and build the ZeRO optimizer, handing each builder the
     sections and values it reads. Returns the model and the optimizer (None without one)."""
+    from shardwise.tensor_parallel.engine_setup import split_parameter_names
     from shardwise.zero.factory import (
         build_zero_optimizer,
         communication_dtype,
@@ -214,6 +215,7 @@ def _place_and_build_zero(
         from shardwise.optim.muon_groups import tag_muon_parameters
 
         tag_muon_parameters(model)
+    tp_param_names = split_parameter_names(model)  # before FSDP2 replaces the parameters (stage 3)
     prepared = prepare_module(  # stage 3: sharded in place, with its record
         model,
         zero=zero,
@@ -270,6 +272,7 @@ def _place_and_build_zero(
         disable_allgather=bool(root.disable_allgather),
         param_names={id(p): name for name, p in prepared.module.named_parameters()},
         module=prepared.module,
+        tp_param_names=tp_param_names,
     )
     zero_optimizer.broadcast_parameters()
     return prepared.module, zero_optimizer
@@ -300,7 +303,7 @@ def initialize(
     """
     if model is None:
         raise _missing_model(args)
-    source = _config_source(args, config, config_params)
+    source = _merge_tp_model_init(_config_source(args, config, config_params), mpu)
     topology = _start_distributed(distributed_port, dist_init_required, mpu, source, mesh_param)
     cfg = load_checked_config(
         source,
@@ -318,6 +321,7 @@ def initialize(
         root.fp16, root.bf16, amp=root.amp, torch_autocast=root.torch_autocast, data_types=root.data_types
     )
     device = _device()
+    model_parameters = _split_tensor_parallel(root, topology, model, model_parameters, optimizer)
     if root.compression_training is not None:
         from shardwise.compression.zero_rules import prepare_for_engine
 
@@ -395,6 +399,49 @@ def _is_pipeline(model: nn.Module) -> bool:
 
     pipe_module = sys.modules.get("shardwise.pipe.module")
     return pipe_module is not None and isinstance(model, pipe_module.PipelineModule)
+
+
+def _merge_tp_model_init(source: Any, mpu: object) -> Any:
+    """The config with ``tp_model_init``'s recorded degree and dtype merged into ``tensor_parallel``."""
+    from shardwise.tensor_parallel.model_init import merge_into_config, recorded
+
+    if recorded() is None:
+        return source
+    from shardwise.config.loading import read_config_source
+
+    raw, _ = read_config_source(source)
+    return merge_into_config(raw, mpu)
+
+
+def _split_tensor_parallel(
+    root: ShardwiseConfig, topology: Topology, model: nn.Module, model_parameters: Any, optimizer: object
+) -> Any:
+    """Split the model over the tensor-parallel dimension (``tensor_parallel.autotp_size`` > 1);
+    returns ``model_parameters`` (and re-points a client optimizer) at the local slices."""
+    from shardwise.tensor_parallel.engine_setup import remap_optimizer, remap_parameters, split_for_engine
+    from shardwise.tensor_parallel.model_init import set_autotp_mode
+
+    section = root.tensor_parallel
+    if section.autotp_size > 0:
+        set_autotp_mode(training=True)  # as DeepSpeed's initialize does for an AutoTP config
+    if section.autotp_size > 1:
+        from shardwise.zero.init_context import stash_of
+
+        if any(stash_of(p) is not None for p in model.parameters()):
+            raise ConfigError(
+                "tensor_parallel.autotp_size",
+                "the model was built under zero.Init (its parameters are placeholders), so it cannot be split",
+                "build the model without zero.Init when training it with tensor parallelism (stage 3 still shards "
+                "the slices)",
+                value=section.autotp_size,
+            )
+    report = split_for_engine(model, section, topology, zero_stage=root.zero_stage)
+    if report is None:
+        return model_parameters
+    remap_optimizer(optimizer, report)
+    logger.info("tensor parallel: %d layers split over %d ranks (%s)", len(report.kinds), topology.mp_size,
+                report.source)
+    return remap_parameters(model_parameters, report)
 
 
 def _start_distributed(

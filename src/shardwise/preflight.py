@@ -155,6 +155,32 @@ def compression_problem(cfg: ShardwiseConfig) -> ConfigError | None:
     return None
 
 
+def tensor_parallel_problem(cfg: ShardwiseConfig) -> ConfigError | None:
+    """The first mistake in ``tensor_parallel`` a model is not needed to see (an unknown
+    ``preset_model``, a bad ``partition_config`` layer spec, a setting shardwise does not provide), or None.
+
+    Example:
+        >>> cfg = load_config({"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2,
+        ...     "preset_model": "llama9"}}).config
+        >>> tensor_parallel_problem(cfg).key
+        'tensor_parallel'
+    """
+    section = cfg.tensor_parallel
+    if section.autotp_size <= 1 and section.preset_model is None and section.partition_config is None:
+        return None
+    from shardwise.tensor_parallel.engine_setup import check_section
+
+    try:
+        check_section(section)
+    except ValueError as error:
+        return ConfigError(
+            "tensor_parallel",
+            str(error),
+            "correct the tensor_parallel section (docs/tensor-parallel.md)",
+        )
+    return None
+
+
 def activation_checkpointing_problems(cfg: ShardwiseConfig) -> list[ConfigError]:
     """The ``activation_checkpointing`` combinations ``initialize`` would refuse (contiguous buffers
     need ``partition_activations``; a ``number_checkpoints`` given must be positive). A missing
@@ -227,6 +253,8 @@ def load_checked_config(
     errors, warnings = component_problems(resolved.config)
     compression = compression_problem(resolved.config)
     errors.extend([compression] if compression is not None else [])
+    tensor_parallel = tensor_parallel_problem(resolved.config)
+    errors.extend([tensor_parallel] if tensor_parallel is not None else [])
     errors += activation_checkpointing_problems(resolved.config)
     warnings += activation_checkpointing_notes(resolved.config)
     if errors:

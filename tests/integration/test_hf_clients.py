@@ -157,3 +157,30 @@ def test_trainer_sequence_parallel_first_loss_is_a_whole_sequence_loss(
     record = torch.load(tmp_path / "trainer_sp.pt")
     assert record["sp"] == 2 and len(record["losses"]) == 4
     assert min(abs(record["losses"][0] - loss) for loss in record["initial"]) < 1e-5, record
+
+
+def test_trainer_with_a_tensor_parallel_config_trains_and_counts_the_data_parallel_batch(
+    client_env: dict[str, str], tmp_path: Path
+) -> None:
+    """autotp_size 2 on 2 ranks: one data-parallel rank, so the total batch is micro 2 x accumulation 2 = 4
+    (DeepSpeed's own Trainer integration counts the world: DeepSpeed issue 7298)."""
+    import json
+
+    _torchrun("trainer_tp_run.py", str(tmp_path), env=client_env, cwd=tmp_path)
+    results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)]
+    assert results[0]["logged_total"] == 4  # "Total train batch size (w. parallel, distributed & accumulation)"
+    for result in results:
+        assert result["engine"] == "ShardwiseEngine" and result["tp"] == 2 and result["train_batch_size"] == 4
+        assert result["losses"][-1] < result["losses"][0]
+    whole = 2 * (32 * 32 * 2 + 16 * 32 * 2 + 64 * 32 * 3) * 4  # q, o; k, v; gate, up, down; fp32; 2 layers
+    assert [r["split_bytes"] for r in results] == [whole // 2] * 2
+    # the saved model holds whole tensors: a plain Llama of the same config loads it strictly
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    saved = load_file(tmp_path / "final" / "model.safetensors")
+    assert saved["model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)
+    assert saved["model.layers.1.mlp.down_proj.weight"].shape == (32, 64)
+    plain = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                         tie_word_embeddings=False))
+    plain.load_state_dict(saved, strict=True)

@@ -37,6 +37,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.checkpoint import dcp_io, integrity_ranks, keys, layout, publish, rng
+from shardwise.checkpoint.tp_whole import tp_slices
 from shardwise.checkpoint.training_state import (
     LoadResult,
     TrainingState,
@@ -192,6 +193,9 @@ class Checkpointer:
         if state.optimizer is not None:
             for key, value in state.optimizer.sharded_state_dict(names).items():
                 items[prefix + key] = value
+        slices = tp_slices(state.module)
+        if slices:  # tensor-parallel slices saved as chunks of their whole tensors
+            items = slices.whole_items(items)
         common, per_rank = saved_parts(state.parts)
         items[keys.COMMON] = {
             **common,
@@ -278,11 +282,13 @@ class Checkpointer:
     ) -> LoadResult:
         summary = layout.read_summary(path)
         prefix = _mp_prefix(state)
+        slices = tp_slices(state.module)
         saved_mp = int(summary.get("mp_world_size", 1))
-        if saved_mp != state.mp_world_size:
+        if saved_mp != _saved_mp_size(state):
             raise ValueError(
-                f"{path} was saved with model-parallel size {saved_mp} but this run has {state.mp_world_size}; "
-                "tensor-parallel shards cannot be re-split on load"
+                f"{path} was saved with model-parallel size {saved_mp} but this run has {_saved_mp_size(state)}; "
+                "an mpu's model-parallel shards cannot be re-split on load (tensor_parallel.autotp_size runs save "
+                "whole tensors and load at any degree)"
             )
         all_saved = dcp_io.saved_entries(dcp_io.read_metadata(path))
         saved = (
@@ -290,6 +296,8 @@ class Checkpointer:
             if prefix
             else all_saved
         )
+        if slices:  # whole tensors saved: this rank's slices are what the layouts below expect
+            saved = slices.local_entries(saved)
         names = param_names(state.module)
         targets: dict[str, Any] = {}
         finish: Callable[[dict[str, Any]], None] | None = None
@@ -337,7 +345,13 @@ class Checkpointer:
         load_targets = {prefix + k: v for k, v in targets.items()} if prefix else dict(targets)
         load_targets.update(extra)
         alone = comm.get_world_size(state.process_group) == 1
-        dcp_io.load(load_targets, path, process_group=state.process_group, no_dist=alone)
+        if slices:  # DCP fills this rank's slices from the whole tensors, in place
+            addressed = slices.whole_items(load_targets)
+            readdressed = {k for k in load_targets if addressed[k] is not load_targets[k]}
+            dcp_io.load(addressed, path, process_group=state.process_group, no_dist=alone)
+            load_targets.update({k: v for k, v in addressed.items() if k not in readdressed})  # loaded objects
+        else:
+            dcp_io.load(load_targets, path, process_group=state.process_group, no_dist=alone)
         loaded = {k[len(prefix) :]: v for k, v in load_targets.items()} if prefix else load_targets
         if custom_load_fn is not None:
             custom_load_fn(
@@ -390,9 +404,15 @@ class Checkpointer:
             rng.reseed(seed)
 
 
+def _saved_mp_size(state: TrainingState) -> int:
+    """The model-parallel size a checkpoint of ``state`` records: 1 for tensor-parallel layers
+    (they save whole tensors), else the mpu's (its ranks' tensors are saved side by side)."""
+    return 1 if tp_slices(state.module) else state.mp_world_size
+
+
 def _mp_prefix(state: TrainingState) -> str:
-    # Tensor-parallel ranks hold different tensors under the same names.
-    return f"mp{state.mp_rank}/" if state.mp_world_size > 1 else ""
+    # An mpu's model-parallel ranks hold different tensors under the same names.
+    return f"mp{state.mp_rank}/" if _saved_mp_size(state) > 1 else ""
 
 
 def _summary(
@@ -435,7 +455,8 @@ def _summary(
         "zero_stage": state.zero_stage,
         "world_size": comm.get_world_size(state.process_group),
         "dp_world_size": state.dp_world_size,
-        "mp_world_size": state.mp_world_size,
+        "mp_world_size": _saved_mp_size(state),
+        "tensor_parallel_size": state.mp_world_size,
         "param_dtypes": sorted(dtypes),
         "trainable_parameters": trainable,
         "frozen_parameters": frozen,

@@ -22,6 +22,7 @@ from shardwise.checkpoint.checkpointer import Checkpointer, CheckpointOptions, T
 from shardwise.checkpoint.module_state import copy_whole_state
 from shardwise.checkpoint.optimizer_state import OptimizerState
 from shardwise.checkpoint.param_state import ParamOptimizerState
+from shardwise.checkpoint.tp_whole import tp_slices
 from shardwise.checkpoint.training_state import Restore, Stateful, StatePart
 from shardwise.comm.diagnostics import check_all_ranks_arrive
 from shardwise.comm.fsdp_internals import full_tensor
@@ -277,6 +278,7 @@ def save_16bit_model(
         )
         return False
     rank0 = comm.get_rank() == 0
+    slices = tp_slices(engine.module)  # tensor-parallel slices are gathered whole too
     # stage 3 keeps fp32 sharded parameters and computes in 16 bits: write the compute dtype
     compute = engine.precision.param_dtype if sharded else None
 
@@ -285,14 +287,14 @@ def save_16bit_model(
 
     def tensors() -> Any:
         for key, value in state.items():
-            full = full_tensor(value)  # collective
+            full = slices.gathered(key, full_tensor(value))  # collective
             if rank0:
                 yield key, full.detach().to(device="cpu", dtype=dtype_of(full))
 
     out = Path(save_dir) / save_filename
     if rank0:
         out.parent.mkdir(parents=True, exist_ok=True)
-        shapes = {k: (tuple(v.shape), dtype_of(v)) for k, v in state.items()}
+        shapes = {k: (slices.whole_shapes.get(k, tuple(v.shape)), dtype_of(v)) for k, v in state.items()}
         fmt = "safetensors" if save_filename.endswith(".safetensors") else "pt"
         write_state_dict(out, shapes, tensors(), fmt=fmt)
     else:
@@ -317,9 +319,10 @@ def consolidated_16bit_state_dict(
     state = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
     compute = engine.precision.param_dtype if engine.zero_optimization_stage() == 3 else None
     rank0 = comm.get_rank() == 0
+    slices = tp_slices(engine.module)  # tensor-parallel slices are gathered whole too
     out: dict[str, object] = {}
     for key, value in state.items():
-        full = full_tensor(value)  # collective
+        full = slices.gathered(key, full_tensor(value))  # collective
         if rank0:
             dtype = compute if compute is not None and full.is_floating_point() else full.dtype
             out[key] = full.detach().to(device="cpu", dtype=dtype).clone()
@@ -345,7 +348,7 @@ def load_module_state_dict(
         RuntimeError: ``strict`` and the keys differ, or a shape differs.
         NotImplementedError: ``custom_load_fn`` with ``fetch_z3_params=True`` at stage 3.
     """
-    state = checkpoint["module"]
+    state = tp_slices(engine.module).localized(checkpoint["module"])  # whole tensors -> this rank's slices
     if custom_load_fn is not None:
         if fetch_z3_params and engine.zero_optimization_stage() == 3:
             raise NotImplementedError(

@@ -49,6 +49,7 @@ DECLARABLE: tuple[str, ...] = ("pp", "tp", "sp", "ep")
 class _State:
     declared: dict[str, tuple[int, str]] = field(default_factory=dict)  # dim -> (degree, declarer)
     pgs: dict[tuple[int, ...], Group] = field(default_factory=dict)  # rank list -> its group
+    singletons: list[Group] = field(default_factory=list)  # every rank's group of one, by rank
     topology: Topology | None = None
 
 
@@ -69,6 +70,7 @@ def reset_layout() -> None:
     """Forget the declared degrees and the layout (tests; the process groups are not destroyed)."""
     _STATE.declared.clear()
     _STATE.pgs.clear()
+    _STATE.singletons.clear()
     _STATE.topology = None
 
 
@@ -127,6 +129,13 @@ def _group(ranks: list[int], world: int) -> Group:
     return _STATE.pgs[key]
 
 
+def _singleton(rank: int, world: int) -> Group:
+    """This rank's group of one (every rank makes all of them once, in the same order)."""
+    if not _STATE.singletons:
+        _STATE.singletons[:] = [new_group([r]) for r in range(world)]
+    return _STATE.singletons[rank]
+
+
 def _build(world: int, rank: int) -> Topology:
     dims = _dims(world)
     mine: dict[str, tuple[Group, tuple[int, ...]]] = {}
@@ -140,8 +149,15 @@ def _build(world: int, rank: int) -> Topology:
         group, ranks = mine[dim]
         return group, ranks.index(rank), len(ranks)
 
-    (dp_group, dp_rank, dp_size), (mp_group, mp_rank, mp_size) = fields("dp"), fields("tp")
-    (sp_group, sp_rank, sp_size), (shard_group, shard_rank, shard_size) = fields("sp"), fields("sdp")
+    def data_fields(dim: str) -> tuple[Group, int, int]:
+        # Topology's dp/shard groups keep their old meaning, None = the world (ZeRO, the buffer and
+        # parameter broadcasts read them so): a data dimension of one rank in a larger world (all
+        # ranks are tensor/pipeline/sequence parallel) gets a real group of one.
+        group, index, size = fields(dim)
+        return (_singleton(rank, world), index, size) if size == 1 < world else (group, index, size)
+
+    (dp_group, dp_rank, dp_size), (mp_group, mp_rank, mp_size) = data_fields("dp"), fields("tp")
+    (sp_group, sp_rank, sp_size), (shard_group, shard_rank, shard_size) = fields("sp"), data_fields("sdp")
     return Topology(
         world_rank=rank,
         world_size=world,

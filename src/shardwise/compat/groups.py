@@ -46,6 +46,15 @@ _get_model_parallel_world_size = _comm.get_model_parallel_world_size
 get_model_parallel_group = get_tensor_model_parallel_group = _comm.get_model_parallel_group
 get_model_parallel_world_size = get_tensor_model_parallel_world_size = _comm.get_model_parallel_world_size
 get_model_parallel_rank = get_tensor_model_parallel_rank = _comm.get_model_parallel_rank
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """The global rank of this rank's tensor-parallel group's first member (the source of its broadcasts)."""
+    from shardwise.comm.init import get_rank, group_source_rank
+
+    if _comm.get_model_parallel_world_size() == 1:
+        return get_rank()
+    return group_source_rank(_comm.get_model_parallel_group())
 _get_sequence_parallel_group = _comm.get_sequence_parallel_group
 _get_sequence_parallel_world_size = _comm.get_sequence_parallel_world_size
 _get_sequence_parallel_rank = _comm.get_sequence_parallel_rank

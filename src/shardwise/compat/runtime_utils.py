@@ -22,6 +22,7 @@ __all__ = [
     "clip_grad_norm_",
     "clone_tensors_for_torch_save",
     "get_weight_norm",
+    "is_model_parallel_parameter",
     "move_to_device",
     "noop_context",
     "partition_balanced",
@@ -145,3 +146,9 @@ def get_weight_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type
     norms = torch.stack([torch.linalg.vector_norm(t.detach().float(), norm_type) for t in tensors])
     total = float(torch.linalg.vector_norm(norms, norm_type)) if tensors else 0.0
     return -1.0 if math.isinf(total) or math.isnan(total) else total
+
+
+def is_model_parallel_parameter(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a tensor-parallel slice (Megatron's ``model_parallel`` or DeepSpeed's
+    ``tensor_model_parallel`` marker, which shardwise's tensor-parallel layers set)."""
+    return bool(getattr(p, "model_parallel", False) or getattr(p, "tensor_model_parallel", False))

@@ -34,6 +34,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.utils.zero_to_fp32": ("shardwise.compat.zero_to_fp32",),
     "deepspeed.checkpoint.utils": ("shardwise.compat.ds_utils",),
     "deepspeed.checkpoint": ("shardwise.compat.ds_utils",),
+    "deepspeed.checkpoint.constants": ("shardwise.compat.constants",),
     "deepspeed.runtime.engine": ("shardwise.engine",),
     "deepspeed.runtime.lr_schedules": ("shardwise.compat.lr_schedules", "shardwise.schedulers"),
     "deepspeed.runtime.zero": ("shardwise.zero",),
@@ -73,6 +74,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "shardwise.sequence.tiled",
     ),
     "deepspeed.runtime.sequence_parallel.parallel_state_sp": ("shardwise.sequence.parallel_state",),
+    "deepspeed.module_inject": ("shardwise.compat.autotp",),
+    "deepspeed.module_inject.layers": ("shardwise.compat.autotp",),
+    "deepspeed.module_inject.tp_shard": ("shardwise.compat.autotp",),
+    "deepspeed.module_inject.autotp_config": ("shardwise.tensor_parallel.specs", "shardwise.tensor_parallel.presets"),
+    "deepspeed.runtime.tensor_parallel": ("shardwise.tensor_parallel.model_init",),
 }
 
 RENAMES: dict[str, str] = {
@@ -88,6 +94,7 @@ RENAMES: dict[str, str] = {
     "deepspeed.utils.numa.parse_range_list": "shardwise.compat.small_names:parse_range_list",
     "deepspeed.runtime.zero.utils.ZeRORuntimeException": "shardwise.compat.small_names:ZeRORuntimeException",
     "deepspeed.utils.RepeatingLoader": "shardwise.data:RepeatingLoader",
+    "deepspeed.tp_model_init": "shardwise.tensor_parallel.model_init:tp_model_init",
     **{
         f"deepspeed.{path}": f"shardwise.compat.unavailable:{path.rpartition('.')[2]}"
         for path in (
@@ -104,7 +111,6 @@ RENAMES: dict[str, str] = {
             "runtime.zero.partition_parameters.partitioned_param_data_shape",
             "sequence.fpdt_layer._FPDTGPUOffloadingAttentionImpl_",
             "sequence.fpdt_layer.FPDT_InputConstruct",
-            "tp_model_init",
         )
     },
 }

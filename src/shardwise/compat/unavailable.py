@@ -19,7 +19,6 @@ _DUALPIPEV = (
 _MOE = "mixture of experts (deepspeed.moe) is not in shardwise yet; use the model's own MoE layer without expert parallelism"
 _FPDT = ("FPDT (deepspeed.sequence.fpdt_layer, chunked offloading attention on CUDA) is not in shardwise; use "
          "Ulysses (deepspeed.sequence.layer.DistributedAttention) with TiledMLP/TiledFusedLogitsLoss")
-_TP = "automatic tensor parallelism is not in shardwise; shard with ZeRO stage 3 (zero_optimization.stage 3)"
 _ZERO = "the engine's optimizer is a shardwise ZeRO strategy (engine.optimizer); use its methods, not DeepSpeed's classes"
 
 
@@ -72,4 +71,3 @@ partitioned_param_data_shape = unavailable_function(
     "stage-3 parameters are FSDP2 DTensors; read param.to_local().shape for this rank's shard")
 _FPDTGPUOffloadingAttentionImpl_ = unavailable_class("deepspeed.sequence.fpdt_layer._FPDTGPUOffloadingAttentionImpl_", _FPDT)
 FPDT_InputConstruct = unavailable_class("deepspeed.sequence.fpdt_layer.FPDT_InputConstruct", _FPDT)
-tp_model_init = unavailable_function("deepspeed.tp_model_init", _TP)

@@ -317,7 +317,16 @@ INERT_KEYS: tuple[InertKey, ...] = (
     InertKey("eigenvalue", "no Hessian eigenvalues are computed", _enabled),
     InertKey("quantize_training", "no MoQ quantization: weights stay in the training precision", _enabled),
     InertKey("hybrid_engine", "there is no generation engine; the model trains as a plain module", _enabled),
-    InertKey("tensor_parallel", "no automatic tensor parallelism: the model is not split"),
+    InertKey(
+        "tensor_parallel.tp_overlap_comm",
+        "the tensor-parallel all-reduces run when their result is needed (no overlap with compute)",
+    ),
+    InertKey(
+        "tensor_parallel.tp_grain_size",
+        "slices are near-equal and cut in whole attention heads, not in multiples of the grain size",
+    ),
+    InertKey("tensor_parallel.keep_module_on_host", "the split layers live where the model lives"),
+    InertKey("tensor_parallel.vocab_parallel_ce_backend", "there is no vocabulary-parallel loss; the head's output is gathered"),
     InertKey(
         "pipeline.stages",
         "the PipelineModule's num_stages (or topology) decides the stages; DeepSpeed's engine does not read it either",

@@ -236,6 +236,29 @@ def _validate(
         return None, [_translate(e) for e in exc.errors()]
 
 
+def _tensor_parallel_world_batch(raw: dict[str, object], dp_world: int) -> list[str]:
+    """DeepSpeed checks ``train_batch_size`` of an AutoTP config against the whole world (its
+    tensor-parallel ranks counted as data-parallel ones, DeepSpeed issue 7298), and the HF Trainer
+    fills ``"auto"`` that way. A batch of exactly ``micro x accumulation x dp x autotp_size`` is read
+    as that arithmetic: the step's batch is ``micro x accumulation x dp`` and the warning says so."""
+    section = raw.get("tensor_parallel")
+    tp = section.get("autotp_size") if isinstance(section, dict) else None
+    tbs, mbs, gas = (raw.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                          "gradient_accumulation_steps"))
+    numbers = (tp, tbs, mbs, gas)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers) or tp <= 1:
+        return []
+    if tbs != mbs * gas * dp_world * tp:
+        return []
+    raw["train_batch_size"] = mbs * gas * dp_world
+    return [
+        f"train_batch_size = {tbs} counts the {tp} tensor-parallel ranks as data-parallel ranks (DeepSpeed's "
+        f"arithmetic; the HF Trainer fills \"auto\" so, DeepSpeed issue 7298): tensor-parallel ranks share one "
+        f"batch, so each optimizer step takes {mbs} x {gas} x {dp_world} data-parallel rank(s) = "
+        f"{raw['train_batch_size']} samples; set train_batch_size to {raw['train_batch_size']} to silence this"
+    ]
+
+
 def _world_size_for_batch(raw: Mapping[str, object], world_size: int) -> int:
     sp = raw.get("sequence_parallel_size")
     if isinstance(sp, int) and sp > 1:
@@ -400,6 +423,7 @@ def load_config(
     batch: BatchSizes | None = None
     try:
         dp_world = _world_size_for_batch(raw, ctx.world_size)
+        warnings.extend(_tensor_parallel_world_batch(raw, dp_world))
         _apply_elasticity(raw, normalized, dp_world, resolver)
         batch = resolve_batch_sizes(
             raw.get("train_batch_size"),

@@ -72,6 +72,10 @@ class DeepSpeedAccessors:
         """``bf16.enabled``."""
         return bool(self._config.config.bf16.enabled)
 
+    def autotp_size(self) -> int:
+        """``tensor_parallel.autotp_size`` (DeepSpeed's accessor; 0 or 1: no tensor parallelism)."""
+        return int(self._config.config.tensor_parallel.autotp_size)
+
     def gradient_clipping(self) -> float:
         """``gradient_clipping`` (0: no clipping)."""
         return float(self._config.config.gradient_clipping)

@@ -141,13 +141,9 @@ def prepare_module(
         if precision.param_dtype != torch.float32:
             model.to(dtype=precision.param_dtype)
         return PreparedModel(model)
-    if topology.mp_size > 1:
-        raise ConfigError(
-            "zero_optimization.stage",
-            "stage 3 (FSDP2) with tensor/model parallelism from an mpu is not supported",
-            "use stage 1 or 2 with model parallelism",
-            value=3,
-        )
+    # Tensor parallelism (tensor_parallel.autotp_size, or an mpu's model-parallel layers): FSDP2
+    # shards each rank's slices over its data-parallel group, a 2-D layout; the gradient norm
+    # counts the split parameters on every tensor-parallel rank (Stage3Policy.tp_param_names).
     from shardwise.zero.fsdp_wrap import ShardPolicy, shard_model
     from shardwise.zero.stage3_settings import settings_from_zero
 
@@ -190,6 +186,7 @@ def build_zero_optimizer(
     disable_allgather: bool = False,
     param_names: Mapping[int, str] | None = None,
     module: nn.Module | None = None,
+    tp_param_names: frozenset[str] = frozenset(),
 ) -> ZeroStrategy:
     """The ZeRO optimizer for the stage: ``ZeroOptimizer`` (0-2) or ``Stage3Optimizer``.
 
@@ -209,6 +206,9 @@ def build_zero_optimizer(
             ``ignore_unused_parameters: false`` error).
         module: the (placed) model; stages 1-2 with ``overlap_comm`` hook it so the post-step
             all-gather overlaps the next forward (:mod:`shardwise.zero.async_gather`).
+        tp_param_names: names of the parameters split over the tensor-parallel ranks (stage 3
+            counts them on every rank in the gradient norm; stages 0-2 read the parameters'
+            ``tensor_model_parallel`` marker, which FSDP2's DTensor parameters do not carry).
     """
     pre, post = reduction
     if int(zero.stage) == 3:
@@ -221,7 +221,7 @@ def build_zero_optimizer(
         from shardwise.zero.stage3 import Stage3Optimizer
 
         policy3 = _stage3_policy(
-            zero, aio, pre, post, gradient_clipping, comm_dtype, precision, topology, param_names
+            zero, aio, pre, post, gradient_clipping, comm_dtype, precision, topology, param_names, tp_param_names
         )
         return Stage3Optimizer(record, param_groups, optimizer_factory, policy3)
     spec = optimizer_offload_spec(zero, aio)
@@ -243,6 +243,7 @@ def _stage3_policy(
     precision: PrecisionPolicy,
     topology: Topology,
     param_names: Mapping[int, str] | None,
+    tp_param_names: frozenset[str] = frozenset(),
 ) -> Stage3Policy:
     """Stage 3's policy from the config sections and the layout."""
     from shardwise.zero.stage3 import Stage3Policy
@@ -265,6 +266,9 @@ def _stage3_policy(
         fail_on_unused=not zero.ignore_unused_parameters,
         param_names=param_names,
         sub_group_size=max(1, int(zero.sub_group_size)),
+        mp_group=topology.mp_group,
+        mp_size=topology.mp_size,
+        tp_param_names=tp_param_names,
     )
 
 
@@ -295,6 +299,7 @@ def _flat_policy(
         process_group=topology.shard_group,
         mp_group=topology.mp_group if topology.mp_size > 1 else None,
         mp_rank=topology.mp_rank,
+        mp_size=topology.mp_size,
         publish=PublishPolicy(
             bucket_numel=int(zero.allgather_bucket_size),
             broadcast=disable_allgather or not zero.allgather_partitions,

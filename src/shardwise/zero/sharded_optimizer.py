@@ -79,8 +79,9 @@ class ZeroPolicy:
     check_overflow: bool
     gradient_clipping: float
     process_group: Group = None
-    mp_group: Group = None
+    mp_group: Group = None  # with mp_size > 1, None is the world (tensor parallel over every rank)
     mp_rank: int = 0
+    mp_size: int = 1
     publish: PublishPolicy = field(default_factory=PublishPolicy)
     all_reduce_gradients: bool = False  # reduce_scatter: false (stages 1-2): all-reduce, then slice
     fail_on_unused: bool = False  # ignore_unused_parameters: false
@@ -109,6 +110,7 @@ class ZeroOptimizer(ZeroStrategy):
             "" if self.gradient_sync_toggle else sharded_gradients_refusal(policy.stage)
         )
         self.overflow = False  # the last boundary step was skipped (DeepSpeed's name)
+        self._global_grad_norm: float | None = None  # the last boundary step's norm (DeepSpeed's name)
         self.groups: list[FlatGroup] = []
         self.group_index: list[int] = []  # flat group -> user param group
         self.tp_flags: list[bool] = []
@@ -319,7 +321,7 @@ class ZeroOptimizer(ZeroStrategy):
             total += squared_norm(flat.grad).to(total.device)
         if (self.policy.stage >= 1 or local_gradients) and self.policy.world_size > 1:
             collectives.all_reduce(total, op="sum", group=self.policy.process_group)
-        if self.policy.mp_group is not None:
+        if self.policy.mp_size > 1:
             collectives.all_reduce(total, op="sum", group=self.policy.mp_group)
         return total
 
@@ -359,6 +361,7 @@ class ZeroOptimizer(ZeroStrategy):
             check_overflow=self.policy.check_overflow,
         )
         self.overflow = not plan.apply  # DeepSpeed's name: accelerate reads it as 'step skipped'
+        self._global_grad_norm = plan.grad_norm  # DeepSpeed's optimizer attribute (the unclipped global norm)
         if not plan.apply:
             self.zero_grad()
             return plan.result()

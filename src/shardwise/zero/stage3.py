@@ -93,6 +93,9 @@ class Stage3Policy:
     fail_on_unused: bool = False  # ignore_unused_parameters: false
     param_names: Mapping[int, str] | None = None
     sub_group_size: int = 1_000_000_000  # elements per optimizer step call (no offload store)
+    mp_group: Group = None  # tensor parallel (with mp_size > 1, None is the world)
+    mp_size: int = 1
+    tp_param_names: frozenset[str] = frozenset()  # parameters split over the tensor-parallel ranks
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,7 @@ class Stage3Optimizer(ZeroStrategy):
         self.gradient_sync_toggle = False  # gradients are reduce-scattered into shards every micro step
         self.gradient_sync_refusal = sharded_gradients_refusal(3)
         self.overflow = False  # the last boundary step was skipped (DeepSpeed's name)
+        self._global_grad_norm: float | None = None  # the last boundary step's norm (DeepSpeed's name)
         self.sharded: list[nn.Parameter] = []  # trainable sharded params, optimizer order
         self.masters: list[torch.Tensor] = []  # their local fp32 shards (views)
         group_members, replicated_params = self._sort_parameters(param_groups)
@@ -385,18 +389,38 @@ class Stage3Optimizer(ZeroStrategy):
         self.replicated.bind_grads()
         return grads
 
+    def _is_tp(self, param: nn.Parameter) -> bool:
+        names = self.policy.param_names or {}
+        return self.policy.mp_size > 1 and names.get(id(param)) in self.policy.tp_param_names
+
     def _squared_norm(self, sharded_grads: list[torch.Tensor]) -> float:
+        """The whole model's squared gradient norm: shards summed over the data-parallel group;
+        parameters split over tensor-parallel ranks summed over that group too, the others (equal
+        on every tensor-parallel rank) counted once."""
         device = self.masters[0].device if self.masters else torch.device("cpu")
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        if sharded_grads:
-            total += torch.stack(torch._foreach_norm(sharded_grads, 2.0)).float().pow(2).sum()
+        totals = torch.zeros(2, dtype=torch.float32, device=device)  # [whole on every tp rank, tp-split]
+        for index, grads in enumerate(self._by_tp(self.sharded, sharded_grads)):
+            if grads:
+                totals[index] += torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2).sum()
         if self.policy.world_size > 1:
-            collectives.all_reduce(total, op="sum", group=self.policy.process_group)
+            collectives.all_reduce(totals, op="sum", group=self.policy.process_group)
         replicated = self.replicated.grads()
         if replicated:
-            # identical on every rank after the all-reduce: counted once, locally
-            total += torch.stack(torch._foreach_norm(replicated, 2.0)).float().pow(2).sum().to(total.device)
-        return float(total)
+            # identical on every data-parallel rank after the all-reduce: counted once, locally
+            for index, grads in enumerate(self._by_tp(self.replicated.params, replicated)):
+                if grads:
+                    totals[index] += torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2).sum().to(device)
+        if self.policy.mp_size > 1:
+            split = totals[1:].clone()
+            collectives.all_reduce(split, op="sum", group=self.policy.mp_group)
+            totals[1] = split[0]
+        return float(totals.sum())
+
+    def _by_tp(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> tuple[list, list]:
+        whole, split = [], []
+        for param, grad in zip(params, grads):
+            (split if self._is_tp(param) else whole).append(grad)
+        return whole, split
 
     def step(self, loss_scale: float = 1.0) -> StepResult:
         """One optimizer step at an accumulation boundary (every rank must call it)."""
@@ -418,6 +442,7 @@ class Stage3Optimizer(ZeroStrategy):
             check_overflow=policy.check_overflow,
         )
         self.overflow = not plan.apply  # DeepSpeed's name: accelerate reads it as 'step skipped'
+        self._global_grad_norm = plan.grad_norm  # DeepSpeed's optimizer attribute (the unclipped global norm)
         if not plan.apply:
             self.zero_grad()
             return plan.result()

@@ -135,15 +135,22 @@ class CompileConfig(Section):
 
 
 class TensorParallelConfig(Section):
-    """``tensor_parallel`` (AutoTP)."""
+    """``tensor_parallel`` (DeepSpeed AutoTP training): ``autotp_size`` > 1 splits the model's
+    linear layers over that many ranks (``shardwise.tensor_parallel``); the layer rules come from
+    ``preset_model``, ``partition_config`` or the model's own ``_tp_plan``."""
 
     autotp_size: int = Field(0, ge=0)
     tp_overlap_comm: bool = False
-    vocab_parallel_lm_head: bool = False
+    vocab_parallel_lm_head: bool | None = None
+    vocab_parallel_ce_backend: Literal["torch", "liger"] = "torch"
     partition_config: dict[str, Any] | None = None
     preset_model: str | None = None
     tp_grain_size: int = Field(1, ge=1)
     tp: dict[str, Any] | None = None
+    dtype: str | None = None
+    keep_module_on_host: bool = False
+    injection_policy_tuple: list[Any] | None = None
+    replace_with_kernel_inject: bool = Field(False, alias="kernel_inject")
 
 
 class HybridEngineConfig(Section):
