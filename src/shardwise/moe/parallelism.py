@@ -1,0 +1,40 @@
+"""Where an MoE layer's expert-parallel group comes from: the one process layout.
+
+``expert_parallel_group(ep_size, source=...)`` declares ``ep=ep_size`` with
+:func:`shardwise.comm.mesh.ensure_layout` (collective; a second, different degree is refused there,
+naming both sources) and returns the ``"ep"`` group of this rank (None for ``ep_size == 1``).
+Expert groups are runs of ``ep_size`` consecutive data-parallel ranks; the expert-data-parallel
+group (``"edp"``) is the strided rest, as DeepSpeed builds them.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.comm import mesh
+from shardwise.comm.group_type import Group
+
+
+def expert_parallel_group(ep_size: int, *, source: str) -> Group:
+    """This rank's expert-parallel group of ``ep_size`` ranks (None when ``ep_size == 1``)."""
+    if ep_size == 1:
+        return None
+    topology = mesh.ensure_layout(ep=ep_size, source=source)
+    return topology.group_of("ep")
+
+
+def declare_expert_parallelism(module: nn.Module) -> int:
+    """Give every MoE layer of ``module`` its expert-parallel group; returns the expert-parallel
+    degree (1 without MoE layers). Collective: ``initialize`` calls it on every rank."""
+    from shardwise.moe.layer import MoE
+
+    degree = 1
+    for name, sub in module.named_modules():
+        if isinstance(sub, MoE):
+            sub.deepspeed_moe._set_ep_group(
+                expert_parallel_group(
+                    sub.ep_size, source=f"MoE layer {name or '<root>'} (ep_size={sub.ep_size})"
+                )
+            )
+            degree = max(degree, sub.ep_size)
+    return degree
