@@ -1,0 +1,81 @@
+"""Which process group a parameter's gradient is reduced over: the one place that decides it.
+
+Dense parameters are replicated over the data-parallel ranks: their gradients are summed over the
+data-parallel group and their optimizer state sharded over it (the ``"data"`` domain). Expert
+parameters (a mixture-of-experts layer's, marked with DeepSpeed's public ``allreduce = False`` and
+``group_name``) are replicated only over the expert-data-parallel group (``"edp"``): each rank of an
+expert-parallel group holds other experts, so their gradients are summed over ``edp`` only, and
+their state sharded over it. ``ExpertLayout`` says what those groups are on this rank.
+
+Scaling (DeepSpeed's convention, ``engine._reduce_expert_gradients``): both domains divide the sum
+by the same data-parallel world size. An expert's gradient on its owner already sums the
+contributions of the tokens of every rank of its expert-parallel group (the all-to-all's backward
+brings them), so summing over ``edp`` and dividing by the whole data-parallel size gives the mean
+over all ranks' tokens: the gradient of an ``ep_size=1`` run, whatever ``ep_size`` is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.comm.group_type import Group
+
+DATA = "data"
+
+
+def expert_group_name(param: torch.Tensor) -> str | None:
+    """The expert-parallel group name of an expert parameter, None for a dense one."""
+    if getattr(param, "allreduce", True) is not False:
+        return None
+    return str(getattr(param, "group_name", None) or "experts")
+
+
+@dataclass(frozen=True)
+class ReductionDomain:
+    """The ranks a set of parameters is replicated over: ``group`` (None: the world, or nothing to
+    reduce when ``world_size == 1``), this rank's ``rank`` in it, and ``spread_group``: the group over
+    which ranks hold *different* parameters of this domain (the expert-parallel group; None for
+    dense parameters), whose partial gradient norms add up."""
+
+    name: str
+    group: Group
+    rank: int
+    world_size: int
+    spread_group: Group = None
+    spread_size: int = 1
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The expert groups of this rank (from the process layout: ``"ep"`` and ``"edp"``)."""
+
+    ep_group: Group
+    ep_size: int
+    edp_group: Group
+    edp_rank: int
+    edp_size: int
+
+
+def domain_of(param: torch.Tensor, data: ReductionDomain, experts: ExpertLayout | None) -> ReductionDomain:
+    """The domain ``param``'s gradient is reduced over; an expert parameter without an expert
+    layout is refused (it would be averaged with other ranks' different experts)."""
+    name = expert_group_name(param)
+    if name is None:
+        return data
+    if experts is None:
+        raise ValueError(
+            f"an expert parameter (group_name={name!r}, shape {tuple(param.shape)}) but no expert-parallel "
+            "layout: its gradient would be averaged with other ranks' experts; fix: build the model's MoE "
+            "layers before shardwise.initialize (it declares ep from them), or call "
+            "shardwise.comm.mesh.ensure_layout(ep=...) first"
+        )
+    return ReductionDomain(
+        name=name,
+        group=experts.edp_group,
+        rank=experts.edp_rank,
+        world_size=experts.edp_size,
+        spread_group=experts.ep_group,
+        spread_size=experts.ep_size,
+    )
