@@ -11,7 +11,8 @@ activation checkpointing (``shardwise.checkpointing`` configured from its sectio
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -25,10 +26,12 @@ from shardwise.checkpointing.settings import (
     describe,
     missing_slot_count,
 )
+from shardwise.comm import mesh
 from shardwise.comm.comms_logger import configure_comms_logger
 from shardwise.comm.groups import set_topology
 from shardwise.comm.topology import Topology, build_topology
 from shardwise.config import ConfigError, ResolutionContext, ResolvedConfig
+from shardwise.config.loading import read_config_source
 from shardwise.config.model import ShardwiseConfig
 from shardwise.config.sections.training import OptimizerConfig, SchedulerConfig
 from shardwise.engine import ShardwiseEngine
@@ -247,11 +250,12 @@ def initialize(
     if mesh_param is not None:
         raise ValueError("mesh_param (sequence/data-parallel meshes) is not supported in this release")
     source = _config_source(args, config, config_params)
-    topology = _start_distributed(distributed_port, dist_init_required, mpu)
+    topology = _start_distributed(distributed_port, dist_init_required, mpu, source)
     cfg = load_checked_config(
         source,
         context=ResolutionContext(
-            world_size=topology.dp_size,
+            # the batch rule divides by sequence_parallel_size itself: give it the dp x sp ranks
+            world_size=topology.size_of("sdp") if topology.groups else topology.dp_size,
             optimizer_hparams=_client_hparams(optimizer),
             hidden_size=_hidden_size(model),
         ),
@@ -280,13 +284,39 @@ def initialize(
     return engine, zero_optimizer, loader, scheduler
 
 
-def _start_distributed(distributed_port: int, dist_init_required: bool | None, mpu: object) -> Topology:
+def _start_distributed(
+    distributed_port: int, dist_init_required: bool | None, mpu: object, source: object
+) -> Topology:
     """Join (or start) the process group and read the process layout, registered for
-    :mod:`shardwise.comm.groups`' accessors."""
+    :mod:`shardwise.comm.groups`' accessors.
+
+    Without an mpu the layout is the one :mod:`shardwise.comm.mesh` owns when a feature
+    declared a dimension (a ``PipelineModule``, ``tp_model_init``, a MoE layer) or the config
+    does (``sequence_parallel_size``, ``tensor_parallel.autotp_size``); otherwise (and with an
+    mpu) it is read as before.
+    """
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    sp, tp = _declared_in_config(source)
+    if mpu is None and (mesh.current_layout() is not None or sp is not None or tp is not None):
+        return mesh.ensure_layout(sp=sp, tp=tp, source="the config (sequence_parallel_size / tensor_parallel)")
     topology = build_topology(mpu)
     set_topology(topology)  # utils.groups-style accessors (shardwise.comm.groups) read this layout
     return topology
+
+
+def _declared_in_config(source: object) -> tuple[int | None, int | None]:
+    """The config's ``sequence_parallel_size`` and ``tensor_parallel.autotp_size`` when they ask
+    for more than one rank (validated later with the rest of the config)."""
+    if not isinstance(source, (str, os.PathLike, Mapping)):
+        return None, None
+    raw, _ = read_config_source(source)
+    tp_section = raw.get("tensor_parallel")
+    sp = raw.get("sequence_parallel_size")
+    tp = tp_section.get("autotp_size") if isinstance(tp_section, dict) else None
+    return (
+        sp if isinstance(sp, int) and not isinstance(sp, bool) and sp > 1 else None,
+        tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 else None,
+    )
 
 
 def _configure_process(root: ShardwiseConfig, mpu: object) -> CheckpointingSettings | None:

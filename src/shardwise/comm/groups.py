@@ -9,8 +9,8 @@ DeepSpeed answers without an mpu.
 
 A dimension of degree 1 has no group of its own: its accessors return ``None`` for the
 group (torch's spelling of "the world" — so do not pass it to a collective; ask the size
-first), 1 for the size and 0 for the rank. The expert-parallel dimension is 1 today, so the
-expert-data-parallel group is the data-parallel one.
+first), 1 for the size and 0 for the rank. The pipeline and expert dimensions have groups when
+a feature declared them through :func:`shardwise.comm.mesh.ensure_layout`.
 
 Example:
     >>> from shardwise.comm import groups
@@ -110,18 +110,18 @@ get_tensor_model_parallel_rank = get_model_parallel_rank
 
 # ---------------------------------------------------------------------------- pipeline parallel
 def get_pipeline_parallel_group() -> Group:
-    """The pipeline-parallel group: None today (no pipeline dimension has a group yet)."""
-    return None
+    """The pipeline-parallel group (None with one stage, or when it spans the world)."""
+    return current_topology().group_of("pp")
 
 
 def get_pipeline_parallel_world_size() -> int:
-    """The pipeline degree the layout records (``dims.pp``: what an mpu's groups leave over)."""
-    return current_topology().dims.pp
+    """The number of pipeline stages (``dims.pp``)."""
+    return current_topology().size_of("pp")
 
 
 def get_pipeline_parallel_rank() -> int:
-    """This rank's pipeline stage: 0 while the pipeline dimension has no group."""
-    return 0
+    """This rank's pipeline stage."""
+    return current_topology().rank_in("pp")
 
 
 # ---------------------------------------------------------------------------- sequence parallel
@@ -157,40 +157,46 @@ def get_sequence_data_parallel_rank() -> int:
 
 # ------------------------------------------------------------------------------ expert parallel
 def get_expert_parallel_group() -> Group:
-    """The expert-parallel group: None while the expert dimension is 1."""
-    return None
+    """The expert-parallel group (None while the expert dimension is 1)."""
+    return current_topology().group_of("ep")
 
 
 def get_expert_parallel_world_size() -> int:
-    """The expert-parallel degree (``dims.ep``; 1 today)."""
-    return current_topology().dims.ep
+    """The expert-parallel degree (``dims.ep``)."""
+    return current_topology().size_of("ep")
 
 
 def get_expert_parallel_rank() -> int:
-    """This rank's place in the expert-parallel group: 0 while the dimension is 1."""
-    return 0
+    """This rank's place in the expert-parallel group."""
+    return current_topology().rank_in("ep")
 
 
-def _data_parallel_for_experts() -> Topology:
-    topology = current_topology()
+def _expert_data(topology: Topology) -> str:
+    # A layout from the mesh names the expert-data-parallel group; one read from an mpu has no
+    # expert dimension, so expert parameters average like any other, over the data-parallel group.
+    if topology.groups:
+        return "edp"
     if topology.dims.ep > 1:
         raise ValueError(
-            f"expert-parallel degree {topology.dims.ep}: the expert dimension has no groups yet; "
-            "add them in shardwise.comm.topology (the one owner of the layout) before asking for them"
+            f"expert-parallel degree {topology.dims.ep}: a layout read from an mpu has no expert groups; "
+            "declare the layout with shardwise.comm.mesh.ensure_layout(ep=...) (the one owner of the layout)"
         )
-    return topology
+    return "dp"
 
 
 def get_expert_data_parallel_group() -> Group:
-    """The group expert parameters are averaged over: the data-parallel group while ``ep`` is 1."""
-    return _data_parallel_for_experts().dp_group
+    """The group expert parameters are averaged over (the data-parallel one while ``ep`` is 1)."""
+    topology = current_topology()
+    return topology.group_of(_expert_data(topology))
 
 
 def get_expert_data_parallel_world_size() -> int:
-    """The expert-data-parallel degree: the data-parallel degree while ``ep`` is 1."""
-    return _data_parallel_for_experts().dp_size
+    """The expert-data-parallel degree."""
+    topology = current_topology()
+    return topology.size_of(_expert_data(topology))
 
 
 def get_expert_data_parallel_rank() -> int:
     """This rank's place in the expert-data-parallel group."""
-    return _data_parallel_for_experts().dp_rank
+    topology = current_topology()
+    return topology.rank_in(_expert_data(topology))

@@ -26,12 +26,26 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
+from math import prod
 
-__all__ = ["MESH_ORDER", "ParallelDims"]
+__all__ = ["GROUP_DIMS", "MESH_ORDER", "ParallelDims"]
 
 # Outermost first, as torchtitan orders its mesh: ranks that differ only in ``tp`` are
 # neighbours (one node), ranks that differ in ``pp`` are furthest apart.
 MESH_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
+
+# The mesh dimensions each named group spans (``ep``/``edp`` cut the ``sdp`` groups further).
+_SPANS: dict[str, tuple[str, ...]] = {
+    **{name: (name,) for name in MESH_ORDER},
+    "dp": ("dp_replicate", "dp_shard"),
+    "sdp": ("dp_replicate", "dp_shard", "sp"),
+    "mp": ("tp",),
+    "ep": ("dp_replicate", "dp_shard", "sp"),
+    "edp": ("dp_replicate", "dp_shard", "sp"),
+}
+#: Every group name :meth:`ParallelDims.rank_groups` answers for.
+GROUP_DIMS: tuple[str, ...] = tuple(_SPANS)
 
 
 @dataclass(frozen=True)
@@ -120,3 +134,44 @@ class ParallelDims:
         if not (1 < size < n and n % size == 0):
             return []
         return [list(range(start, start + size)) for start in range(0, n, size)]
+
+    def rank_groups(self, dim: str) -> list[list[int]]:
+        """Every group of dimension ``dim``, as lists of global ranks, in a fixed order.
+
+        Ranks are laid out row-major over :data:`MESH_ORDER` (``pp`` outermost, ``tp``
+        innermost: DeepSpeed's pipe/data/model order). ``dp`` spans both data dimensions,
+        ``sdp`` the data and sequence dimensions (what ZeRO shards over), ``mp`` is ``tp``.
+        ``ep`` groups are runs of ``ep`` consecutive members of an ``sdp`` group and ``edp``
+        the members ``ep`` apart (DeepSpeed's expert and expert-data-parallel groups). Every
+        rank must create the groups in this order.
+
+        Example:
+            >>> dims = ParallelDims(dp_shard=2, pp=2, world_size=4)
+            >>> dims.rank_groups("pp"), dims.rank_groups("dp")
+            ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+            >>> ParallelDims(dp_shard=4, ep=2, world_size=4).rank_groups("edp")
+            [[0, 2], [1, 3]]
+        """
+        if dim not in _SPANS:
+            raise ValueError(f"unknown parallel dimension {dim!r}; known: {', '.join(GROUP_DIMS)}")
+        sizes = [int(getattr(self, name)) for name in MESH_ORDER]
+        strides = [prod(sizes[i + 1 :]) for i in range(len(sizes))]
+        spanned = [i for i, name in enumerate(MESH_ORDER) if name in _SPANS[dim]]
+        fixed = [i for i in range(len(sizes)) if i not in spanned]
+        groups: list[list[int]] = []
+        for fixed_coords in product(*(range(sizes[i]) for i in fixed)):
+            base = sum(c * strides[i] for c, i in zip(fixed_coords, fixed, strict=True))
+            members = [
+                base + sum(c * strides[i] for c, i in zip(coords, spanned, strict=True))
+                for coords in product(*(range(sizes[i]) for i in spanned))
+            ]
+            groups.append(members)
+        if dim == "ep":
+            return [g[i : i + self.ep] for g in groups for i in range(0, len(g), self.ep)]
+        if dim == "edp":
+            return [g[i :: self.ep] for g in groups for i in range(self.ep)]
+        return groups
+
+    def size_of(self, dim: str) -> int:
+        """The size of one group of dimension ``dim`` (every group of a dimension has the same size)."""
+        return len(self.rank_groups(dim)[0])

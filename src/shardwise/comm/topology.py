@@ -29,13 +29,15 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from shardwise.comm.init import get_rank, get_world_group, get_world_size
-from shardwise.comm.parallel_dims import ParallelDims
+from shardwise.comm.group_type import Group
+from shardwise.comm.init import get_rank, get_world_group, get_world_size, group_ranks
+from shardwise.comm.parallel_dims import GROUP_DIMS, ParallelDims
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -70,8 +72,11 @@ class Topology:
         shard_rank: rank in ``shard_group``.
         shard_size: size of ``shard_group``.
         dims: the degree of every named dimension (``dp_replicate`` x ``dp_shard`` x ``tp``
-            x ``pp`` x ``sp`` = ``world_size``); today ``dp_shard`` is the data dimension
-            the engine drives, ``tp``/``sp`` what the mpu reports, ``pp``/``ep`` 1.
+            x ``pp`` x ``sp`` = ``world_size``): what :func:`shardwise.comm.mesh.ensure_layout`
+            built, or what an mpu reports.
+        groups: for a layout built by :mod:`shardwise.comm.mesh`, every named dimension
+            (:data:`~shardwise.comm.parallel_dims.GROUP_DIMS`) -> this rank's group and its
+            global ranks; empty for a layout read from an mpu (the fields above answer).
     """
 
     world_rank: int = 0
@@ -89,6 +94,7 @@ class Topology:
     shard_rank: int = 0
     shard_size: int = 1
     dims: ParallelDims = field(default_factory=ParallelDims)
+    groups: Mapping[str, tuple[Group, tuple[int, ...]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Internal invariants: build_topology validated user-facing values already.
@@ -100,6 +106,88 @@ class Topology:
             f"dims for {dims.world_size} ranks in a world of {self.world_size}"
         )
         assert (dims.dp, dims.sp) == (self.dp_size, self.sp_size), (dims, self)
+
+    def _field_of(self, dim: str) -> tuple[Group, int, int] | None:
+        """(group, rank, size) from the named fields, for the dimensions every layout has."""
+        name = {"dp": "dp", "tp": "mp", "mp": "mp", "sp": "sp", "sdp": "shard"}.get(dim)
+        if name is None:
+            return None
+        return getattr(self, f"{name}_group"), getattr(self, f"{name}_rank"), getattr(self, f"{name}_size")
+
+    def _unknown(self, dim: str) -> ValueError:
+        if dim not in GROUP_DIMS:
+            return ValueError(f"unknown parallel dimension {dim!r}; known: {', '.join(GROUP_DIMS)}")
+        return ValueError(
+            f"dimension {dim!r} has no group in a layout read from an mpu (degrees {self.dims}); "
+            "declare the layout with shardwise.comm.mesh.ensure_layout instead of passing an mpu"
+        )
+
+    def size_of(self, dim: str) -> int:
+        """The size of this rank's group of dimension ``dim`` (see :data:`GROUP_DIMS`)."""
+        if dim in self.groups:
+            return len(self.groups[dim][1])
+        known = self._field_of(dim)
+        if known is not None:
+            return known[2]
+        if dim in ("pp", "dp_replicate", "dp_shard", "ep") and dim in GROUP_DIMS:
+            return int(getattr(self.dims, dim))
+        raise self._unknown(dim)
+
+    def rank_in(self, dim: str) -> int:
+        """This rank's place in its group of dimension ``dim``."""
+        if dim in self.groups:
+            return self.groups[dim][1].index(self.world_rank)
+        known = self._field_of(dim)
+        if known is not None:
+            return known[1]
+        if self.size_of(dim) == 1:
+            return 0
+        raise self._unknown(dim)
+
+    def group_of(self, dim: str) -> Group:
+        """This rank's process group of dimension ``dim``: None when the group is the whole world,
+        and (by the convention of :mod:`shardwise.comm.groups`) when the dimension has size 1,
+        so ask :meth:`size_of` before handing it to a collective."""
+        if dim in self.groups:
+            group, ranks = self.groups[dim]
+            return None if len(ranks) == 1 else group
+        known = self._field_of(dim)
+        if known is not None:
+            return known[0]
+        if self.size_of(dim) == 1:
+            return None
+        raise self._unknown(dim)
+
+    def ranks_of(self, dim: str) -> tuple[int, ...]:
+        """The global ranks of this rank's group of dimension ``dim``, in group-rank order."""
+        if dim in self.groups:
+            return self.groups[dim][1]
+        if self.size_of(dim) == 1:
+            return (self.world_rank,)
+        group = self.group_of(dim)
+        ranks = group_ranks(group)
+        return tuple(ranks) if ranks is not None else tuple(range(self.world_size))
+
+    def device_mesh(self, device_type: str) -> DeviceMesh:
+        """A ``DeviceMesh`` over this layout's non-trivial dimensions (``dp_shard`` always),
+        named as in :data:`~shardwise.comm.parallel_dims.MESH_ORDER`, made from the layout's own
+        groups (no new ones): ``mesh["dp_shard"]`` for FSDP2, ``mesh["tp"]`` for DTensor.
+
+        Only for a layout built by :mod:`shardwise.comm.mesh`; a 1-D data-parallel layout
+        gives the same mesh as :meth:`data_parallel_mesh`.
+        """
+        from torch import arange
+        from torch.distributed.device_mesh import DeviceMesh
+
+        used = [(name, size) for name, size in self.dims.mesh_dims() if size > 1]
+        if len(used) <= 1 and self.dims.dp_shard == self.world_size:
+            return self.data_parallel_mesh(device_type)
+        if not self.groups:
+            raise self._unknown(used[0][0])
+        names = [name for name, _ in used]
+        pgs = [self.groups[name][0] or get_world_group() for name in names]
+        layout = arange(self.world_size).reshape([size for _, size in used])
+        return DeviceMesh.from_group(pgs, device_type, mesh=layout, mesh_dim_names=tuple(names))
 
     def data_parallel_mesh(self, device_type: str) -> DeviceMesh:
         """The 1-D ``DeviceMesh`` named ``dp_shard`` over the data-parallel group (the world when None).

@@ -76,3 +76,25 @@ def test_expert_data_parallel_refuses_an_expert_dimension_without_groups() -> No
 def test_topology_checks_its_dims_against_its_sizes() -> None:
     with pytest.raises(AssertionError):
         Topology(world_size=2, dp_size=2, dp_rank=1, shard_size=2)  # dims left at a world of one
+
+
+def test_mesh_layout_of_one_rank_and_its_refusals() -> None:
+    from shardwise.comm import mesh
+
+    mesh.reset_layout()
+    try:
+        topo = mesh.ensure_layout(source="a test")
+        assert groups.current_topology() is topo and mesh.current_layout() is topo
+        assert [topo.size_of(d) for d in ("pp", "tp", "sp", "ep", "edp", "sdp")] == [1] * 6
+        with pytest.raises(ValueError, match=r"pp=2 \(PipelineModule\).*does not divide the world size 1"):
+            mesh.ensure_layout(pp=2, source="PipelineModule")
+        assert mesh.declared_degrees() == {}  # a layout that does not tile the world is not kept
+        with pytest.raises(ValueError, match="tp degree 0 must be an int >= 1"):
+            mesh.ensure_layout(tp=0, source="tp_model_init")
+        mesh.ensure_layout(sp=1, source="the config")
+        with pytest.raises(ValueError, match="the config declared sp=1"):
+            mesh.ensure_layout(sp=2, source="UlyssesSPAttentionHF")
+        with pytest.raises(ValueError, match="unknown parallel dimension 'xp'"):
+            topo.size_of("xp")
+    finally:
+        mesh.reset_layout()
