@@ -35,6 +35,7 @@ from shardwise.config.loading import read_config_source
 from shardwise.config.model import ShardwiseConfig
 from shardwise.config.sections.training import OptimizerConfig, SchedulerConfig
 from shardwise.engine import ShardwiseEngine
+from shardwise.moe.declare import declare_expert_parallelism, expert_parallel_degree
 from shardwise.optim.client import adopt_client_optimizer, client_param_groups
 from shardwise.precision.policy import PrecisionPolicy, build_precision
 from shardwise.preflight import SLOT_COUNT_NOTE, load_checked_config, zero_optimizer_error
@@ -250,7 +251,7 @@ def initialize(
     if mesh_param is not None:
         raise ValueError("mesh_param (sequence/data-parallel meshes) is not supported in this release")
     source = _config_source(args, config, config_params)
-    topology = _start_distributed(distributed_port, dist_init_required, mpu, source)
+    topology = _start_distributed(distributed_port, dist_init_required, mpu, source, model)
     cfg = load_checked_config(
         source,
         context=ResolutionContext(
@@ -285,18 +286,27 @@ def initialize(
 
 
 def _start_distributed(
-    distributed_port: int, dist_init_required: bool | None, mpu: object, source: object
+    distributed_port: int, dist_init_required: bool | None, mpu: object, source: object, model: Any = None
 ) -> Topology:
     """Join (or start) the process group and read the process layout, registered for
     :mod:`shardwise.comm.groups`' accessors.
 
     Without an mpu the layout is the one :mod:`shardwise.comm.mesh` owns when a feature
-    declared a dimension (a ``PipelineModule``, ``tp_model_init``, a MoE layer) or the config
+    declared a dimension (a ``PipelineModule``, ``tp_model_init``, the model's MoE layers: their
+    ``ep_size`` is declared here, :func:`shardwise.moe.declare.declare_expert_parallelism`) or the config
     does (``sequence_parallel_size``, ``tensor_parallel.autotp_size``); otherwise (and with an
     mpu) it is read as before.
     """
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     sp, tp = _declared_in_config(source)
+    if model is not None and expert_parallel_degree(model) > 1 and mpu is not None:
+        raise ValueError(
+            "MoE layers with ep_size > 1 and an mpu: shardwise builds expert groups from its own process "
+            "layout (shardwise.comm.mesh), not from an mpu's groups; fix: drop mpu= (declare tensor "
+            "parallelism with the config's tensor_parallel.autotp_size) or use ep_size=1"
+        )
+    if model is not None:
+        declare_expert_parallelism(model)  # collective: the MoE layers' ep_size into the layout
     if mpu is None and (mesh.current_layout() is not None or sp is not None or tp is not None):
         return mesh.ensure_layout(sp=sp, tp=tp, source="the config (sequence_parallel_size / tensor_parallel)")
     topology = build_topology(mpu)

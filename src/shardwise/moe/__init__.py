@@ -6,7 +6,8 @@
 - :mod:`~shardwise.moe.experts`, :mod:`~shardwise.moe.layer`: ``Experts``, ``TopKGate``,
   ``MOELayer``, ``MoE``.
 - :mod:`~shardwise.moe.utils`: ``is_moe_param`` and the optimizer-group split.
-- :mod:`~shardwise.moe.parallelism`: the expert-parallel group from ``shardwise.comm.mesh``.
+- :mod:`~shardwise.moe.parallelism`: the expert-parallel group from ``shardwise.comm.mesh``;
+  :mod:`~shardwise.moe.declare`: a model's MoE layers declared to it (``initialize`` calls it).
 
 ZeRO reduces expert parameters' gradients over the expert-data-parallel group
 (``shardwise.zero.reduction_domain``).

@@ -18,6 +18,7 @@ from shardwise.comm.group_type import Group
 from shardwise.moe import dispatch as routing
 from shardwise.moe.experts import Experts
 from shardwise.moe.gating import GateOutput, top1gating, top2gating, topkgating
+from shardwise.moe.parallelism import expert_parallel_group
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 
@@ -210,8 +211,6 @@ class MoE(nn.Module):
         """Take the expert-parallel group of ``ep_size`` from the process layout (collective:
         every rank calls it). ``use_data_before_expert_parallel_=True`` is refused (shardwise's
         layout puts expert ranks consecutive)."""
-        from shardwise.moe.parallelism import expert_parallel_group
-
         if use_data_before_expert_parallel_:
             raise ValueError(
                 "MoE.set_deepspeed_parallelism(use_data_before_expert_parallel_=True): shardwise's process "

@@ -9,8 +9,6 @@ group (``"edp"``) is the strided rest, as DeepSpeed builds them.
 
 from __future__ import annotations
 
-from torch import nn
-
 from shardwise.comm import mesh
 from shardwise.comm.group_type import Group
 
@@ -21,20 +19,3 @@ def expert_parallel_group(ep_size: int, *, source: str) -> Group:
         return None
     topology = mesh.ensure_layout(ep=ep_size, source=source)
     return topology.group_of("ep")
-
-
-def declare_expert_parallelism(module: nn.Module) -> int:
-    """Give every MoE layer of ``module`` its expert-parallel group; returns the expert-parallel
-    degree (1 without MoE layers). Collective: ``initialize`` calls it on every rank."""
-    from shardwise.moe.layer import MoE
-
-    degree = 1
-    for name, sub in module.named_modules():
-        if isinstance(sub, MoE):
-            sub.deepspeed_moe._set_ep_group(
-                expert_parallel_group(
-                    sub.ep_size, source=f"MoE layer {name or '<root>'} (ep_size={sub.ep_size})"
-                )
-            )
-            degree = max(degree, sub.ep_size)
-    return degree

@@ -16,6 +16,7 @@ over all ranks' tokens: the gradient of an ``ep_size=1`` run, whatever ``ep_size
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,8 @@ class ReductionDomain:
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """The expert groups of this rank (from the process layout: ``"ep"`` and ``"edp"``)."""
+    """The expert groups of this rank (from the process layout: ``"ep"`` and ``"edp"``); with
+    ``ep_size == 1`` expert parameters are replicated like dense ones (the data domain)."""
 
     ep_group: Group
     ep_size: int
@@ -64,6 +66,15 @@ def domain_of(param: torch.Tensor, data: ReductionDomain, experts: ExpertLayout 
     name = expert_group_name(param)
     if name is None:
         return data
+    declared = re.fullmatch(r"ep_size_(\d+)", name)
+    if experts is not None and declared is not None and int(declared.group(1)) != experts.ep_size:
+        raise ValueError(
+            f"an expert parameter of group {name!r} (shape {tuple(param.shape)}) but the process layout's "
+            f"expert-parallel size is {experts.ep_size}: its gradient would be reduced over the wrong ranks; "
+            "fix: give every MoE layer the same ep_size and build them before shardwise.initialize"
+        )
+    if experts is not None and experts.ep_size == 1:
+        return data  # every rank holds every expert: replicated like dense parameters
     if experts is None:
         raise ValueError(
             f"an expert parameter (group_name={name!r}, shape {tuple(param.shape)}) but no expert-parallel "
