@@ -26,7 +26,9 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "shardwise.compat.ds_utils",
         "shardwise.utils.logging",
         "shardwise.zero.param_access",
+        "shardwise.zero.leaf_modules",
     ),
+    "deepspeed.utils.z3_leaf_module": ("shardwise.zero.leaf_modules",),
     "deepspeed.utils.logging": ("shardwise.utils.logging",),
     "deepspeed.utils.groups": ("shardwise.compat.groups",),
     "deepspeed.git_version_info": ("shardwise.compat.git_version_info",),
@@ -59,6 +61,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.ops.adagrad": ("shardwise.compat.ops",),
     "deepspeed.ops.lion": ("shardwise.compat.ops",),
     "deepspeed.ops.lamb": ("shardwise.compat.ops",),
+    "deepspeed.moe.sharded_moe": ("shardwise.moe.layer", "shardwise.moe.gating", "shardwise.moe.dispatch"),
 }
 
 RENAMES: dict[str, str] = {
@@ -72,6 +75,7 @@ RENAMES: dict[str, str] = {
     "deepspeed.utils.torch.required_torch_version": "shardwise.compat.small_names:required_torch_version",
     "deepspeed.utils.numa.parse_range_list": "shardwise.compat.small_names:parse_range_list",
     "deepspeed.runtime.zero.utils.ZeRORuntimeException": "shardwise.compat.small_names:ZeRORuntimeException",
+    "deepspeed.moe.sharded_moe._AllToAll": "shardwise.moe.dispatch:AllToAll",
     **{
         f"deepspeed.{path}": f"shardwise.compat.unavailable:{path.rpartition('.')[2]}"
         for path in (
@@ -80,9 +84,6 @@ RENAMES: dict[str, str] = {
             "pipe.TiedLayerSpec",
             "runtime.pipe.topology.PipeModelDataParallelTopology",
             "runtime.pipe.engine.PipelineEngine",
-            "moe.layer.MoE",
-            "moe.utils.split_params_into_different_moe_groups_for_optimizer",
-            "moe.utils.is_moe_param",
             "runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer",
             "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
             "runtime.fp16.fused_optimizer.FP16_Optimizer",
@@ -97,7 +98,7 @@ RENAMES: dict[str, str] = {
     },
 }
 """Single names: DeepSpeed's spelling -> ``module:attribute`` in shardwise. The ``unavailable`` ones are
-DeepSpeed parts shardwise does not have (pipeline, MoE, DeepSpeed's own optimizer wrappers): importable,
+DeepSpeed parts shardwise does not have (pipeline, DeepSpeed's own optimizer wrappers): importable,
 raising with their name and the alternative when used."""
 
 PACKAGES: frozenset[str] = frozenset({"deepspeed.runtime", "deepspeed.ops", "deepspeed.launcher"})

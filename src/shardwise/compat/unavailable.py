@@ -2,8 +2,8 @@
 subclasses them loads), failing when used with an error naming the DeepSpeed name and what to use instead.
 
 Two kinds: DeepSpeed's own optimizer wrappers and ZeRO internals (shardwise's engine has its own
-strategies, :mod:`shardwise.zero`), and ``deepspeed.pipe`` / ``deepspeed.moe``, which come with the
-pipeline-parallel and MoE work.
+strategies, :mod:`shardwise.zero`), and ``deepspeed.pipe``, which comes with the pipeline-parallel work
+(``deepspeed.moe`` is :mod:`shardwise.moe`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import NoReturn
 
 _PIPE = "pipeline parallelism (deepspeed.pipe) is not in shardwise yet; train the model without PipelineModule"
-_MOE = "mixture of experts (deepspeed.moe) is not in shardwise yet; use the model's own MoE layer without expert parallelism"
 _SP = ("DeepSpeed's Ulysses attention layers are not in shardwise; pass an mpu with sequence-parallel groups to "
        "initialize and keep the model's attention")
 _TP = "automatic tensor parallelism is not in shardwise; shard with ZeRO stage 3 (zero_optimization.stage 3)"
@@ -54,10 +53,6 @@ LayerSpec = unavailable_class("deepspeed.pipe.LayerSpec", _PIPE)
 TiedLayerSpec = unavailable_class("deepspeed.pipe.TiedLayerSpec", _PIPE)
 PipeModelDataParallelTopology = unavailable_class("deepspeed.runtime.pipe.topology.PipeModelDataParallelTopology", _PIPE)
 PipelineEngine = unavailable_class("deepspeed.runtime.pipe.engine.PipelineEngine", _PIPE)
-MoE = unavailable_class("deepspeed.moe.layer.MoE", _MOE)
-split_params_into_different_moe_groups_for_optimizer = unavailable_function(
-    "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer", _MOE)
-is_moe_param = unavailable_function("deepspeed.moe.utils.is_moe_param", _MOE)
 
 DeepSpeedZeroOptimizer = unavailable_class("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", _ZERO)
 DeepSpeedZeroOptimizer_Stage3 = unavailable_class("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", _ZERO)
