@@ -118,3 +118,45 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     weights = expert_weights(model, ep_rank)
     engine.destroy()
     return {"loss": losses, "aux": auxes, "expert_numel": expert_numel, "experts": weights}
+
+
+def save_then_resume(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Train at ``case["save_ep"]`` and save; resume at ``case["load_ep"]``. Returns the experts
+    (by global index) at save and after load, and the next step's loss of both runs."""
+    import torch
+
+    import shardwise
+    from shardwise.comm import groups, mesh
+
+    def engine_for(ep: int) -> Any:
+        mesh.reset_layout()
+        groups.clear_topology()
+        model = build_model(ep, seed=99)  # other initial weights than the saved ones
+        config = {
+            "train_micro_batch_size_per_gpu": BATCH,
+            "optimizer": OPTIMIZERS["Adam"],
+            "zero_optimization": {"stage": case["stage"]},
+        }
+        engine, *_ = shardwise.initialize(model=model, config=config)
+        return engine, model
+
+    def ep_rank(ep: int) -> int:
+        return mesh.current_layout().rank_in("ep") if ep > 1 else 0
+
+    data = batches(rank, 4)
+    engine, model = engine_for(case["save_ep"])
+    for tokens in data[:3]:
+        loss, _ = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(case["dir"], tag="moe")
+    saved = expert_weights(model, ep_rank(case["save_ep"]))
+    next_loss = engine(data[3])[0].item()
+    engine.destroy()
+    engine, model = engine_for(case["load_ep"])
+    engine.load_checkpoint(case["dir"], tag="moe", load_optimizer_states=case["optimizer_states"])
+    loaded = expert_weights(model, ep_rank(case["load_ep"]))
+    resumed_loss = engine(data[3])[0].item()
+    engine.destroy()
+    torch.distributed.barrier()
+    return {"saved": saved, "loaded": loaded, "next_loss": next_loss, "resumed_loss": resumed_loss}

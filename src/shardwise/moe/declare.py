@@ -19,10 +19,7 @@ def declare_expert_parallelism(module: nn.Module) -> int:
     degree = 1
     for name, sub in module.named_modules():
         if isinstance(sub, MoE):
-            sub.deepspeed_moe._set_ep_group(
-                expert_parallel_group(
-                    sub.ep_size, source=f"MoE layer {name or '<root>'} (ep_size={sub.ep_size})"
-                )
-            )
+            source = f"MoE layer {name or '<root>'} (ep_size={sub.ep_size})"
+            sub.deepspeed_moe._set_ep_group(*expert_parallel_group(sub.ep_size, source=source))
             degree = max(degree, sub.ep_size)
     return degree

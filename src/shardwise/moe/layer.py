@@ -116,6 +116,7 @@ class MOELayer(nn.Module):
         self.gate = gate
         self.experts = experts
         self.ep_group: Group = None
+        self.ep_rank = 0  # this rank's place in its expert-parallel group (its experts' first index / L)
         self.ep_size = ep_size
         self.ep_group_name = ep_group_name
         self.num_local_experts = num_local_experts
@@ -125,8 +126,8 @@ class MOELayer(nn.Module):
         self.last_capacity = 0  # C of the last forward (benchmarks count the all-to-all bytes with it)
         self.wall_clock_breakdown = False
 
-    def _set_ep_group(self, ep_group: Group) -> None:
-        self.ep_group = ep_group
+    def _set_ep_group(self, ep_group: Group, ep_rank: int = 0) -> None:
+        self.ep_group, self.ep_rank = ep_group, ep_rank
         self.group_set = True
         self.gate._set_ep_group(ep_group, self.ep_size)
 
@@ -217,7 +218,7 @@ class MoE(nn.Module):
                 "layout makes expert-parallel groups of consecutive ranks only; fix: leave it False"
             )
         self.deepspeed_moe._set_ep_group(
-            expert_parallel_group(self.ep_size, source=f"MoE(ep_size={self.ep_size})")
+            *expert_parallel_group(self.ep_size, source=f"MoE(ep_size={self.ep_size})")
         )
 
     def forward(
