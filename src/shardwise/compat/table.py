@@ -76,6 +76,10 @@ RENAMES: dict[str, str] = {
     "deepspeed.utils.numa.parse_range_list": "shardwise.compat.small_names:parse_range_list",
     "deepspeed.runtime.zero.utils.ZeRORuntimeException": "shardwise.compat.small_names:ZeRORuntimeException",
     "deepspeed.moe.sharded_moe._AllToAll": "shardwise.moe.dispatch:AllToAll",
+    "deepspeed.moe.sharded_moe._route_slots": "shardwise.moe.dispatch:route_slots",
+    "deepspeed.moe.sharded_moe._sparse_encode": "shardwise.moe.dispatch:sparse_encode",
+    "deepspeed.moe.sharded_moe._sparse_decode": "shardwise.moe.dispatch:sparse_decode",
+    "deepspeed.moe.sharded_moe._capacity": "shardwise.moe.gating:capacity",
     **{
         f"deepspeed.{path}": f"shardwise.compat.unavailable:{path.rpartition('.')[2]}"
         for path in (

@@ -66,3 +66,30 @@ def all_to_all_bytes(num_experts: int, capacity: int, hidden: int, ep_size: int,
         return 0
     block = num_experts * capacity * hidden * element_size
     return 2 * block * (ep_size - 1) // ep_size
+
+
+def route_slots(indices: Tensor, locations: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """``[k, S]`` flat slots ``expert * capacity + location`` of every route; a dropped route
+    (expert -1) points at the spare slot ``num_experts * capacity`` (read as zeros, written nowhere)."""
+    flat = indices.long() * capacity + locations.long()
+    return torch.where(indices >= 0, flat, torch.full_like(flat, num_experts * capacity))
+
+
+def sparse_encode(tokens: Tensor, slots: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """``[S, M]`` tokens into their ``[E, C, M]`` slots by one gather (each filled slot names its
+    token; empty ones name a zero row)."""
+    num_tokens, hidden = tokens.shape
+    source = torch.full((num_experts * capacity + 1,), num_tokens, dtype=torch.long, device=tokens.device)
+    token_ids = torch.arange(num_tokens, device=tokens.device).expand_as(slots)
+    source.scatter_(0, slots.reshape(-1), token_ids.reshape(-1))
+    padded = torch.cat([tokens, tokens.new_zeros(1, hidden)])
+    return padded.index_select(0, source[:-1]).view(num_experts, capacity, hidden)
+
+
+def sparse_decode(expert_output: Tensor, slots: Tensor, gates: Tensor, num_tokens: int) -> Tensor:
+    """``[E * C, M]`` expert results back to ``[S, M]`` tokens: each token's routes read from
+    their slots, weighted by their gates and summed."""
+    hidden = expert_output.shape[-1]
+    padded = torch.cat([expert_output, expert_output.new_zeros(1, hidden)])
+    routed = padded.index_select(0, slots.reshape(-1)).view(slots.shape[0], num_tokens, hidden)
+    return (routed * gates.unsqueeze(-1)).sum(dim=0).to(expert_output.dtype)

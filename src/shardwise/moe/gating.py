@@ -1,7 +1,10 @@
 """Top-1, top-2 and top-k gating of a mixture of experts: routing, capacity and the balancing loss.
 
 Every function takes the router's ``logits`` ``[S, E]`` (S tokens, E experts) and returns
-``(l_aux, combine_weights, dispatch_mask, exp_counts)``, DeepSpeed's tuple:
+``(l_aux, combine_weights, dispatch_mask, exp_counts)``, DeepSpeed's tuple (with ``sparse_routes``
+DeepSpeed's sparse form ``(l_aux, capacity, E, indices, locations, gates, exp_counts)``: per route
+``[k, S]``, the expert (-1 when dropped), its slot and its weight; :mod:`shardwise.moe.dispatch`
+moves tokens with it in ``O(S k M)`` instead of the dense ``O(S E C M)``):
 
 - ``combine_weights`` ``[S, E, C]``: the weight of token ``s`` in slot ``c`` of expert ``e``
   (zero where the token is not there); ``dispatch_mask`` is its boolean support. ``C`` is the
@@ -35,6 +38,7 @@ from shardwise.comm import collectives
 from shardwise.comm.group_type import Group
 
 GateOutput = tuple[Tensor, Tensor, Tensor, Tensor]
+SparseGateOutput = tuple[Tensor, int, int, Tensor, Tensor, Tensor, Tensor]
 
 
 def capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
@@ -69,6 +73,29 @@ def _weighted_slots(weight: Tensor, mask: Tensor, slot: Tensor, cap: int) -> Ten
     return (weight.unsqueeze(1) * mask.to(weight.dtype)).unsqueeze(-1) * slots.unsqueeze(1)
 
 
+def _output(
+    l_aux: Tensor,
+    cap: int,
+    num_experts: int,
+    chosen: Tensor,
+    slots: Tensor,
+    weights: Tensor,
+    exp_counts: Tensor,
+    sparse: bool,
+) -> GateOutput | SparseGateOutput:
+    """The gate's result from its routes (``[k, S]``: expert or -1 when dropped, slot, weight): dense
+    ``(l_aux, combine, dispatch, counts)``, or with ``sparse`` DeepSpeed's sparse form
+    ``(l_aux, capacity, E, indices, locations, gates, counts)`` (int32 indices and locations)."""
+    if sparse:
+        return l_aux, cap, num_experts, chosen.to(torch.int32), slots.to(torch.int32), weights, exp_counts
+    combine = sum(
+        _weighted_slots(w, F.one_hot(e.clamp(min=0), num_experts) * e.ge(0).unsqueeze(1), slot, cap)
+        for e, slot, w in zip(chosen, slots, weights)
+    )
+    assert isinstance(combine, Tensor)
+    return l_aux, combine, combine.bool(), exp_counts
+
+
 def _one_hot_slots(locations: Tensor, mask: Tensor, cap: int) -> Tensor:
     """``[S, E, C]``: 1 where token ``s`` sits in slot ``c`` of expert ``e`` (its mask is set)."""
     slots = F.one_hot(locations.clamp(0, cap - 1).long(), num_classes=cap).to(torch.float32)
@@ -84,8 +111,11 @@ def top1gating(
     drop_tokens: bool = True,
     use_rts: bool = True,
     ep_group: Group = None,
+    sparse_routes: bool = False,
+    use_tutel: bool = False,
+    *,
     ep_size: int = 1,
-) -> GateOutput:
+) -> GateOutput | SparseGateOutput:
     """Switch-Transformer routing: each token to its highest-gate expert, with weight that gate."""
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
@@ -107,8 +137,10 @@ def top1gating(
     else:
         mask = mask * torch.lt(torch.cumsum(mask, dim=0) - 1, cap)
     locations = torch.sum((torch.cumsum(mask, dim=0) - 1) * mask, dim=1)
-    combine = _weighted_slots(torch.sum(gates * mask.float(), dim=1), mask, locations, cap)
-    return l_aux, combine, combine.bool(), exp_counts
+    routed = mask.any(dim=1)
+    chosen = torch.where(routed, mask.argmax(dim=1), torch.full_like(locations, -1))
+    gate = torch.sum(gates * mask.float(), dim=1)
+    return _output(l_aux, cap, num_experts, chosen[None], locations[None], gate[None], exp_counts, sparse_routes)
 
 
 def top2gating(
@@ -118,8 +150,10 @@ def top2gating(
     drop_tokens: bool = True,
     ep_group: Group = None,
     top2_2nd_expert_sampling: bool = True,
+    sparse_routes: bool = False,
+    *,
     ep_size: int = 1,
-) -> GateOutput:
+) -> GateOutput | SparseGateOutput:
     """GShard routing: each token to its two best experts (the second chosen with Gumbel noise
     when ``top2_2nd_expert_sampling``), weights the two gates renormalised to sum to one."""
     gates = F.softmax(logits, dim=1)
@@ -145,8 +179,12 @@ def top2gating(
     gate1, gate2 = gate1 / denominator, gate2 / denominator
     slot1 = torch.sum(locations1 * mask1, dim=1)
     slot2 = torch.sum(locations2 * mask2, dim=1)
-    combine = _weighted_slots(gate1, mask1, slot1, cap) + _weighted_slots(gate2, mask2, slot2, cap)
-    return l_aux, combine, combine.bool(), exp_counts
+    none = torch.full_like(first, -1)
+    chosen = torch.stack([torch.where(mask1.any(dim=1), first, none), torch.where(mask2.any(dim=1), second, none)])
+    return _output(
+        l_aux, cap, num_experts, chosen, torch.stack([slot1, slot2]), torch.stack([gate1, gate2]), exp_counts,
+        sparse_routes,
+    )
 
 
 def topkgating(
@@ -157,8 +195,10 @@ def topkgating(
     drop_tokens: bool = True,
     ep_group: Group = None,
     drop_policy: str = "probs",
+    sparse_routes: bool = False,
+    *,
     ep_size: int = 1,
-) -> GateOutput:
+) -> GateOutput | SparseGateOutput:
     """Each token to its ``k`` best experts, weights renormalised over the kept ones."""
     if drop_policy not in ("probs", "position"):
         raise ValueError(f"topkgating: drop_policy={drop_policy!r}; use 'probs' or 'position'")
@@ -181,5 +221,10 @@ def topkgating(
     locations = torch.cumsum(mask.long(), dim=0) - 1
     kept = gates * mask
     kept = kept / torch.clamp(kept.sum(dim=-1, keepdim=True), min=torch.finfo(gates.dtype).eps)
-    combine = kept.unsqueeze(-1) * _one_hot_slots(locations, mask, cap)
-    return l_aux, combine, combine.bool(), exp_counts
+    if not sparse_routes:
+        combine = kept.unsqueeze(-1) * _one_hot_slots(locations, mask, cap)
+        return l_aux, combine, combine.bool(), exp_counts
+    routed = mask.gather(1, top_idx)
+    chosen = torch.where(routed, top_idx, torch.full_like(top_idx, -1)).t()
+    slots = (locations.gather(1, top_idx) * routed).t()
+    return _output(l_aux, cap, num_experts, chosen, slots, kept.gather(1, top_idx).t(), exp_counts, True)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from shardwise.comm.group_type import Group
 from shardwise.moe import dispatch as routing
 from shardwise.moe.experts import Experts
-from shardwise.moe.gating import GateOutput, top1gating, top2gating, topkgating
+from shardwise.moe.gating import GateOutput, SparseGateOutput, top1gating, top2gating, topkgating
 from shardwise.moe.parallelism import expert_parallel_group
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
@@ -68,43 +68,33 @@ class TopKGate(nn.Module):
     def _set_ep_group(self, ep_group: Group, ep_size: int = 1) -> None:
         self.ep_group, self.ep_size = ep_group, ep_size
 
-    def forward(self, tokens: Tensor, used_token: Tensor | None = None) -> GateOutput:
-        """``(l_aux, combine_weights, dispatch_mask, exp_counts)`` for ``[S, M]`` tokens."""
+    def forward(
+        self, tokens: Tensor, used_token: Tensor | None = None, sparse_routes: bool = False, use_tutel: bool = False
+    ) -> GateOutput | SparseGateOutput:
+        """``(l_aux, combine_weights, dispatch_mask, exp_counts)`` for ``[S, M]`` tokens (with
+        ``sparse_routes``: ``(l_aux, capacity, E, indices, locations, gates, exp_counts)``)."""
         x = tokens.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
             x = _jitter(x)
         logits = F.linear(x, self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        common = {"sparse_routes": sparse_routes, "ep_group": self.ep_group, "ep_size": self.ep_size}
         if self.k == 1:
             policy = self.noisy_gate_policy if self.training else None
             return top1gating(
-                logits,
-                factor,
-                self.min_capacity,
-                used_token,
-                policy,
-                self.drop_tokens,
-                self.use_rts,
-                self.ep_group,
-                self.ep_size,
+                logits, factor, self.min_capacity, used_token, policy, self.drop_tokens, self.use_rts, **common
             )
         if self.k == 2:
             return top2gating(
-                logits,
-                factor,
-                self.min_capacity,
-                self.drop_tokens,
-                self.ep_group,
-                self.top2_2nd_expert_sampling,
-                self.ep_size,
+                logits, factor, self.min_capacity, self.drop_tokens,
+                top2_2nd_expert_sampling=self.top2_2nd_expert_sampling, **common,
             )
-        return topkgating(
-            logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group, ep_size=self.ep_size
-        )
+        return topkgating(logits, self.k, factor, self.min_capacity, self.drop_tokens, **common)
 
 
 class MOELayer(nn.Module):
-    """Gate, dispatch to expert slots, all-to-all, local experts, all-to-all back, combine.
+    """Gate, dispatch to expert slots, all-to-all, local experts, all-to-all back, combine (by the
+    sparse routes: a gather in, a gather and weighted sum out, :mod:`shardwise.moe.dispatch`).
 
     After ``forward`` the layer keeps ``l_aux`` (the balancing loss) and ``exp_counts``.
     """
@@ -143,13 +133,15 @@ class MOELayer(nn.Module):
         hidden = x.shape[-1]
         tokens = x.reshape(-1, hidden)
         used = inputs[1] if len(inputs) > 1 else None
-        self.l_aux, combine_weights, dispatch_mask, self.exp_counts = self.gate(tokens, used)
-        self.last_capacity = int(combine_weights.shape[-1])
-        block = routing.exchange(routing.dispatch(tokens, dispatch_mask), self.ep_group, self.ep_size)
+        self.l_aux, cap, experts, indices, locations, gates, self.exp_counts = self.gate(tokens, used, True)
+        cap = self.last_capacity = int(cap)
+        slots = routing.route_slots(indices, locations, experts, cap)
+        block = routing.sparse_encode(tokens, slots, experts, cap)
+        block = routing.exchange(block, self.ep_group, self.ep_size)
         block = block.reshape(self.ep_size, self.num_local_experts, -1, hidden)
         out = self.experts(block).reshape(self.ep_size * self.num_local_experts, -1, hidden)
-        out = routing.exchange(out, self.ep_group, self.ep_size)
-        return routing.combine(out, combine_weights).reshape(x.shape)
+        out = routing.exchange(out, self.ep_group, self.ep_size).reshape(experts * cap, hidden)
+        return routing.sparse_decode(out, slots, gates, tokens.shape[0]).reshape(x.shape)
 
 
 class MoE(nn.Module):

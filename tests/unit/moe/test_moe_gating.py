@@ -118,3 +118,28 @@ def test_topk_loss_is_scaled_by_one_over_k() -> None:
     ce = torch.tensor([1.0, 1.0, 0.0])  # every choice counts
     assert counts.tolist() == [2, 2, 0]
     assert l_aux.item() == pytest.approx((gates.mean(0) * ce).mean().item() * 9 / 2, abs=1e-7)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_sparse_routes_move_tokens_as_the_dense_weights_say(k: int) -> None:
+    from shardwise.moe.dispatch import combine, dispatch, route_slots, sparse_decode, sparse_encode
+
+    torch.manual_seed(k)
+    logits, tokens = torch.randn(16, 4), torch.randn(16, 8)
+    if k == 1:
+        dense, sparse = (top1gating(logits, 1.0, 0, use_rts=False, sparse_routes=s) for s in (False, True))
+    elif k == 2:
+        dense, sparse = (
+            top2gating(logits, 1.0, 0, top2_2nd_expert_sampling=False, sparse_routes=s) for s in (False, True)
+        )
+    else:
+        dense, sparse = (topkgating(logits, k, 1.0, 0, sparse_routes=s) for s in (False, True))
+    _, weights, mask, counts = dense
+    l_aux, cap, experts, indices, locations, gates, sparse_counts = sparse
+    assert torch.equal(l_aux, dense[0]) and torch.equal(counts, sparse_counts) and cap == weights.shape[-1]
+    assert indices.shape == (k, 16) and bool((indices < 0).any() == (mask.sum() < 16 * k))  # some dropped
+    slots = route_slots(indices, locations, experts, cap)
+    block = sparse_encode(tokens, slots, experts, cap)
+    assert torch.equal(block, dispatch(tokens, mask))  # a copy of each token, exactly
+    out = torch.randn_like(block)
+    torch.testing.assert_close(sparse_decode(out.view(-1, 8), slots, gates, 16), combine(out, weights))
