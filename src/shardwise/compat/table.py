@@ -70,6 +70,7 @@ RENAMES: dict[str, str] = {
     "deepspeed.runtime.engine.DeepSpeedEngine": "shardwise.engine:ShardwiseEngine",
     "deepspeed.DeepSpeedConfig": "shardwise.compat.ds_config:DeepSpeedConfig",
     "deepspeed.OnDevice": "shardwise.compat.small_names:OnDevice",
+    "deepspeed.get_accelerator": "shardwise.compat.accelerator:get_accelerator",
     "deepspeed.launcher.runner.main": "shardwise.compat.launcher_runner:main",
     "deepspeed.ops.__compatible_ops__": "shardwise.compat.op_builder:COMPATIBLE_OPS",
     "deepspeed.utils.torch.required_torch_version": "shardwise.compat.small_names:required_torch_version",
