@@ -7,8 +7,9 @@ Workload: 2 gloo ranks, ``ep_size=2`` (expert parallelism over both ranks), MoE 
 stage 1, AdamW from the split MoE parameter groups; each rank its own batch.
 
 Reported per peer (rank 0): the bytes handed to ``all_to_all_single`` in one step, next to the
-theory ``layers x 4 x E x C x M x 4`` bytes (two all-to-alls forward, two backward, each an
-``[E, C, M]`` fp32 block, ``C = ceil(tokens / E x capacity_factor x k)``; the part that leaves the
+theory ``(4 x layers - 1) x E x C x M x 4`` bytes (two all-to-alls forward and two backward per
+layer, each an ``[E, C, M]`` fp32 block, ``C = ceil(tokens / E x capacity_factor x k)``, less the
+backward of the first layer's dispatch: its input needs no gradient; the part that leaves the
 rank is ``(ep - 1) / ep`` of it); the least CPU time of a step (``time.process_time``, the work
 done, which a shared machine's other load barely moves) and the median wall time; the step-time
 ratio shardwise / DeepSpeed. The peers run one after the other, twice, in alternating order.
