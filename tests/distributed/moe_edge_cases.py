@@ -94,3 +94,38 @@ def leaf_units(rank: int, world: int, case: dict[str, Any]) -> list[str]:
     units = sorted(names[id(u)] for u in record.units) if record is not None else []
     engine.destroy()
     return units
+
+
+def full_expert_gradients(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """``safe_get_full_grad`` / ``safe_get_full_fp32_param`` of expert parameters at ``case["ep"]``,
+    by global expert index (the same tokens on both runs)."""
+    import torch
+
+    import shardwise
+    from shardwise.comm import groups, mesh
+    from shardwise.zero.param_access import safe_get_full_fp32_param, safe_get_full_grad
+
+    mesh.reset_layout()
+    groups.clear_topology()
+    model = _model(case["ep"], drop_tokens=False)
+    with torch.no_grad():  # route by the input: a spread over all experts
+        model.moe.deepspeed_moe.gate.wg.weight.copy_(torch.eye(EXPERTS, HIDDEN) * 5.0)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": case["stage"]},
+    }
+    engine, *_ = shardwise.initialize(model=model, config=config)
+    x = torch.randn(4, 5, HIDDEN, generator=torch.Generator().manual_seed(rank))
+    loss, _ = engine(x)
+    engine.backward(loss)
+    ep_rank = mesh.current_layout().rank_in("ep") if case["ep"] > 1 else 0
+    layer = model.moe.deepspeed_moe.experts
+    out = {}
+    for local, expert in enumerate(layer.deepspeed_experts):
+        index = ep_rank * layer.num_local_experts + local
+        out[f"grad{index}"] = safe_get_full_grad(expert[0].weight)
+        out[f"param{index}"] = safe_get_full_fp32_param(expert[0].weight)
+    engine.step()
+    engine.destroy()
+    return out

@@ -38,3 +38,17 @@ def test_z3_leaf_modules_are_one_shard_unit_each() -> None:
     assert "moe.deepspeed_moe.experts" in with_leaf[0]
     assert not any(u.startswith("moe.deepspeed_moe.experts.") for u in with_leaf[0])  # nothing split under it
     assert "moe.deepspeed_moe.experts" not in without[0]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_full_gradient_of_an_expert_is_its_ep1_gradient(stage: int) -> None:
+    import torch
+    from moe_edge_cases import full_expert_gradients
+
+    cases = [{"stage": stage, "ep": 1}, {"stage": stage, "ep": 2}]
+    ep1, ep2 = run_distributed_cases(full_expert_gradients, cases, world_size=2, timeout=240)
+    owned = {**ep2[0], **ep2[1]}
+    assert sorted(owned) == sorted(ep1[0])
+    for key, value in ep1[0].items():
+        torch.testing.assert_close(owned[key], value, rtol=1e-6, atol=1e-7, msg=key)
+    assert any(float(v.abs().sum()) > 0 for k, v in owned.items() if k.startswith("grad"))

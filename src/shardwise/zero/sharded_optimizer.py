@@ -480,12 +480,15 @@ class ZeroOptimizer(ZeroStrategy):
         self.wait_for_parameters()
         places: list[ParamPlace] = []
         members: list[list[int]] = [[] for _ in self.optimizer.param_groups]
-        for flat, gi in zip(self.groups, self.group_index):
+        for flat, gi, domain in zip(self.groups, self.group_index, self.domains):
             for index, param in enumerate(flat.params):
                 pieces = tuple(FlatPiece(s, e, flat.master[m], o) for s, e, m, o in flat.master_pieces(index))
                 members[gi].append(len(places))
                 separate = flat.dtype != torch.float32
-                places.append(ParamPlace(param, tuple(param.shape), Holding.FLAT, separate, pieces=pieces))
+                split = self._split_over(domain)
+                places.append(
+                    ParamPlace(param, tuple(param.shape), Holding.FLAT, separate, pieces=pieces, split_over=split)
+                )
         return StateLayout(
             optimizer=checkpoint_view(self.optimizer),
             optimizer_name=type(self.optimizer).__name__,
@@ -507,10 +510,13 @@ class ZeroOptimizer(ZeroStrategy):
         its fp32 values of the masters; available after a reducing backward, until the step."""
         self.wait_for_parameters()
         places = []
-        for flat in self.groups:
+        for flat, domain in zip(self.groups, self.domains):
             for index, param in enumerate(flat.params):
                 pieces = tuple(FlatPiece(s, e, flat.grad[m], o) for s, e, m, o in flat.master_pieces(index))
-                places.append(ParamPlace(param, tuple(param.shape), Holding.FLAT, False, pieces=pieces))
+                split = self._split_over(domain)
+                places.append(
+                    ParamPlace(param, tuple(param.shape), Holding.FLAT, False, pieces=pieces, split_over=split)
+                )
         return GradientLayout(
             places=tuple(places),
             mean_divisor=self.mean_divisor,
@@ -518,6 +524,13 @@ class ZeroOptimizer(ZeroStrategy):
             partitioned=self.policy.stage >= 1 and self.policy.world_size > 1,
             unavailable="" if self.reducer.gradients_ready else GRADIENTS_UNAVAILABLE,
         )
+
+    def _split_over(self, domain: ReductionDomain) -> tuple[Group, bool] | None:
+        """Expert parameters' pieces are split over their expert-data-parallel group (None: dense,
+        the layout's data-parallel group)."""
+        if domain.name == DATA:
+            return None
+        return domain.group, self.policy.stage >= 1 and domain.world_size > 1
 
     def _refresh_masters(self) -> None:
         """Re-read the fp32 masters from the (just loaded) parameters: weights-only loads."""
