@@ -104,20 +104,22 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         "optimizer": OPTIMIZERS[case.get("optimizer", "Adam")],
         "zero_optimization": {"stage": case["stage"]},
         "zero_allow_untested_optimizer": True,  # SGD: element-wise, exact on shards
+        "gradient_clipping": case.get("clip", 0.0),
     }
     engine, *_ = shardwise.initialize(model=model, config=config)
-    losses, auxes = [], []
+    losses, auxes, norms = [], [], []
     for tokens in batches(rank, case["steps"]):
         loss, aux = engine(tokens)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
         auxes.append(aux.item())
+        norms.append(float(engine.get_global_grad_norm()))
     ep_rank = mesh.current_layout().rank_in("ep") if case["ep"] > 1 else 0
     expert_numel = sum(p.numel() for p in model.parameters() if is_moe_param(p))
     weights = expert_weights(model, ep_rank)
     engine.destroy()
-    return {"loss": losses, "aux": auxes, "expert_numel": expert_numel, "experts": weights}
+    return {"loss": losses, "aux": auxes, "norm": norms, "expert_numel": expert_numel, "experts": weights}
 
 
 def save_then_resume(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:

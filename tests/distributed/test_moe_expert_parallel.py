@@ -22,9 +22,13 @@ from shardwise.testing import run_distributed_cases
 pytestmark = pytest.mark.distributed
 
 STEPS = 20
-OPTIMIZERS = ("Adam", "SGD")  # SGD: a wrong scaling of expert gradients changes its update
+# SGD: a wrong scaling of expert gradients changes its update; "clipped": SGD with gradient_clipping
+# below the gradient norm, so the norm (which adds the other expert-parallel ranks' experts) scales it
+OPTIMIZERS = ("Adam", "SGD", "clipped")
+CLIP = 0.05
 CASES = [
-    {"stage": stage, "ep": ep, "steps": STEPS, "optimizer": name}
+    {"stage": stage, "ep": ep, "steps": STEPS, "optimizer": "SGD" if name == "clipped" else name,
+     "clip": CLIP if name == "clipped" else 0.0, "name": name}
     for name in OPTIMIZERS
     for stage in (0, 1, 2)
     for ep in (1, 2)
@@ -34,7 +38,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def runs() -> dict[tuple[str, int, int], list[dict]]:
     results = run_distributed_cases(train, CASES, world_size=2, timeout=600)
-    return {(c["optimizer"], c["stage"], c["ep"]): r for c, r in zip(CASES, results)}
+    return {(c["name"], c["stage"], c["ep"]): r for c, r in zip(CASES, results)}
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
@@ -45,6 +49,10 @@ def test_ep2_matches_ep1_loss_and_balancing_loss(runs: dict, stage: int, optimiz
         assert max(abs(a - b) for a, b in zip(ep1["loss"], ep2["loss"])) <= 1e-6, (rank, ep1["loss"], ep2["loss"])
         assert max(abs(a - b) for a, b in zip(ep1["aux"], ep2["aux"])) <= 1e-6, (rank, ep1["aux"], ep2["aux"])
         assert ep1["loss"][-1] < ep1["loss"][0]  # it trains
+        for a, b in zip(ep1["norm"], ep2["norm"]):  # the norm counts every expert once
+            assert b == pytest.approx(a, rel=1e-5), (rank, ep1["norm"], ep2["norm"])
+        if optimizer == "clipped":
+            assert min(ep1["norm"]) > CLIP  # clipping acted on every step
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

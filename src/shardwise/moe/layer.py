@@ -19,6 +19,7 @@ from shardwise.moe import dispatch as routing
 from shardwise.moe.experts import Experts
 from shardwise.moe.gating import GateOutput, SparseGateOutput, top1gating, top2gating, topkgating
 from shardwise.moe.parallelism import expert_parallel_group
+from shardwise.utils.logging import logger
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 
@@ -150,8 +151,8 @@ class MoE(nn.Module):
 
     ``forward(hidden_states, used_token=None)`` returns ``(output, l_aux, exp_counts)``; add
     ``l_aux`` (times a coefficient) to the loss. ``use_residual``: PR-MoE, the output mixed with a
-    dense copy of ``expert`` by a learned softmax coefficient. ``use_tutel`` is accepted and has no
-    effect (torch's einsum does the dispatch). ``enable_expert_tensor_parallelism`` is refused: the
+    dense copy of ``expert`` by a learned softmax coefficient. ``use_tutel`` is accepted and said to
+    have no effect (torch's gathers do the dispatch). ``enable_expert_tensor_parallelism`` is refused: the
     experts are whole on each rank.
     """
 
@@ -175,6 +176,8 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         _check_arguments(num_experts, ep_size, noisy_gate_policy, enable_expert_tensor_parallelism)
+        if use_tutel:
+            logger.info("MoE(use_tutel=True): Tutel is not used; torch's gathers do the dispatch (same results)")
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.ep_size = ep_size
