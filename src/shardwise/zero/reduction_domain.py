@@ -17,9 +17,11 @@ over all ranks' tokens: the gradient of an ``ep_size=1`` run, whatever ``ep_size
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from shardwise.comm.group_type import Group
 
@@ -90,3 +92,41 @@ def domain_of(param: torch.Tensor, data: ReductionDomain, experts: ExpertLayout 
         spread_group=experts.ep_group,
         spread_size=experts.ep_size,
     )
+
+
+ParamKind = tuple[torch.dtype, torch.device, bool, ReductionDomain]
+
+
+def split_by_kind(
+    params: Sequence[nn.Parameter], data: ReductionDomain, experts: ExpertLayout | None
+) -> dict[ParamKind, list[nn.Parameter]]:
+    """Parameters by (dtype, device, tensor-parallel flag, reduction domain): one flat buffer each."""
+    out: dict[ParamKind, list[nn.Parameter]] = {}
+    for p in params:
+        is_tp = bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
+        out.setdefault((p.dtype, p.device, is_tp, domain_of(p, data, experts)), []).append(p)
+    return out
+
+
+def distinct(domains: Iterable[ReductionDomain]) -> dict[str, ReductionDomain]:
+    """Each domain once by name, in first-seen order (the same on every rank)."""
+    return {d.name: d for d in domains}
+
+
+def split_over(domain: ReductionDomain, stage: int) -> tuple[Group, bool] | None:
+    """Where an expert parameter's optimizer pieces are split: its expert-data-parallel group, and
+    whether they are (stages 1-2 over more than one rank); None for dense parameters (the layout's)."""
+    if domain.name == DATA:
+        return None
+    return domain.group, stage >= 1 and domain.world_size > 1
+
+
+def refuse_experts(domains: Iterable[ReductionDomain], what: str) -> None:
+    """Expert parameters cannot go with ``what`` (an optimizer that averages over the data-parallel group)."""
+    experts = sorted({d.name for d in domains if d.name != DATA})
+    if experts:
+        raise ValueError(
+            f"{what} with expert parameters (groups {experts}): it averages gradients over the "
+            "whole data-parallel group, but each expert-parallel rank holds other experts; fix: use "
+            "another optimizer (Adam, AdamW, ...) for a mixture-of-experts model"
+        )

@@ -47,7 +47,15 @@ from shardwise.zero.param_owner import register_owner
 from shardwise.zero.param_publish import PublishPolicy, launch_publish
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
 from shardwise.zero.reducer_set import ReducerSet
-from shardwise.zero.reduction_domain import DATA, ExpertLayout, ReductionDomain, domain_of
+from shardwise.zero.reduction_domain import (
+    DATA,
+    ExpertLayout,
+    ReductionDomain,
+    distinct,
+    refuse_experts,
+    split_by_kind,
+    split_over,
+)
 from shardwise.zero.shard_accumulator_reducer import ShardAccumulatorReducer
 from shardwise.zero.state_layout import (
     GRADIENTS_UNAVAILABLE,
@@ -125,7 +133,7 @@ class ZeroOptimizer(ZeroStrategy):
             self.optimizer if isinstance(self.optimizer, GradientExchangingOptimizer) else None
         )
         if self.exchanging is not None:
-            self._refuse_experts_with(type(self.optimizer).__name__)
+            refuse_experts(self.domains, type(self.optimizer).__name__)
             self.exchanging.attach_process_group(policy.process_group)
         self._bind_master_grads()
         self._report_transport()
@@ -146,7 +154,7 @@ class ZeroOptimizer(ZeroStrategy):
             params = [p for p in group["params"] if p.requires_grad]
             hyper = {k: v for k, v in group.items() if k != "params"}
             masters: list[torch.Tensor] = []
-            for key, members in _split_by_kind(params, data, policy.experts).items():
+            for key, members in split_by_kind(params, data, policy.experts).items():
                 domain = key[3]
                 if domain.name not in self.transports:
                     self.transports[domain.name] = self._choose_transport(devices, domain)
@@ -184,16 +192,6 @@ class ZeroOptimizer(ZeroStrategy):
             world_size=domain.world_size,
         )
 
-    def _refuse_experts_with(self, what: str) -> None:
-        """Expert parameters cannot go with ``what`` (it averages over the data-parallel group)."""
-        experts = sorted({d.name for d in self.domains if d.name != DATA})
-        if experts:
-            raise ValueError(
-                f"{what} with expert parameters (groups {experts}): it averages gradients over the "
-                "whole data-parallel group, but each expert-parallel rank holds other experts; fix: use "
-                "another optimizer (Adam, AdamW, ...) for a mixture-of-experts model"
-            )
-
     def _report_transport(self) -> None:
         """Say once (rank 0) which transport the buffers took (``comm.host_transport`` words it)."""
         stage = self.policy.stage
@@ -222,7 +220,7 @@ class ZeroOptimizer(ZeroStrategy):
             all_reduce_gradients=policy.all_reduce_gradients,
         )
         members: list[tuple[GradientReducer, list[int]]] = []
-        for name, domain in self._domains_by_name().items():
+        for name, domain in distinct(self.domains).items():
             indices = [i for i, d in enumerate(self.domains) if d.name == name]
             groups = [self.groups[i] for i in indices]
             local = domain.name != DATA and domain.world_size == 1  # experts on one rank: no collective
@@ -230,10 +228,6 @@ class ZeroOptimizer(ZeroStrategy):
                 (reducer_class(groups, replace(reduce_policy, local=local), domain.group), indices)
             )
         return ReducerSet(members)
-
-    def _domains_by_name(self) -> dict[str, ReductionDomain]:
-        """Each domain once, in the order its first flat group was built (the same on every rank)."""
-        return {d.name: d for d in self.domains}
 
     def _pending_gathers(self, module: nn.Module | None) -> PendingGathers | None:
         """``overlap_comm`` at stages 1-2: the post-step all-gathers left in flight behind the next
@@ -326,7 +320,7 @@ class ZeroOptimizer(ZeroStrategy):
         un-reduced gradients, summed over the ranks)."""
         device = self.groups[0].device
         mp_rank0 = self.policy.mp_rank == 0
-        domains = self._domains_by_name()
+        domains = distinct(self.domains)
         parts = {name: torch.zeros((), dtype=torch.float32, device=device) for name in domains}
         for flat, is_tp, domain in zip(self.groups, self.tp_flags, self.domains):
             if not (is_tp or mp_rank0):
@@ -485,7 +479,7 @@ class ZeroOptimizer(ZeroStrategy):
                 pieces = tuple(FlatPiece(s, e, flat.master[m], o) for s, e, m, o in flat.master_pieces(index))
                 members[gi].append(len(places))
                 separate = flat.dtype != torch.float32
-                split = self._split_over(domain)
+                split = split_over(domain, self.policy.stage)
                 places.append(
                     ParamPlace(param, tuple(param.shape), Holding.FLAT, separate, pieces=pieces, split_over=split)
                 )
@@ -513,7 +507,7 @@ class ZeroOptimizer(ZeroStrategy):
         for flat, domain in zip(self.groups, self.domains):
             for index, param in enumerate(flat.params):
                 pieces = tuple(FlatPiece(s, e, flat.grad[m], o) for s, e, m, o in flat.master_pieces(index))
-                split = self._split_over(domain)
+                split = split_over(domain, self.policy.stage)
                 places.append(
                     ParamPlace(param, tuple(param.shape), Holding.FLAT, False, pieces=pieces, split_over=split)
                 )
@@ -524,13 +518,6 @@ class ZeroOptimizer(ZeroStrategy):
             partitioned=self.policy.stage >= 1 and self.policy.world_size > 1,
             unavailable="" if self.reducer.gradients_ready else GRADIENTS_UNAVAILABLE,
         )
-
-    def _split_over(self, domain: ReductionDomain) -> tuple[Group, bool] | None:
-        """Expert parameters' pieces are split over their expert-data-parallel group (None: dense,
-        the layout's data-parallel group)."""
-        if domain.name == DATA:
-            return None
-        return domain.group, self.policy.stage >= 1 and domain.world_size > 1
 
     def _refresh_masters(self) -> None:
         """Re-read the fp32 masters from the (just loaded) parameters: weights-only loads."""
@@ -556,15 +543,3 @@ class ZeroOptimizer(ZeroStrategy):
                 if torch.is_tensor(value) and value.dim() > 0:
                     total += value.numel() * value.element_size()
         return total
-
-
-def _split_by_kind(
-    params: Sequence[nn.Parameter], data: ReductionDomain, experts: ExpertLayout | None
-) -> dict[tuple[torch.dtype, torch.device, bool, ReductionDomain], list[nn.Parameter]]:
-    """Group parameters by (dtype, device, tensor-parallel flag, reduction domain): one flat
-    buffer each."""
-    out: dict[tuple[torch.dtype, torch.device, bool, ReductionDomain], list[nn.Parameter]] = {}
-    for p in params:
-        is_tp = bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
-        out.setdefault((p.dtype, p.device, is_tp, domain_of(p, data, experts)), []).append(p)
-    return out
