@@ -26,7 +26,7 @@ class AllToAll(torch.autograd.Function):
     same exchange of the gradients)."""
 
     @staticmethod
-    def forward(ctx: Any, group: Group, block: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, group: Group, block: Tensor) -> Tensor:
         ctx.group = group
         block = block.contiguous()
         received = torch.empty_like(block)
@@ -34,7 +34,7 @@ class AllToAll(torch.autograd.Function):
         return received
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[None, Tensor]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> tuple[None, Tensor]:
         return None, AllToAll.apply(ctx.group, grads[0])
 
 

@@ -79,18 +79,22 @@ class TopKGate(nn.Module):
             x = _jitter(x)
         logits = F.linear(x, self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
-        common = {"sparse_routes": sparse_routes, "ep_group": self.ep_group, "ep_size": self.ep_size}
+        group, size = self.ep_group, self.ep_size
         if self.k == 1:
             policy = self.noisy_gate_policy if self.training else None
             return top1gating(
-                logits, factor, self.min_capacity, used_token, policy, self.drop_tokens, self.use_rts, **common
+                logits, factor, self.min_capacity, used_token, policy, self.drop_tokens, self.use_rts,
+                group, sparse_routes, ep_size=size,
             )
         if self.k == 2:
             return top2gating(
-                logits, factor, self.min_capacity, self.drop_tokens,
-                top2_2nd_expert_sampling=self.top2_2nd_expert_sampling, **common,
+                logits, factor, self.min_capacity, self.drop_tokens, group, self.top2_2nd_expert_sampling,
+                sparse_routes, ep_size=size,
             )
-        return topkgating(logits, self.k, factor, self.min_capacity, self.drop_tokens, **common)
+        return topkgating(
+            logits, self.k, factor, self.min_capacity, self.drop_tokens, group,
+            sparse_routes=sparse_routes, ep_size=size,
+        )
 
 
 class MOELayer(nn.Module):

@@ -174,9 +174,8 @@ class ZeroOptimizer(ZeroStrategy):
                 self.tp_flags.append(key[2])
                 masters.extend(flat.master_params())
             inner_groups.append({"params": masters, **hyper})
-        self.transport = self.transports.get(DATA) or next(iter(self.transports.values()), None)
-        if self.transport is None:
-            self.transport = self._choose_transport(devices, data)
+        first = self.transports.get(DATA) or next(iter(self.transports.values()), None)
+        self.transport: HostTransport = first if first is not None else self._choose_transport(devices, data)
         return inner_groups
 
     def _choose_transport(self, devices: set[torch.device], domain: ReductionDomain) -> HostTransport:
