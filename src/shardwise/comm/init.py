@@ -126,6 +126,30 @@ def _describe_job(
     )
 
 
+def _attempt_store(job: DistEnv, timeout: timedelta) -> dist.Store | None:
+    """Under torchrun's agent store, a key space of this restart attempt's own.
+
+    Why by hand: torch's static rendezvous keeps one ``TCPStore`` for the agent's whole life,
+    and its workers connect to it without a per-attempt prefix (torch 2.13,
+    ``distributed/rendezvous.py::_create_c10d_store`` assumes a new store per retry). After a
+    restart, attempt k then reads attempt k-1's keys: a peer's old gloo address ("Gloo
+    connectFullMesh failed ... Connection refused") or an old barrier counter (a hang). The
+    keys of each attempt go under ``shardwise/attempt_<TORCHELASTIC_RESTART_COUNT>`` instead.
+    None outside torchrun (torch's own ``env://`` store is right there).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or not job.master_addr:
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(
+        host_name=job.master_addr,
+        port=job.master_port,
+        world_size=job.world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"shardwise/attempt_{attempt}", client)
+
+
 def init_distributed(
     dist_backend: str | None = None,
     auto_mpi_discovery: bool = True,
@@ -198,9 +222,11 @@ def init_distributed(
     timeout = timeout if timeout is not None else timeout_from_env(os.environ)
     # Before the group exists: the flight recorder is configured when the group is created.
     diagnostics.enable_flight_recorder(os.environ)
+    store = _attempt_store(job, timeout) if env_rendezvous else None
     dist.init_process_group(
         backend=backend,
-        init_method=init_method or "env://",
+        init_method=None if store is not None else init_method or "env://",
+        store=store,
         timeout=timeout,
         world_size=job.world_size,
         rank=job.rank,
