@@ -36,6 +36,7 @@ from shardwise.config.model import ShardwiseConfig
 from shardwise.config.sections.training import OptimizerConfig, SchedulerConfig
 from shardwise.engine import ShardwiseEngine
 from shardwise.moe.declare import declare_expert_parallelism, expert_parallel_degree
+from shardwise.moe.naming import global_expert_names
 from shardwise.optim.client import adopt_client_optimizer, client_param_groups
 from shardwise.precision.policy import PrecisionPolicy, build_precision
 from shardwise.preflight import SLOT_COUNT_NOTE, load_checked_config, zero_optimizer_error
@@ -343,10 +344,18 @@ def _configure_process(root: ShardwiseConfig, mpu: object) -> CheckpointingSetti
 
 
 def _synchronize_buffers(model: nn.Module, topology: Topology) -> None:
-    """Every data-parallel rank takes the first rank's buffers; expanded views that differ are an error."""
+    """Every data-parallel rank takes the first rank's buffers; expanded views that differ are an error.
+    Buffers of expert-parallel experts (each rank holds other experts) come from the first rank of
+    their expert-data-parallel group instead."""
     source = comm.group_source_rank(topology.dp_group)
-    buffers = list(model.named_buffers())
+    experts = global_expert_names(model)
+    buffers = [(name, b) for name, b in model.named_buffers() if name not in experts]
     unequal = [name for name, b in buffers if not comm.broadcast_into(b, src=source, group=topology.dp_group)]
+    if experts and topology.size_of("edp") > 1:
+        edp = topology.group_of("edp")
+        for name, b in model.named_buffers():
+            if name in experts:
+                comm.broadcast_into(b, src=comm.group_source_rank(edp), group=edp)
     # Only expanded buffers can fail, and the model's structure is the same on every rank: the
     # agreement (every rank stops, not just the one that differs) costs a collective only then.
     shared = any(not b.is_contiguous() and 0 in b.stride() for _, b in buffers)

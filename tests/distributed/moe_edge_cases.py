@@ -129,3 +129,44 @@ def full_expert_gradients(rank: int, world: int, case: dict[str, Any]) -> dict[s
     engine.step()
     engine.destroy()
     return out
+
+
+def expert_buffers(rank: int, world: int, case: dict[str, Any]) -> dict[str, float]:
+    """A buffer in each expert, set per rank before ``initialize``: dense buffers take rank 0's,
+    expert buffers stay each expert-parallel rank's own (its experts are not rank 0's)."""
+    import torch
+    from torch import nn
+
+    import shardwise
+    from shardwise.comm import groups, mesh
+    from shardwise.moe.layer import MoE
+
+    mesh.reset_layout()
+    groups.clear_topology()
+
+    class Tagged(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(HIDDEN, HIDDEN)
+            self.register_buffer("tag", torch.zeros(()))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moe = MoE(HIDDEN, Tagged(), num_experts=EXPERTS, ep_size=2, k=1, min_capacity=0)
+            self.register_buffer("dense_tag", torch.zeros(()))
+
+        def forward(self, x: Any) -> Any:
+            return self.moe(x)[0].sum()
+
+    model = Net()
+    with torch.no_grad():
+        model.dense_tag.fill_(float(rank))
+        for local, expert in enumerate(model.moe.deepspeed_moe.experts.deepspeed_experts):
+            expert.tag.fill_(10.0 * rank + local)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}}
+    engine, *_ = shardwise.initialize(model=model, config=config)
+    tags = {"dense": float(model.dense_tag)}
+    for local, expert in enumerate(model.moe.deepspeed_moe.experts.deepspeed_experts):
+        tags[f"expert{local}"] = float(expert.tag)
+    engine.destroy()
+    return tags

@@ -20,8 +20,8 @@ EXPERTS_PATH = "deepspeed_moe.experts.deepspeed_experts."
 
 
 def global_expert_names(module: nn.Module) -> dict[str, str]:
-    """``{local state-dict / parameter name: global name}`` for expert tensors whose names differ
-    (empty without expert parallelism)."""
+    """``{local state-dict / parameter name: global name}`` for every expert tensor of the MoE layers
+    with ``ep_size > 1`` (empty without expert parallelism)."""
     renames: dict[str, str] = {}
     names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
     names += [n for n, _ in module.named_buffers()]
