@@ -54,9 +54,9 @@ def test_full_gradient_of_an_expert_is_its_ep1_gradient(stage: int) -> None:
     assert any(float(v.abs().sum()) > 0 for k, v in owned.items() if k.startswith("grad"))
 
 
-def test_expert_buffers_are_not_overwritten_by_rank_zeros_experts() -> None:
+def test_expert_buffers_stay_their_ranks_and_a_one_file_save_is_refused() -> None:
     from moe_edge_cases import expert_buffers
 
     (per_rank,) = run_distributed_cases(expert_buffers, [{}], world_size=2, timeout=240)
-    assert per_rank[0] == {"dense": 0.0, "expert0": 0.0, "expert1": 1.0}
-    assert per_rank[1] == {"dense": 0.0, "expert0": 10.0, "expert1": 11.0}
+    assert per_rank[0] == {"dense": 0.0, "expert0": 0.0, "expert1": 1.0, "refused_16bit": 1.0}
+    assert per_rank[1] == {"dense": 0.0, "expert0": 10.0, "expert1": 11.0, "refused_16bit": 1.0}
