@@ -35,6 +35,7 @@ from shardwise.config.loading import read_config_source
 from shardwise.config.model import ShardwiseConfig
 from shardwise.config.sections.training import OptimizerConfig, SchedulerConfig
 from shardwise.engine import ShardwiseEngine
+from shardwise.moe.autoep import autoep_settings, convert_model, repoint
 from shardwise.moe.declare import declare_expert_parallelism, expert_parallel_degree
 from shardwise.moe.naming import global_expert_names
 from shardwise.optim.client import adopt_client_optimizer, client_param_groups
@@ -253,6 +254,7 @@ def initialize(
         raise ValueError("mesh_param (sequence/data-parallel meshes) is not supported in this release")
     source = _config_source(args, config, config_params)
     topology = _start_distributed(distributed_port, dist_init_required, mpu, source, model)
+    topology, model_parameters = _apply_autoep(source, model, model_parameters, optimizer, mpu, topology)
     cfg = load_checked_config(
         source,
         context=ResolutionContext(
@@ -313,6 +315,29 @@ def _start_distributed(
     topology = build_topology(mpu)
     set_topology(topology)  # utils.groups-style accessors (shardwise.comm.groups) read this layout
     return topology
+
+
+def _apply_autoep(
+    source: object, model: Any, model_parameters: Any, optimizer: Any, mpu: object, topology: Topology
+) -> tuple[Topology, Any]:
+    """The config's ``expert_parallel`` (AutoEP): declare ``ep`` and convert the model's MoE blocks
+    (:mod:`shardwise.moe.autoep`); parameter lists and a client optimizer built before are re-pointed
+    at the kept experts. Nothing without the section (or with ``autoep_size`` 1)."""
+    raw = read_config_source(source)[0] if isinstance(source, (str, os.PathLike, Mapping)) else {}
+    settings = autoep_settings(raw.get("expert_parallel"))
+    if settings is None or settings.autoep_size == 1:
+        return topology, model_parameters
+    if mpu is not None:
+        raise ValueError(
+            "expert_parallel (AutoEP) with an mpu: shardwise builds expert groups in its own process layout; "
+            "fix: drop mpu="
+        )
+    topology = mesh.ensure_layout(ep=settings.autoep_size, source="expert_parallel.autoep_size")
+    replaced = convert_model(model, settings, topology.group_of("ep"), topology.rank_in("ep"))
+    if optimizer is not None and hasattr(optimizer, "param_groups"):
+        for group in optimizer.param_groups:
+            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    return topology, repoint(model_parameters, replaced)
 
 
 def _declared_in_config(source: object) -> tuple[int | None, int | None]:

@@ -174,12 +174,6 @@ INERT_KEYS: tuple[InertKey, ...] = (
     ),
     InertKey("seq_parallel_communication_data_type", "there is no sequence parallelism"),
     InertKey("graph_harvesting", "CUDA graphs are not captured"),
-    InertKey(
-        "expert_parallel",
-        "AutoEP is not in shardwise: models are not converted; build the MoE layers with "
-        "deepspeed.moe.layer.MoE(ep_size=...) for expert parallelism",
-        _present,
-    ),
     InertKey("weight_quantization", "weights are not quantized", _present),
     InertKey("datastates", "checkpoints are written by shardwise's own writer", _present),
     InertKey(

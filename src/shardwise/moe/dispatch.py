@@ -93,3 +93,33 @@ def sparse_decode(expert_output: Tensor, slots: Tensor, gates: Tensor, num_token
     padded = torch.cat([expert_output, expert_output.new_zeros(1, hidden)])
     routed = padded.index_select(0, slots.reshape(-1)).view(slots.shape[0], num_tokens, hidden)
     return (routed * gates.unsqueeze(-1)).sum(dim=0).to(expert_output.dtype)
+
+
+class AllToAllV(torch.autograd.Function):
+    """``all_to_all_single`` with per-rank row counts (``send`` rows of ``rows`` to each rank, ``recv``
+    from each), differentiable: the backward sends the gradients back with the counts swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Group, rows: Tensor, send: list[int], recv: list[int]) -> Tensor:
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        received = rows.new_empty((sum(recv), *rows.shape[1:]))
+        torch_api.all_to_all_single(received, rows.contiguous(), recv, send, group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[None, Tensor, None, None]:
+        return None, AllToAllV.apply(ctx.group, grads[0].contiguous(), ctx.recv, ctx.send), None, None
+
+
+def exchange_counts(send: Tensor, group: Group) -> Tensor:
+    """Each rank's ``send[r]`` (rows it sends to rank ``r``) to rank ``r``: the rows each rank receives."""
+    received = torch.empty_like(send)
+    torch_api.all_to_all_single(received, send.contiguous(), group=group)
+    return received
+
+
+def exchange_ids(ids: Tensor, send: list[int], recv: list[int], group: Group) -> Tensor:
+    """Integer labels of the rows an all-to-all moves (no gradient), in the same split."""
+    received = ids.new_empty(sum(recv))
+    torch_api.all_to_all_single(received, ids.contiguous(), recv, send, group=group)
+    return received
