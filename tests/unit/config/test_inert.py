@@ -31,7 +31,6 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "sequence_parallel_size": {"sequence_parallel_size": 2},
     "seq_parallel_communication_data_type": {"seq_parallel_communication_data_type": "bf16"},
     "graph_harvesting": {"graph_harvesting": True},
-    "expert_parallel": {"expert_parallel": {"enabled": True}},
     "weight_quantization": {"weight_quantization": {"bits": 8}},
     "datastates": {"datastates": {"enabled": True}},
     "optimizer.legacy_fusion": {"optimizer": {"type": "AdamW", "params": {}, "legacy_fusion": True}},
