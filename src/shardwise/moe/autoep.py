@@ -21,7 +21,7 @@ name (DeepSpeed's AutoEP has more: its own router, load-balance coefficient, ten
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,7 @@ class ExpertParallelExperts(nn.Module):
     through the expert-parallel all-to-all. ``forward(hidden [T, H], top_k_index [T, k],
     top_k_weights [T, k]) -> [T, H]``, as the module it replaces."""
 
-    def __init__(self, original: nn.Module, ep_size: int, ep_rank: int, group: Group) -> None:
+    def __init__(self, original: Any, ep_size: int, ep_rank: int, group: Group) -> None:
         super().__init__()
         total = int(original.num_experts)
         if total % ep_size:
@@ -90,7 +90,7 @@ class ExpertParallelExperts(nn.Module):
         keep = slice(self.first, self.first + self.num_local_experts)
         self.gate_up_proj = nn.Parameter(original.gate_up_proj.detach()[keep].clone())
         self.down_proj = nn.Parameter(original.down_proj.detach()[keep].clone())
-        self.act_fn = original.act_fn
+        self.act_fn: Callable[[Tensor], Tensor] = original.act_fn
         for param in (self.gate_up_proj, self.down_proj):
             param.allreduce = False  # type: ignore[attr-defined]
             param.group_name = f"ep_size_{ep_size}"  # type: ignore[attr-defined]
@@ -129,7 +129,8 @@ def convert_model(model: nn.Module, settings: AutoEPSettings, group: Group, ep_r
         raise _fail("preset_model", settings.preset_model, f"the model's type {family!r} is not one of "
                     f"{sorted(PRESETS)}", "use a Mixtral or Qwen3-MoE model, or name its family")
     replaced: dict[int, nn.Parameter] = {}
-    for block in [m for m in model.modules() if type(m).__name__ in PRESETS[family]]:
+    blocks: list[Any] = [m for m in model.modules() if type(m).__name__ in PRESETS[family]]
+    for block in blocks:
         new = ExpertParallelExperts(block.experts, settings.autoep_size, ep_rank, group)
         replaced[id(block.experts.gate_up_proj)] = new.gate_up_proj
         replaced[id(block.experts.down_proj)] = new.down_proj
