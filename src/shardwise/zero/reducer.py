@@ -81,7 +81,7 @@ class _Inflight:
 
 def _reduce_scatter_algorithm(groups: list[FlatGroup], process_group: Group) -> str:
     """How this group's in-place reduce-scatter runs (see ``collectives.choose_algorithm``)."""
-    if not groups or not comm_init.is_initialized() or groups[0].world_size == 1:
+    if not groups or not comm_init.is_initialized():
         return "native"
     return collectives.choose_algorithm(
         "reduce_scatter",
