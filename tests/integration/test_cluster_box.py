@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from launch_helpers import SCRIPTS, free_port, run
 
 from shardwise.testing.cluster_box import SYSTEM_PATH, install_stand_ins, node_dir, write_hostfile
@@ -67,3 +68,42 @@ def test_a_remote_shell_has_only_what_the_runner_exports(tmp_path) -> None:
     )  # fmt: skip
     assert sorted(pdsh.stdout.split("\n")[:2]) == ["0 on 127.0.0.1", "1 on 127.0.0.3"]
     assert pdsh.returncode == 1  # -S: the largest remote exit code
+
+
+def test_a_read_only_checkpoint_directory_on_one_node_is_named_on_every_rank(tmp_path) -> None:
+    bin_dir = install_stand_ins(tmp_path / "box")
+    hostfile = write_hostfile(tmp_path / "hostfile", 3)
+    argv = [sys.executable, "-m", "shardwise.launcher", "-H", str(hostfile), "--launcher", "ssh"]
+    argv += ["--master_port", str(free_port()), str(SCRIPTS / "read_only_node.py"), "127.0.0.3"]
+    result = run(argv, tmp_path, timeout=240, OMP_NUM_THREADS="1", SHARDWISE_TIMEOUT_SECONDS="60",
+                 PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    read_only = str(node_dir((tmp_path / "box").resolve(), "127.0.0.3") / "ckpt" / ".two.partial")
+    for rank in range(3):
+        line = next(x for x in result.stdout.splitlines() if x.startswith(f"node 127.0.0.{rank + 1} rank {rank}:"))
+        assert "saving checkpoint 'two' (nothing published, 'latest' unchanged) failed on 1 rank(s): rank 2" in line
+        assert f"Read-only file system: '{read_only}'" in line
+        assert f"node 127.0.0.{rank + 1} latest=one" in result.stdout
+
+
+def test_an_elastic_job_loses_a_node_and_carries_on_with_the_same_global_batch(tmp_path) -> None:
+    """3 nodes, node 3's agent killed at step 3: the other two re-rendezvous and finish with
+    the elasticity block's batch for 2 ranks (gas 3 instead of 2), bit-equal to a run that
+    went from 3 ranks to 2 at the same step by hand."""
+    script = str(SCRIPTS / "elastic_resume.py")
+    bin_dir = install_stand_ins(tmp_path / "box")
+    hostfile = write_hostfile(tmp_path / "hostfile", 3)
+    argv = [sys.executable, "-m", "shardwise.launcher", "-H", str(hostfile), "--launcher", "ssh", "--elastic_training",
+            "--min_elastic_nodes", "2", "--max_elastic_nodes", "3", "--master_port", str(free_port()),
+            script, "scaled", "6", "3"]  # fmt: skip
+    result = run(argv, tmp_path, timeout=280, OMP_NUM_THREADS="1", SHARDWISE_TIMEOUT_SECONDS="20",
+                 PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 (gas 3) resumed at step 3" in result.stdout, result.stdout
+    for steps, ranks in (("3", "3"), ("6", "2")):  # the reference: 3 ranks, then 2 from step 3
+        by_hand = run([sys.executable, "-m", "shardwise.launcher", "--num_gpus", ranks, "--master_port",
+                       str(free_port()), script, "by_hand", steps, "0"], tmp_path, OMP_NUM_THREADS="1")  # fmt: skip
+        assert by_hand.returncode == 0, by_hand.stderr[-4000:]
+    scaled, reference = torch.load(tmp_path / "scaled" / "final.pt"), torch.load(tmp_path / "by_hand" / "final.pt")
+    assert torch.equal(scaled, reference)

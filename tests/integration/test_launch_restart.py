@@ -1,4 +1,8 @@
-"""Automatic restart: a rank killed mid-run, torch elastic restarts the job, it resumes bit-exactly.
+"""Drills: a rank or a node dies (or hangs) mid-run, the job restarts and resumes bit-exactly.
+
+Every drill kills at step 3 of 6 on the first attempt only, restarts (torch elastic inside a
+node, the launcher for a lost node), resumes from the last published checkpoint, and must end
+with weights bit-equal to an uninterrupted run of the same world size.
 
 Before attempts had key spaces of their own (``comm.init._attempt_store``) the restarted
 ranks raced the previous attempt's keys in torchrun's agent store: on a loaded machine 2 of 5
@@ -7,27 +11,73 @@ restarts failed ("Gloo connectFullMesh failed ... Connection refused") or hung.
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 from launch_helpers import SCRIPTS, free_port, run, shardwise_command
 
+from shardwise.testing.cluster_box import install_stand_ins, write_hostfile
+
 pytestmark = pytest.mark.integration
 
 SCRIPT = SCRIPTS / "kill_and_resume.py"
+STEPS, KILL_AT = "6", "3"
 
 
-def _launch(tmp_path, ckpt: str, kill_at: int, restarts: int) -> str:
-    argv = [*shardwise_command(), "--num_gpus", "2", "--master_port", str(free_port())]
-    argv += ["--max_restarts", str(restarts), str(SCRIPT), ckpt, "8", str(kill_at)]
-    result = run(argv, tmp_path, timeout=240, OMP_NUM_THREADS="1")
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result.stdout
+def _launch(cwd, ckpt: str, mode: str, *options: str, **env: str) -> str:
+    argv = [*shardwise_command(), *options, "--master_port", str(free_port())]
+    argv += [str(SCRIPT), ckpt, STEPS, KILL_AT, mode]
+    result = run(argv, cwd, timeout=280, OMP_NUM_THREADS="1", **env)
+    assert result.returncode == 0, result.stderr[-6000:]
+    return result.stdout + result.stderr
 
 
-def test_a_killed_rank_is_restarted_from_the_last_checkpoint_bit_exactly(tmp_path) -> None:
-    out = _launch(tmp_path, "killed", kill_at=3, restarts=1)
-    assert "attempt 1 rank 0 resumed at step 3" in out and "attempt 1 rank 1 resumed at step 3" in out, out
-    _launch(tmp_path, "uninterrupted", kill_at=0, restarts=0)
-    killed = torch.load(tmp_path / "killed" / "final.pt")
-    uninterrupted = torch.load(tmp_path / "uninterrupted" / "final.pt")
-    assert torch.equal(killed, uninterrupted)
+def _final(cwd, ckpt: str) -> torch.Tensor:
+    return torch.load(cwd / ckpt / "final.pt")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, torch.Tensor]:
+    """The final weights of runs nothing happens to, at 2 and 3 ranks."""
+    cwd = tmp_path_factory.mktemp("reference")
+    _launch(cwd, "two", "none", "--num_gpus", "2")
+    _launch(cwd, "three", "none", "--num_gpus", "3")
+    return {2: _final(cwd, "two"), 3: _final(cwd, "three")}
+
+
+@pytest.mark.parametrize(
+    ("mode", "resumed_at"),
+    [("rank", 3), ("midsave", 2)],
+    ids=["kill -9 a rank after a save", "kill -9 the publishing rank mid-save"],
+)
+def test_a_killed_rank_is_restarted_from_the_last_published_checkpoint(
+    tmp_path, uninterrupted, mode: str, resumed_at: int
+) -> None:
+    out = _launch(tmp_path, "ckpt", mode, "--num_gpus", "2", "--max_restarts", "1")
+    for rank in (0, 1):
+        assert f"restart 1 rank {rank} resumed at step {resumed_at}" in out, out[-4000:]
+    assert torch.equal(_final(tmp_path, "ckpt"), uninterrupted[2])
+
+
+def test_a_hung_rank_is_named_then_the_job_recovers(tmp_path, uninterrupted) -> None:
+    out = _launch(
+        tmp_path, "ckpt", "stop", "--num_gpus", "2", "--max_restarts", "1", SHARDWISE_TIMEOUT_SECONDS="15"
+    )
+    assert re.search(r"rank 1 did not (reach|arrive)", out), out[-4000:]  # the hung rank, named
+    assert "restart 1 rank 0 resumed at step 3" in out, out[-4000:]
+    assert torch.equal(_final(tmp_path, "ckpt"), uninterrupted[2])
+
+
+def test_a_node_whose_agent_is_killed_is_restarted_by_the_launcher(tmp_path, uninterrupted) -> None:
+    bin_dir = install_stand_ins(tmp_path / "box")
+    hostfile = write_hostfile(tmp_path / "hostfile", 3)
+    out = _launch(
+        tmp_path, "ckpt", "agent", "-H", str(hostfile), "--launcher", "ssh", "--max_restarts", "1",
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SHARDWISE_TIMEOUT_SECONDS="15",
+    )  # fmt: skip
+    assert "restarting every node" in out, out[-4000:]
+    for rank in range(3):
+        assert f"restart 0 rank {rank} resumed at step 3" in out, out[-4000:]
+    assert torch.equal(_final(tmp_path, "ckpt"), uninterrupted[3])

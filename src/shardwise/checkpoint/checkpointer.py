@@ -134,9 +134,16 @@ class Checkpointer:
         root = Path(save_dir)
         items = self._collect(state, client_state, exclude_frozen_parameters, tag)
         summary = _summary(state, tag, exclude_frozen_parameters, items)
+        failure: OSError | None = None
         if publish.is_publisher(self.options.use_node_local_storage):
-            layout.prepare_staging(root, tag)
-        comm.barrier(state.process_group)
+            try:
+                layout.prepare_staging(root, tag)
+            except OSError as error:  # e.g. a read-only or full disk on this rank's node
+                failure = error
+        # every rank learns which rank could not write where; nothing is published, `latest` stays
+        integrity_ranks.raise_if_any_failed(
+            failure, state.process_group, f"saving checkpoint {tag!r} (nothing published, 'latest' unchanged)"
+        )
         if self.options.async_save:
             items = publish.snapshot(items)
             group = self._group_for_async(state.process_group)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import zlib
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,22 @@ def verify_before_load(tag_dir: Path, group: Group) -> integrity.Verdict:
         raise integrity.integrity_error(verdict)
     integrity.note_unverified(verdict)
     return verdict
+
+
+def raise_if_any_failed(error: BaseException | None, group: Group, what: str) -> None:
+    """Collective: when ``error`` is set on any rank, raise on every rank an error naming each
+    failing rank, its host and what it got (instead of the others waiting in the next
+    collective until the failed rank's exit breaks it).
+
+    Raises:
+        RuntimeError: ``what`` failed on at least one rank.
+    """
+    if comm.get_world_size(group) == 1:
+        if error is not None:
+            raise RuntimeError(f"{what} failed on {socket.gethostname()}: {error}") from error
+        return
+    if not comm.all_reduce_max_flag(error is not None, group=group):
+        return
+    mine = "" if error is None else f"rank {comm.get_rank()} (host {socket.gethostname()}): {type(error).__name__}: {error}"
+    failures = [part.decode() for part in _all_gather_bytes(mine.encode(), group) if part]
+    raise RuntimeError(f"{what} failed on {len(failures)} rank(s): " + "; ".join(failures)) from error

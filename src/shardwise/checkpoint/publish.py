@@ -68,8 +68,7 @@ def write_and_publish(
                 layout.write_latest(root, tag)
         except OSError as error:
             failure = error
-    if failure is not None if alone else comm.all_reduce_max_flag(failure is not None, group=group):
-        raise RuntimeError(f"publishing checkpoint {root / tag} failed: {failure or 'on another rank'}")
+    integrity_ranks.raise_if_any_failed(failure, group, f"publishing checkpoint {root / tag}")
     logger.info("saved checkpoint %s in %.2fs", root / tag, time.perf_counter() - start)
 
 

@@ -42,6 +42,7 @@ from shardwise.launcher.planner import (
     env_file_paths,
     find_deepspeed_config,
     load_pool,
+    max_restarts,
     plan_launch,
 )
 from shardwise.launcher.runners import RunnerCommand, build_commands, check_backend, run_commands
@@ -407,13 +408,28 @@ def _run(plan: LaunchPlan, commands: Sequence[RunnerCommand]) -> int:
         base_env[RUN_DIR_VAR] = run_dir
     try:
         elastic = plan.options.elastic_training
-        codes, received = run_commands(commands, base_env, stop_on_failure=not elastic)
-        if received is None and (
-            all(code == 0 for code in codes.values())
-            or (elastic and any(code == 0 for code in codes.values()))
-        ):
-            # An elastic job is done when the nodes that stayed finished it.
-            return 0
+        # Job-level restarts (fixed-size runs): a node command that ends in failure -- its agent
+        # killed, or out of torch elastic's own in-node restarts -- restarts every node, up to
+        # --max_restarts times; the script resumes from its last checkpoint as after any restart.
+        restarts_left = 0 if elastic else max_restarts(plan.options)
+        while True:
+            codes, received = run_commands(commands, base_env, stop_on_failure=not elastic)
+            if received is None and (
+                all(code == 0 for code in codes.values())
+                or (elastic and any(code == 0 for code in codes.values()))
+            ):
+                # An elastic job is done when the nodes that stayed finished it.
+                return 0
+            if received is not None or restarts_left <= 0:
+                break
+            restarts_left -= 1
+            failed = ", ".join(f"{label} (exit code {code})" for label, code in codes.items() if code != 0)
+            logger.warning(
+                "%s failed; restarting every node (%d job restart(s) left after this one)", failed, restarts_left
+            )
+            if run_dir is not None:  # the next attempt's failures are its own
+                shutil.rmtree(run_dir, ignore_errors=True)
+                os.makedirs(run_dir)
         records = read_records(run_dir) if run_dir else []
         if received is not None and not records:
             logger.warning("stopped by signal %d", received)

@@ -1,22 +1,32 @@
-"""A training script that survives its own rank's death: ZeRO-2, save every step, resume from ``latest``.
+"""A training script that survives failures: ZeRO-2, save every step, resume from ``latest``.
 
-Usage (under the launcher): ``kill_and_resume.py CKPT_DIR STEPS KILL_AT``. On the first attempt
-(``TORCHELASTIC_RESTART_COUNT`` 0) rank 1 SIGKILLs itself right after saving step ``KILL_AT``
-(0: never); torch elastic restarts both ranks, which resume from the last checkpoint. Rank 0
-writes the final flat weights to ``CKPT_DIR/final.pt`` and prints where each attempt resumed.
+Usage (under the launcher): ``kill_and_resume.py CKPT_DIR STEPS KILL_AT MODE``. On the first
+attempt only (torch elastic's ``TORCHELASTIC_RESTART_COUNT`` 0 and no ``CKPT_DIR/attempted``
+marker from an earlier job-level attempt), at step ``KILL_AT``:
+
+* ``rank``: rank 1 SIGKILLs itself right after saving;
+* ``agent``: rank 1 SIGKILLs its node's agent (its parent) right after saving;
+* ``midsave``: rank 0 SIGKILLs itself inside the save, after the files are written and before
+  the checkpoint is published (so ``latest`` still names the step before);
+* ``stop``: rank 1 SIGSTOPs itself (a hang: the others' next collective times out);
+* ``none``: nothing (the uninterrupted reference).
+
+Rank 0 writes the final flat weights to ``CKPT_DIR/final.pt``; every rank prints where it resumed.
 """
 
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 
 import shardwise
+from shardwise.checkpoint import layout
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-ckpt, steps, kill_at = args[0], int(args[1]), int(args[2])
-attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+ckpt, steps, kill_at, mode = args[0], int(args[1]), int(args[2]), args[3]
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 config = {
@@ -26,9 +36,22 @@ config = {
     "zero_optimization": {"stage": 2},
 }
 engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
-engine.load_checkpoint(ckpt)
 rank = engine.global_rank
-print(f"attempt {attempt} rank {rank} resumed at step {engine.global_steps}", flush=True)
+first_attempt = restart == 0 and not Path(ckpt, "attempted").exists()
+engine.load_checkpoint(ckpt)
+print(f"restart {restart} rank {rank} resumed at step {engine.global_steps}", flush=True)
+if first_attempt and rank == 0:
+    Path(ckpt).mkdir(parents=True, exist_ok=True)
+    Path(ckpt, "attempted").touch()
+if first_attempt and mode == "midsave" and rank == 0:
+    real_publish = layout.publish
+
+    def publish_then_die(root, tag):  # the files are written and sealed; die before the rename
+        if engine.global_steps == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_publish(root, tag)
+
+    layout.publish = publish_then_die
 for step in range(engine.global_steps, steps):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x, y = torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
@@ -36,7 +59,12 @@ for step in range(engine.global_steps, steps):
     engine.backward(loss)
     engine.step()
     engine.save_checkpoint(ckpt)
-    if attempt == 0 and rank == 1 and engine.global_steps == kill_at:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if first_attempt and rank == 1 and engine.global_steps == kill_at:
+        if mode == "rank":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif mode == "agent":
+            os.kill(os.getppid(), signal.SIGKILL)
+        elif mode == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
 if rank == 0:
     torch.save(torch.cat([p.detach().flatten() for p in engine.module.parameters()]), os.path.join(ckpt, "final.pt"))
