@@ -36,6 +36,9 @@ from shardwise.config.loading import read_config_source
 from shardwise.config.model import ShardwiseConfig
 from shardwise.config.sections.training import OptimizerConfig, SchedulerConfig
 from shardwise.engine import ShardwiseEngine
+from shardwise.moe.autoep import autoep_settings, convert_model, repoint
+from shardwise.moe.declare import declare_expert_parallelism, expert_parallel_degree
+from shardwise.moe.naming import global_expert_names
 from shardwise.optim.client import adopt_client_optimizer, client_param_groups
 from shardwise.precision.policy import PrecisionPolicy, build_precision
 from shardwise.preflight import SLOT_COUNT_NOTE, load_checked_config, zero_optimizer_error
@@ -304,7 +307,8 @@ def initialize(
     if model is None:
         raise _missing_model(args)
     source = _merge_tp_model_init(_config_source(args, config, config_params), mpu)
-    topology = _start_distributed(distributed_port, dist_init_required, mpu, source, mesh_param)
+    topology = _start_distributed(distributed_port, dist_init_required, mpu, source, mesh_param, model)
+    topology, model_parameters = _apply_autoep(source, model, model_parameters, optimizer, mpu, topology)
     cfg = load_checked_config(
         source,
         context=ResolutionContext(
@@ -450,12 +454,14 @@ def _start_distributed(
     mpu: object,
     source: object,
     mesh_param: Any = None,
+    model: Any = None,
 ) -> Topology:
     """Join (or start) the process group and read the process layout, registered for
     :mod:`shardwise.comm.groups`' accessors.
 
     Without an mpu the layout is the one :mod:`shardwise.comm.mesh` owns when a feature
-    declared a dimension (a ``PipelineModule``, ``tp_model_init``, a MoE layer) or the config
+    declared a dimension (a ``PipelineModule``, ``tp_model_init``, the model's MoE layers: their
+    ``ep_size`` is declared here, :func:`shardwise.moe.declare.declare_expert_parallelism`) or the config
     does (``sequence_parallel_size``, ``tensor_parallel.autotp_size``); otherwise (and with an
     mpu) it is read as before.
     """
@@ -467,6 +473,14 @@ def _start_distributed(
     sp, tp = _declared_in_config(source)
     if mesh_param is not None:
         sp = _sequence_degree_of_mesh_param(mesh_param, comm.get_world_size())
+    if model is not None and expert_parallel_degree(model) > 1 and mpu is not None:
+        raise ValueError(
+            "MoE layers with ep_size > 1 and an mpu: shardwise builds expert groups from its own process "
+            "layout (shardwise.comm.mesh), not from an mpu's groups; fix: drop mpu= (declare tensor "
+            "parallelism with the config's tensor_parallel.autotp_size) or use ep_size=1"
+        )
+    if model is not None:
+        declare_expert_parallelism(model)  # collective: the MoE layers' ep_size into the layout
     if mpu is None and (mesh.current_layout() is not None or sp is not None or tp is not None):
         return mesh.ensure_layout(
             sp=sp, tp=tp, source="the config (sequence_parallel_size / tensor_parallel)"
@@ -491,6 +505,29 @@ def _sequence_degree_of_mesh_param(mesh_param: Any, world: int) -> int | None:
             f"the world size {world}; launch {dp * sp} ranks or change mesh_param"
         )
     return sp if sp > 1 else None
+
+
+def _apply_autoep(
+    source: object, model: Any, model_parameters: Any, optimizer: Any, mpu: object, topology: Topology
+) -> tuple[Topology, Any]:
+    """The config's ``expert_parallel`` (AutoEP): declare ``ep`` and convert the model's MoE blocks
+    (:mod:`shardwise.moe.autoep`); parameter lists and a client optimizer built before are re-pointed
+    at the kept experts. Nothing without the section (or with ``autoep_size`` 1)."""
+    raw = read_config_source(source)[0] if isinstance(source, (str, os.PathLike, Mapping)) else {}
+    settings = autoep_settings(raw.get("expert_parallel"))
+    if settings is None or settings.autoep_size == 1:
+        return topology, model_parameters
+    if mpu is not None:
+        raise ValueError(
+            "expert_parallel (AutoEP) with an mpu: shardwise builds expert groups in its own process layout; "
+            "fix: drop mpu="
+        )
+    topology = mesh.ensure_layout(ep=settings.autoep_size, source="expert_parallel.autoep_size")
+    replaced = convert_model(model, settings, topology.group_of("ep"), topology.rank_in("ep"))
+    if optimizer is not None and hasattr(optimizer, "param_groups"):
+        for group in optimizer.param_groups:
+            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    return topology, repoint(model_parameters, replaced)
 
 
 def _declared_in_config(source: object) -> tuple[int | None, int | None]:
@@ -523,11 +560,19 @@ def _configure_process(root: ShardwiseConfig, mpu: object) -> CheckpointingSetti
 
 def _synchronize_buffers(model: nn.Module, topology: Topology) -> None:
     """Every rank of the model replica's group (data x sequence parallel, the group ZeRO shards over)
-    takes the first rank's buffers; expanded views that differ are an error."""
+    takes the first rank's buffers; expanded views that differ are an error. Buffers of
+    expert-parallel experts (each rank holds other experts) come from the first rank of their
+    expert-data-parallel group instead."""
+    experts = global_expert_names(model)
+    if experts and topology.size_of("edp") > 1:
+        edp = topology.group_of("edp")
+        for name, b in model.named_buffers():
+            if name in experts:
+                comm.broadcast_into(b, src=comm.group_source_rank(edp), group=edp)
     if topology.shard_size == 1:
         return  # one rank holds this replica (slice): nothing to agree on
     source = comm.group_source_rank(topology.shard_group)
-    buffers = list(model.named_buffers())
+    buffers = [(name, b) for name, b in model.named_buffers() if name not in experts]
     unequal = [
         name for name, b in buffers if not comm.broadcast_into(b, src=source, group=topology.shard_group)
     ]

@@ -418,15 +418,15 @@ def destroy_detaches_gradient_hooks(rank: int, world: int, stage: int) -> dict[s
     torch.set_num_threads(1)
     engine, _, _, _ = shardwise.initialize(model=make_model(), config=_cfg(stage))
     _train(engine, rank, 2)  # the reducer has learned to launch reductions during backward
-    reducer = engine.optimizer.reducer
     fired: list[tuple[int, int]] = []
-    on_grad = reducer._on_grad
+    for reducer, _ in engine.optimizer.reducer.members:  # one reducer per reduction domain
+        on_grad = reducer._on_grad
 
-    def counting_hook(gi: int, pi: int, param: torch.Tensor) -> None:
-        fired.append((gi, pi))
-        on_grad(gi, pi, param)
+        def counting_hook(gi: int, pi: int, param: torch.Tensor, on_grad: Any = on_grad) -> None:
+            fired.append((gi, pi))
+            on_grad(gi, pi, param)
 
-    reducer._on_grad = counting_hook
+        reducer._on_grad = counting_hook
     calls: list[str] = []
     names = ("all_reduce", "reduce_scatter_flat", "reduce_scatter_ranges")
     originals = {name: getattr(collectives, name) for name in names}

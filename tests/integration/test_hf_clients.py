@@ -184,3 +184,14 @@ def test_trainer_with_a_tensor_parallel_config_trains_and_counts_the_data_parall
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                                          tie_word_embeddings=False))
     plain.load_state_dict(saved, strict=True)
+
+
+def test_trainer_with_autoep_matches_the_unconverted_model(client_env: dict[str, str], tmp_path: Path) -> None:
+    import json
+
+    _torchrun("trainer_autoep.py", "1", str(tmp_path / "dense.json"), env=client_env, cwd=tmp_path)
+    _torchrun("trainer_autoep.py", "2", str(tmp_path / "ep.json"), env=client_env, cwd=tmp_path)
+    dense = json.loads((tmp_path / "dense.json").read_text())
+    ep = json.loads((tmp_path / "ep.json").read_text())
+    assert len(dense) == len(ep) == 4
+    assert max(abs(a - b) for a, b in zip(dense, ep)) <= 1e-4, (dense, ep)  # logged rounded to 4 digits

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("elasticity",),  # pure batch-size arithmetic, used by config
     ("config",),  # pydantic sections, "auto", the batch rule; no torch
     ("comm",),  # the one door to torch.distributed: init, topology, collectives, diagnostics
-    ("precision", "optim", "schedulers", "data", "monitor", "ops", "sequence", "tensor_parallel"),  # parts that only need comm/config
+    ("precision", "optim", "schedulers", "data", "monitor", "ops", "sequence", "tensor_parallel", "moe"),  # parts that only need comm/config
     ("checkpointing",),  # activation checkpointing (deepspeed.checkpointing); read by profiling's telemetry
     ("preflight",),  # the model-free checks of initialize, shared with `config check` (builds on a probe)
     ("runtime",),  # engine counters, the non-finite step policy, the step-hook protocol

@@ -41,11 +41,14 @@ from shardwise.checkpoint.tp_whole import tp_slices
 from shardwise.checkpoint.training_state import (
     LoadResult,
     TrainingState,
+    checkpoint_name,
+    module_state_dict,
     param_names,
     restore_parts,
     saved_parts,
 )
 from shardwise.comm.group_type import Group
+from shardwise.moe.naming import held_elsewhere
 from shardwise.utils.logging import logger
 
 
@@ -61,8 +64,9 @@ class CheckpointOptions:
 
 
 def _aliases(module: nn.Module, params: set[int]) -> set[str]:
-    """Every state-dict name of the given parameters, tied aliases included."""
-    return {name for name, p in module.named_parameters(remove_duplicate=False) if id(p) in params}
+    """Every checkpoint name of the given parameters, tied aliases included."""
+    named = checkpoint_name(module)
+    return {named(name) for name, p in module.named_parameters(remove_duplicate=False) if id(p) in params}
 
 
 class Checkpointer:
@@ -183,10 +187,11 @@ class Checkpointer:
         self, state: TrainingState, client_state: dict[str, object], exclude_frozen: bool, tag: str
     ) -> dict[str, object]:
         names = param_names(state.module)
-        frozen = {n for n, p in state.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        named = checkpoint_name(state.module)
+        frozen = {named(n) for n, p in state.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
         prefix = _mp_prefix(state)
         items: dict[str, Any] = {}
-        for key, value in state.module.state_dict().items():
+        for key, value in module_state_dict(state.module).items():
             if exclude_frozen and key in frozen:
                 continue
             items[prefix + keys.model_key(key)] = value
@@ -308,14 +313,16 @@ class Checkpointer:
             # the optimizer restores these parameters from their fp32 values; the module must not
             filled = {k.split("/", 1)[1] for k in opt_targets if k.startswith((keys.MASTER, keys.MODEL))}
             covered = _aliases(state.module, {pid for pid, name in names.items() if name in filled})
-        module_sd = state.module.state_dict()
+        module_sd = module_state_dict(state.module)
         saved_model = {k[len(keys.MODEL) :]: v for k, v in saved.items() if k.startswith(keys.MODEL)}
-        frozen = {n for n, p in state.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        named = checkpoint_name(state.module)
+        frozen = {named(n) for n, p in state.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
         excluded = bool(summary.get("exclude_frozen_parameters", False))
         missing = [k for k in module_sd if k not in saved_model and k not in covered]
         if excluded:
             missing = [k for k in missing if k not in frozen]
-        unexpected = [k for k in saved_model if k not in module_sd]
+        foreign = held_elsewhere(state.module)  # experts other expert-parallel ranks hold
+        unexpected = [k for k in saved_model if k not in module_sd and not foreign(k)]
         if strict and (missing or unexpected):
             raise RuntimeError(
                 f"Error(s) in loading state_dict for {type(state.module).__name__} from {path}: "

@@ -29,6 +29,7 @@ from shardwise.comm.fsdp_internals import full_tensor
 from shardwise.comm.topology import Topology
 from shardwise.config.resolve import ResolvedConfig
 from shardwise.config.sections.features import CheckpointConfig
+from shardwise.moe.naming import global_expert_names
 from shardwise.precision.policy import PrecisionPolicy
 from shardwise.runtime.counters import EngineCounters
 from shardwise.runtime.step_hooks import StepHooks
@@ -264,6 +265,7 @@ def save_16bit_model(
     """
     from shardwise.checkpoint.writers import write_state_dict
 
+    _refuse_expert_parallel(engine, "save_16bit_model")
     state = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
     sharded = engine.zero_optimization_stage() == 3
     if sharded and not engine.config.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
@@ -303,6 +305,16 @@ def save_16bit_model(
     return True
 
 
+def _refuse_expert_parallel(engine: CheckpointedEngine, what: str) -> None:
+    """One file from rank 0 cannot hold an expert-parallel model: the other ranks' experts are not there."""
+    if global_expert_names(engine.module):
+        raise ValueError(
+            f"engine.{what} with expert parallelism (MoE layers with ep_size > 1): rank 0 holds only its "
+            "own experts; fix: engine.save_checkpoint(dir) (every expert by its global index), then "
+            "`shardwise checkpoint export` or load it at ep_size=1"
+        )
+
+
 def gather_16bit_weights_on_model_save(engine: CheckpointedEngine) -> bool:
     """``engine.zero_gather_16bit_weights_on_model_save()``: the config's
     ``zero_optimization.stage3_gather_16bit_weights_on_model_save``."""
@@ -316,6 +328,7 @@ def consolidated_16bit_state_dict(
     dtype on rank 0 (CPU tensors), ``{}`` on the other ranks. Collective: every rank must call it
     (each sharded tensor is gathered in turn). At stages 0-2 the weights are already whole.
     """
+    _refuse_expert_parallel(engine, "_zero3_consolidated_16bit_state_dict")
     state = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
     compute = engine.precision.param_dtype if engine.zero_optimization_stage() == 3 else None
     rank0 = comm.get_rank() == 0

@@ -112,6 +112,13 @@ class OptimizerState:
         DTensor shards one gather each.
         """
         named = list(self._named(names))
+        experts = [n for n, p in named if p.split_over is not None]
+        if experts:
+            raise ValueError(
+                f"the whole optimizer state of an expert-parallel model ({len(experts)} expert tensors, e.g. "
+                f"{experts[0]}): each expert-parallel rank holds other experts, so no rank can hold it all; "
+                "fix: save with engine.save_checkpoint (expert tensors by global index, any ep_size on load)"
+            )
         flat = [(n, p) for n, p in named if p.holding is Holding.FLAT]
         out = self._full_flat(flat) if flat else {}
         for name, place in named:

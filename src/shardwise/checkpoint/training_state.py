@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -27,6 +27,7 @@ from torch import nn
 
 from shardwise.checkpoint.optimizer_state import OptimizerState
 from shardwise.comm.group_type import Group
+from shardwise.moe.naming import global_expert_names
 
 
 @runtime_checkable
@@ -149,5 +150,20 @@ class LoadResult:
 
 
 def param_names(module: nn.Module) -> dict[int, str]:
-    """``id(param) -> name`` (tied parameters get their first name)."""
-    return {id(p): name for name, p in module.named_parameters()}
+    """``id(param) -> name`` (tied parameters get their first name); expert parameters by their
+    global expert index (:func:`shardwise.moe.naming.global_expert_names`)."""
+    renames = global_expert_names(module)
+    return {id(p): renames.get(name, name) for name, p in module.named_parameters()}
+
+
+def module_state_dict(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` under checkpoint names: expert tensors by their global expert index,
+    so a run with another expert-parallel size finds them."""
+    renames = global_expert_names(module)
+    return {renames.get(key, key): value for key, value in module.state_dict().items()}
+
+
+def checkpoint_name(module: nn.Module) -> Callable[[str], str]:
+    """The checkpoint name of any of ``module``'s parameter or buffer names."""
+    renames = global_expert_names(module)
+    return lambda name: renames.get(name, name)

@@ -5,31 +5,37 @@ one owner of the process layout, the topology :mod:`shardwise.comm.groups` holds
 The layout is the world's (pure data parallelism) unless an engine was built with an ``mpu`` or
 :func:`initialize` here was given one (DeepSpeed's / Megatron's model-parallel unit); the layout read
 from it is registered for every reader, as ``initialize`` does. A group of
-``None`` is the world group, as in torch. Expert parallelism comes with MoE (not yet in shardwise):
-its expert groups are the data-parallel ones at size 1, a larger size raises naming the function.
-:func:`_get_expert_parallel_ranks` is the pure rank arithmetic of DeepSpeed's expert layout.
+``None`` is the world group, as in torch. Expert groups (``deepspeed.moe``) are declared to
+:mod:`shardwise.comm.mesh` (``ep``), which builds them; DeepSpeed's group names (``"ep_size_<N>"``)
+all read that one layout. :func:`_get_expert_parallel_ranks` is the pure rank arithmetic of
+DeepSpeed's expert layout.
 """
 
 from __future__ import annotations
 
 from shardwise.comm import groups as _comm
+from shardwise.comm import mesh as _mesh
+from shardwise.comm.group_type import Group
 from shardwise.comm.topology import build_topology
 
 
 def initialize(ep_size: int = 1, mpu: object = None) -> None:
-    """Register the layout ``mpu`` describes (none: keep the current one); ``ep_size`` > 1 needs MoE,
-    which shardwise lacks (raises)."""
-    _require_no_experts("groups.initialize", ep_size)
+    """Register the layout ``mpu`` describes (none: keep the current one); ``ep_size`` > 1 declares
+    the expert dimension to the process layout (collective); both at once are refused."""
+    if mpu is not None and ep_size > 1:
+        raise ValueError(
+            f"deepspeed.utils.groups.initialize(ep_size={ep_size}, mpu=...): shardwise builds expert groups "
+            "in its own process layout, not from an mpu; fix: call it without mpu"
+        )
+    if ep_size > 1:
+        _declare_experts("groups.initialize", ep_size)
     if mpu is not None:
         _comm.set_topology(build_topology(mpu))
 
 
-def _require_no_experts(name: str, expert_parallel_size: int) -> None:
-    if expert_parallel_size != 1:
-        raise NotImplementedError(
-            f"deepspeed.utils.groups.{name}(expert parallel size {expert_parallel_size}): expert parallelism comes "
-            "with MoE, which shardwise does not provide yet; train without deepspeed.moe (expert size 1)"
-        )
+def _declare_experts(name: str, expert_parallel_size: int) -> None:
+    """``ep`` declared to the one process layout (collective; a different earlier degree raises)."""
+    _mesh.ensure_layout(ep=expert_parallel_size, source=f"deepspeed.utils.groups.{name}({expert_parallel_size})")
 
 
 def _ensure_divisibility(numerator: int, denominator: int) -> None:
@@ -124,5 +130,38 @@ def _get_expert_parallel_ranks(
 def _create_expert_and_data_parallel(
     expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False
 ) -> None:
-    """Expert groups come with MoE: size 1 needs none (the data-parallel groups serve), larger sizes raise."""
-    _require_no_experts("_create_expert_and_data_parallel", expert_parallel_size_)
+    """Declare ``ep`` to the process layout (size 1 needs no group: the data-parallel ones serve);
+    ``use_data_before_expert_parallel_`` is refused (the layout puts expert ranks consecutive)."""
+    if use_data_before_expert_parallel_:
+        raise ValueError(
+            "deepspeed.utils.groups._create_expert_and_data_parallel(use_data_before_expert_parallel_=True): "
+            "shardwise's layout makes expert groups of consecutive ranks only; fix: leave it False"
+        )
+    if expert_parallel_size_ > 1:
+        _declare_experts("_create_expert_and_data_parallel", expert_parallel_size_)
+
+
+def _get_expert_parallel_group(group_name: str = "") -> Group:
+    """This rank's expert-parallel group (one layout: every group name reads it)."""
+    return _comm.get_expert_parallel_group()
+
+
+def _get_expert_data_parallel_group(group_name: str = "") -> Group:
+    """This rank's expert-data-parallel group (the data-parallel one without expert parallelism)."""
+    return _comm.get_expert_data_parallel_group()
+
+
+def _expert_group_name() -> str:
+    return f"ep_size_{_comm.get_expert_parallel_world_size()}"
+
+
+def _get_expert_parallel_group_dict() -> dict[str, Group]:
+    """``{"ep_size_<N>": group}`` for the declared expert layout (empty without one)."""
+    declared = _mesh.declared_degrees().get("ep", 1)
+    return {_expert_group_name(): _comm.get_expert_parallel_group()} if declared > 1 else {}
+
+
+def _get_expert_data_parallel_group_dict() -> dict[str, Group]:
+    """``{"ep_size_<N>": expert-data-parallel group}`` for the declared expert layout (empty without one)."""
+    declared = _mesh.declared_degrees().get("ep", 1)
+    return {_expert_group_name(): _comm.get_expert_data_parallel_group()} if declared > 1 else {}

@@ -26,7 +26,9 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "shardwise.compat.ds_utils",
         "shardwise.utils.logging",
         "shardwise.zero.param_access",
+        "shardwise.zero.leaf_modules",
     ),
+    "deepspeed.utils.z3_leaf_module": ("shardwise.zero.leaf_modules",),
     "deepspeed.utils.logging": ("shardwise.utils.logging",),
     "deepspeed.utils.groups": ("shardwise.compat.groups",),
     "deepspeed.git_version_info": ("shardwise.compat.git_version_info",),
@@ -79,6 +81,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.module_inject.tp_shard": ("shardwise.compat.autotp",),
     "deepspeed.module_inject.autotp_config": ("shardwise.tensor_parallel.specs", "shardwise.tensor_parallel.presets"),
     "deepspeed.runtime.tensor_parallel": ("shardwise.tensor_parallel.model_init",),
+    "deepspeed.moe.sharded_moe": ("shardwise.moe.layer", "shardwise.moe.gating", "shardwise.moe.dispatch"),
 }
 
 RENAMES: dict[str, str] = {
@@ -87,6 +90,7 @@ RENAMES: dict[str, str] = {
     "deepspeed.runtime.engine.DeepSpeedEngine": "shardwise.engine:ShardwiseEngine",
     "deepspeed.DeepSpeedConfig": "shardwise.compat.ds_config:DeepSpeedConfig",
     "deepspeed.OnDevice": "shardwise.compat.small_names:OnDevice",
+    "deepspeed.get_accelerator": "shardwise.compat.accelerator:get_accelerator",
     "deepspeed.launcher.runner.main": "shardwise.compat.launcher_runner:main",
     "deepspeed.module_inject.tp_shard.get_shard_size_list": "shardwise.sequence.layout:get_shard_size_list",
     "deepspeed.ops.__compatible_ops__": "shardwise.compat.op_builder:COMPATIBLE_OPS",
@@ -95,13 +99,15 @@ RENAMES: dict[str, str] = {
     "deepspeed.runtime.zero.utils.ZeRORuntimeException": "shardwise.compat.small_names:ZeRORuntimeException",
     "deepspeed.utils.RepeatingLoader": "shardwise.data:RepeatingLoader",
     "deepspeed.tp_model_init": "shardwise.tensor_parallel.model_init:tp_model_init",
+    "deepspeed.moe.sharded_moe._AllToAll": "shardwise.moe.dispatch:AllToAll",
+    "deepspeed.moe.sharded_moe._route_slots": "shardwise.moe.dispatch:route_slots",
+    "deepspeed.moe.sharded_moe._sparse_encode": "shardwise.moe.dispatch:sparse_encode",
+    "deepspeed.moe.sharded_moe._sparse_decode": "shardwise.moe.dispatch:sparse_decode",
+    "deepspeed.moe.sharded_moe._capacity": "shardwise.moe.gating:capacity",
     **{
         f"deepspeed.{path}": f"shardwise.compat.unavailable:{path.rpartition('.')[2]}"
         for path in (
             "pipe.DualPipeVModule",
-            "moe.layer.MoE",
-            "moe.utils.split_params_into_different_moe_groups_for_optimizer",
-            "moe.utils.is_moe_param",
             "runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer",
             "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
             "runtime.fp16.fused_optimizer.FP16_Optimizer",
@@ -115,7 +121,7 @@ RENAMES: dict[str, str] = {
     },
 }
 """Single names: DeepSpeed's spelling -> ``module:attribute`` in shardwise. The ``unavailable`` ones are
-DeepSpeed parts shardwise does not have (DualPipeVModule, MoE, DeepSpeed's own optimizer wrappers): importable,
+DeepSpeed parts shardwise does not have (DualPipeVModule, DeepSpeed's own optimizer wrappers): importable,
 raising with their name and the alternative when used."""
 
 PACKAGES: frozenset[str] = frozenset({"deepspeed.runtime", "deepspeed.ops", "deepspeed.launcher"})

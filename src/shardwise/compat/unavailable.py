@@ -2,7 +2,7 @@
 subclasses them loads), failing when used with an error naming the DeepSpeed name and what to use instead.
 
 Two kinds: DeepSpeed's own optimizer wrappers and ZeRO internals (shardwise's engine has its own
-strategies, :mod:`shardwise.zero`), and ``deepspeed.moe``, which comes with the MoE work. Of
+strategies, :mod:`shardwise.zero`); ``deepspeed.moe`` is :mod:`shardwise.moe`. Of
 ``deepspeed.pipe`` only ``DualPipeVModule`` is here: shardwise runs DualPipeV as a schedule of an
 ordinary PipelineModule (:mod:`shardwise.pipe.executor`).
 """
@@ -16,7 +16,6 @@ _DUALPIPEV = (
     "shardwise runs DualPipeV as a schedule of a plain PipelineModule: set the config's pipeline.schedule to "
     '"dualpipev" and pipeline.virtual_stages to 2'
 )
-_MOE = "mixture of experts (deepspeed.moe) is not in shardwise yet; use the model's own MoE layer without expert parallelism"
 _FPDT = ("FPDT (deepspeed.sequence.fpdt_layer, chunked offloading attention on CUDA) is not in shardwise; use "
          "Ulysses (deepspeed.sequence.layer.DistributedAttention) with TiledMLP/TiledFusedLogitsLoss")
 _ZERO = "the engine's optimizer is a shardwise ZeRO strategy (engine.optimizer); use its methods, not DeepSpeed's classes"
@@ -53,10 +52,6 @@ def unavailable_function(qualname: str, instead: str) -> Callable[..., NoReturn]
 
 
 DualPipeVModule = unavailable_class("deepspeed.pipe.DualPipeVModule", _DUALPIPEV)
-MoE = unavailable_class("deepspeed.moe.layer.MoE", _MOE)
-split_params_into_different_moe_groups_for_optimizer = unavailable_function(
-    "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer", _MOE)
-is_moe_param = unavailable_function("deepspeed.moe.utils.is_moe_param", _MOE)
 
 DeepSpeedZeroOptimizer = unavailable_class("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", _ZERO)
 DeepSpeedZeroOptimizer_Stage3 = unavailable_class("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", _ZERO)

@@ -158,12 +158,15 @@ INERT_KEYS: tuple[InertKey, ...] = (
     ),
     InertKey("disable_python_gc", "Python's garbage collector is left as it is"),
     InertKey("vocabulary_size", "not read by shardwise"),
-    InertKey("use_data_before_expert_parallelism", "there is no expert parallelism"),
+    InertKey(
+        "use_data_before_expert_parallelism",
+        "expert-parallel groups are runs of consecutive ranks (DeepSpeed's default order, built by comm.mesh); "
+        "the data-first order is not built",
+    ),
     InertKey(
         "data_parallel_size", "the data-parallel size comes from the launch (world size / model parallel)"
     ),
     InertKey("graph_harvesting", "CUDA graphs are not captured"),
-    InertKey("expert_parallel", "there is no expert parallelism", _present),
     InertKey("weight_quantization", "weights are not quantized", _present),
     InertKey("datastates", "checkpoints are written by shardwise's own writer", _present),
     InertKey(

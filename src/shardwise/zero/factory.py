@@ -35,6 +35,7 @@ from shardwise.zero.offload import (
     param_offload_spec,
 )
 from shardwise.zero.param_publish import PublishPolicy
+from shardwise.zero.reduction_domain import ExpertLayout, expert_group_name
 from shardwise.zero.sharded_model import ShardedModel
 from shardwise.zero.sharded_optimizer import OptimizerFactory, ZeroOptimizer, ZeroPolicy
 from shardwise.zero.strategy import ZeroStrategy
@@ -144,6 +145,14 @@ def prepare_module(
     # Tensor parallelism (tensor_parallel.autotp_size, or an mpu's model-parallel layers): FSDP2
     # shards each rank's slices over its data-parallel group, a 2-D layout; the gradient norm
     # counts the split parameters on every tensor-parallel rank (Stage3Policy.tp_param_names).
+    if topology.size_of("ep") > 1 and any(expert_group_name(p) for p in model.parameters()):
+        raise ConfigError(
+            "zero_optimization.stage",
+            f"stage 3 (FSDP2) with expert parallelism (ep={topology.size_of('ep')}): FSDP2 would shard each "
+            "rank's own experts over the whole data-parallel group as if they were the same parameters",
+            "use stage 0, 1 or 2 with MoE layers of ep_size > 1 (or ep_size=1 at stage 3)",
+            value=3,
+        )
     from shardwise.zero.fsdp_wrap import ShardPolicy, shard_model
     from shardwise.zero.stage3_settings import settings_from_zero
 
@@ -308,4 +317,20 @@ def _flat_policy(
         all_reduce_gradients=not zero.reduce_scatter,
         fail_on_unused=not zero.ignore_unused_parameters,
         param_names=param_names,
+        experts=expert_layout(topology),
+    )
+
+
+def expert_layout(topology: Topology) -> ExpertLayout:
+    """The expert groups of this rank from the process layout (``ep`` and ``edp``); without expert
+    parallelism the data-parallel group (expert parameters then reduce like dense ones)."""
+    ep = topology.size_of("ep")
+    if ep == 1:
+        return ExpertLayout(None, 1, topology.dp_group, topology.dp_rank, topology.dp_size)
+    return ExpertLayout(
+        ep_group=topology.group_of("ep"),
+        ep_size=ep,
+        edp_group=topology.group_of("edp"),
+        edp_rank=topology.rank_in("edp"),
+        edp_size=topology.size_of("edp"),
     )

@@ -48,6 +48,7 @@ from shardwise.utils.logging import logger
 from shardwise.zero.external_params import is_external
 from shardwise.zero.hpz import hpz_active
 from shardwise.zero.init_context import Init, ZeroParamStatus, gather_stash, stash_of
+from shardwise.zero.leaf_modules import leaf_module_names
 from shardwise.zero.param_swap import ParamSwapper
 from shardwise.zero.sharded_model import ShardedModel, ShardPolicy, record_of, register_record
 from shardwise.zero.stage3_settings import Stage3Settings
@@ -209,7 +210,7 @@ def _plan_units(
     nodes = describe_modules(model, counted=lambda p: id(p) not in persistent_ids, external=external)
     rules = WrapRules(
         leaf_classes=settings.leaf_classes,
-        leaf_names=settings.leaf_names,
+        leaf_names=tuple(settings.leaf_names) + leaf_module_names(model),  # + set_z3_leaf_modules
         leaf_suffixes=settings.leaf_suffixes,
         granularity_threshold=settings.granularity_threshold,
         leaf_unit_min_numel=settings.leaf_unit_min_numel,

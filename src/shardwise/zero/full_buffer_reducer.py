@@ -32,7 +32,7 @@ class FullBufferReducer(GradientReducer):
         # buckets, once backward has filled them. Nothing is gained by going piece by piece then:
         # the reduction costs a summing pass, not a transfer to overlap, and each piece would
         # pay two barriers.
-        self.whole_buckets = all(
+        self.whole_buckets = policy.local or all(
             g.grad_store is not None
             and g.grad_store.synchronous
             and policy.comm_dtype in (None, g.grad_dtype)
@@ -109,7 +109,8 @@ class FullBufferReducer(GradientReducer):
         assert group.grad_store is not None and (self.whole_buckets or self.policy.shard)
         plan = group.layout.buckets[bucket]
         group.settle(bucket)
-        wire = self._wire(group.grad_store.mine[plan.start : plan.end])
+        source = group.grad_store.mine[plan.start : plan.end]
+        wire = self._wire(source)
         everyone = self.policy.all_reduce_gradients or not self.policy.shard
         self._reduce_bucket(
             gi,
@@ -117,7 +118,9 @@ class FullBufferReducer(GradientReducer):
             group.grad_store,
             0,
             wire,
-            None if everyone else group.grad[bucket],  # this rank's shard of the buffer
+            # this rank's shard of the buffer; the bucket itself when every rank gets the sums and
+            # they travel in another dtype (whole buckets: one rank alone, ``policy.local``)
+            (None if wire is source else source) if everyone else group.grad[bucket],
             accumulate=False,
             done=_nothing,
         )

@@ -72,7 +72,7 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     return (
         None
         if found is None
-        else _gather(found[1], lambda t: t, found[0].process_group, found[0].partitioned)
+        else _gather(found[1], lambda t: t, *_split_over(found[0], found[1]))
     )
 
 
@@ -84,7 +84,7 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
         return None
     layout, place = found
     pick = _state_picker(layout, optim_state_key)
-    return _gather(place, pick, layout.process_group, layout.partitioned)
+    return _gather(place, pick, *_split_over(layout, place))
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -97,7 +97,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     if found is None:
         return None
     layout, place = found
-    full = _gather(place, lambda t: t, layout.process_group, layout.partitioned)
+    full = _gather(place, lambda t: t, *_split_over(layout, place))
     return full.div_(layout.mean_divisor)
 
 
@@ -255,6 +255,11 @@ def _checked(place: ParamPlace, value: torch.Tensor) -> torch.Tensor:
             f"{place.shape}; pass the full (unpartitioned) value"
         )
     return value.detach().reshape(place.shape)
+
+
+def _split_over(layout: StateLayout | GradientLayout, place: ParamPlace) -> tuple[Group, bool]:
+    """The group ``place``'s pieces are split over and whether they are (its own, else the layout's)."""
+    return place.split_over if place.split_over is not None else (layout.process_group, layout.partitioned)
 
 
 def _gather(place: ParamPlace, pick: Pick, group: Group, partitioned: bool) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch
 
 from shardwise.comm import collectives
 from shardwise.comm import init as comm_init
-from shardwise.comm.flat_buffers import FlatBuffer
+from shardwise.comm.flat_buffers import FlatBuffer, land
 from shardwise.comm.group_type import Group
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.launch_order import LaunchOrder, Unit, plan_units
@@ -59,6 +59,9 @@ class ReducePolicy:
         pre_multiplier: applied before the reduction (prescale 1/W or predivide 1/f), 1.0 = none.
         all_reduce_gradients: stages 1-2 with ``reduce_scatter: false``: all-reduce each bucket
             (or piece), then keep this rank's shard of the sums.
+        local: the parameters are replicated on this rank only (expert parameters whose
+            expert-data-parallel group has one rank): nothing to reduce, no collective; whole
+            buckets land in place (pre-multiplied like the others).
     """
 
     shard: bool
@@ -67,6 +70,7 @@ class ReducePolicy:
     comm_dtype: torch.dtype | None
     pre_multiplier: float
     all_reduce_gradients: bool = False
+    local: bool = False
 
 
 @dataclass
@@ -110,8 +114,8 @@ class GradientReducer(ABC):
         self.gradients_ready = False  # the groups' ``grad`` hold reduced sums (until the window ends)
         forced = policy.all_reduce_gradients or not policy.shard
         algorithm = "all_reduce" if forced else _reduce_scatter_algorithm(groups, process_group)
-        self._piece_exchange = policy.shard and algorithm == "exchange"
-        self.in_pieces = self._reduces_in_pieces(algorithm)
+        self._piece_exchange = policy.shard and algorithm == "exchange" and not policy.local
+        self.in_pieces = not policy.local and self._reduces_in_pieces(algorithm)
         self.order = LaunchOrder(
             plan_units([g.layout for g in groups], pieces=self.in_pieces),
             launch_while_backward=self.in_pieces or policy.overlap,
@@ -235,6 +239,10 @@ class GradientReducer(ABC):
         """
         group = self.groups[gi]
         plan = group.layout.buckets[bucket]
+        if self.policy.local:  # one rank: the sums are this rank's gradients
+            land(wire, target, accumulate)
+            done()
+            return
         ranges = [(lo - base, hi - base) for lo, hi in map(plan.shard_range, range(group.world_size))]
         everyone = self.policy.all_reduce_gradients or not self.policy.shard
         work, then = store.reduce(wire, ranges, target, accumulate=accumulate, everyone=everyone)

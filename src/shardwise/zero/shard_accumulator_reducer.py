@@ -39,7 +39,7 @@ class ShardAccumulatorReducer(GradientReducer):
         self._fresh = [[True] * len(g.layout.buckets) for g in groups]  # per bucket: no sums yet this window
         self._bucket_buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._bucket_written: dict[tuple[int, int], set[int]] = {}  # parameters written per bucket buffer
-        self.whole_buckets = all(
+        self.whole_buckets = policy.local or all(
             s.synchronous and policy.comm_dtype in (None, g.grad_dtype) for g in groups for s in g.staging
         )
         super().__init__(groups, policy, process_group)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -47,6 +47,16 @@ from shardwise.zero.optimizer_subset import restricted, steps_per_tensor
 from shardwise.zero.param_owner import register_owner
 from shardwise.zero.param_publish import PublishPolicy, launch_publish
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
+from shardwise.zero.reducer_set import ReducerSet
+from shardwise.zero.reduction_domain import (
+    DATA,
+    ExpertLayout,
+    ReductionDomain,
+    distinct,
+    refuse_experts,
+    split_by_kind,
+    split_over,
+)
 from shardwise.zero.shard_accumulator_reducer import ShardAccumulatorReducer
 from shardwise.zero.state_layout import (
     GRADIENTS_UNAVAILABLE,
@@ -86,6 +96,11 @@ class ZeroPolicy:
     all_reduce_gradients: bool = False  # reduce_scatter: false (stages 1-2): all-reduce, then slice
     fail_on_unused: bool = False  # ignore_unused_parameters: false
     param_names: Mapping[int, str] | None = None  # id(parameter) -> name, for the unused-parameter error
+    experts: ExpertLayout | None = None  # the expert groups, when the model has expert parameters
+
+    def data_domain(self) -> ReductionDomain:
+        """The domain of dense parameters: the data-parallel group."""
+        return ReductionDomain(DATA, self.process_group, self.rank, self.world_size)
 
 
 class ZeroOptimizer(ZeroStrategy):
@@ -112,6 +127,7 @@ class ZeroOptimizer(ZeroStrategy):
         self.overflow = False  # the last boundary step was skipped (DeepSpeed's name)
         self._global_grad_norm: float | None = None  # the last boundary step's norm (DeepSpeed's name)
         self.groups: list[FlatGroup] = []
+        self.domains: list[ReductionDomain] = []  # flat group -> the group its gradients reduce over
         self.group_index: list[int] = []  # flat group -> user param group
         self.tp_flags: list[bool] = []
         self.optimizer = optimizer_factory(self._build_flat_groups(param_groups))
@@ -123,6 +139,7 @@ class ZeroOptimizer(ZeroStrategy):
             self.optimizer if isinstance(self.optimizer, GradientExchangingOptimizer) else None
         )
         if self.exchanging is not None:
+            refuse_experts(self.domains, type(self.optimizer).__name__)
             self.exchanging.attach_process_group(policy.process_group)
         self._bind_master_grads()
         self._report_transport()
@@ -131,44 +148,53 @@ class ZeroOptimizer(ZeroStrategy):
 
     # ------------------------------------------------------------------ construction steps
     def _build_flat_groups(self, param_groups: Sequence[dict[str, Any]]) -> list[dict[str, object]]:
-        """One :class:`FlatGroup` per user group and parameter kind (device, dtype, tensor
-        parallel); returns the inner optimizer's groups over their masters."""
+        """One :class:`FlatGroup` per user group, parameter kind (device, dtype, tensor parallel)
+        and reduction domain (dense or expert parameters, :mod:`shardwise.zero.reduction_domain`);
+        returns the inner optimizer's groups over their masters."""
         policy = self.policy
         inner_groups: list[dict[str, object]] = []
-        self.transport = self._choose_transport(param_groups)
+        devices = {p.device for group in param_groups for p in group["params"] if p.requires_grad}
+        data = policy.data_domain()
+        self.transports: dict[str, HostTransport] = {}
         for gi, group in enumerate(param_groups):
             params = [p for p in group["params"] if p.requires_grad]
             hyper = {k: v for k, v in group.items() if k != "params"}
             masters: list[torch.Tensor] = []
-            for key, members in _split_by_kind(params).items():
+            for key, members in split_by_kind(params, data, policy.experts).items():
+                domain = key[3]
+                if domain.name not in self.transports:
+                    self.transports[domain.name] = self._choose_transport(devices, domain)
                 flat = FlatGroup(
                     members,
-                    rank=policy.rank,
-                    world_size=policy.world_size,
+                    rank=domain.rank,
+                    world_size=domain.world_size,
                     bucket_numel=policy.bucket_numel,
                     shard=policy.stage >= 1,
                     full_grad_buffer=policy.stage < 2,
                     grad_dtype=policy.grad_dtype,
-                    transport=self.transport,
+                    transport=self.transports[domain.name],
                 )
                 self.groups.append(flat)
+                self.domains.append(domain)
                 self.group_index.append(gi)
                 self.tp_flags.append(key[2])
                 masters.extend(flat.master_params())
             inner_groups.append({"params": masters, **hyper})
+        first = self.transports.get(DATA) or next(iter(self.transports.values()), None)
+        self.transport: HostTransport = first if first is not None else self._choose_transport(devices, data)
         return inner_groups
 
-    def _choose_transport(self, param_groups: Sequence[dict[str, Any]]) -> HostTransport:
-        """The transport of the flat buffers (shared memory when every rank runs on this host with
-        the trainable parameters on the CPU over gloo, else gloo; ``comm.host_transport`` decides)."""
+    def _choose_transport(self, devices: set[torch.device], domain: ReductionDomain) -> HostTransport:
+        """The transport of one domain's flat buffers (shared memory when every rank of its group
+        runs on this host with the parameters on the CPU over gloo, else gloo; ``comm.host_transport``
+        decides)."""
         policy = self.policy
-        devices = {p.device for group in param_groups for p in group["params"] if p.requires_grad}
         return choose_host_transport(
             devices,
-            policy.process_group,
-            label=f"ZeRO stage {policy.stage}",
-            rank=policy.rank,
-            world_size=policy.world_size,
+            domain.group,
+            label=f"ZeRO stage {policy.stage}" + ("" if domain.name == DATA else f" ({domain.name} experts)"),
+            rank=domain.rank,
+            world_size=domain.world_size,
         )
 
     def _report_transport(self) -> None:
@@ -185,22 +211,28 @@ class ZeroOptimizer(ZeroStrategy):
         )
         self.transport.report(f"ZeRO stage {stage}", detail, "gradients and parameters")
 
-    def _build_reducer(self) -> GradientReducer:
-        """The gradient reducer for the stage's layout: whole buffers (0-1) or shard accumulators (2)."""
+    def _build_reducer(self) -> ReducerSet:
+        """One gradient reducer per reduction domain, for the stage's layout: whole buffers (0-1)
+        or shard accumulators (2). Both domains pre-multiply alike (the same divisor follows)."""
         policy = self.policy
         reducer_class = FullBufferReducer if policy.stage < 2 else ShardAccumulatorReducer
-        return reducer_class(
-            self.groups,
-            ReducePolicy(
-                shard=policy.stage >= 1,
-                every_micro_step=policy.stage >= 2,
-                overlap=policy.overlap_comm,
-                comm_dtype=policy.comm_dtype,
-                pre_multiplier=policy.pre_multiplier,
-                all_reduce_gradients=policy.all_reduce_gradients,
-            ),
-            policy.process_group,
+        reduce_policy = ReducePolicy(
+            shard=policy.stage >= 1,
+            every_micro_step=policy.stage >= 2,
+            overlap=policy.overlap_comm,
+            comm_dtype=policy.comm_dtype,
+            pre_multiplier=policy.pre_multiplier,
+            all_reduce_gradients=policy.all_reduce_gradients,
         )
+        members: list[tuple[GradientReducer, list[int]]] = []
+        for name, domain in distinct(self.domains).items():
+            indices = [i for i, d in enumerate(self.domains) if d.name == name]
+            groups = [self.groups[i] for i in indices]
+            local = domain.name != DATA and domain.world_size == 1  # experts on one rank: no collective
+            members.append(
+                (reducer_class(groups, replace(reduce_policy, local=local), domain.group), indices)
+            )
+        return ReducerSet(members)
 
     def _pending_gathers(self, module: nn.Module | None) -> PendingGathers | None:
         """``overlap_comm`` at stages 1-2: the post-step all-gathers left in flight behind the next
@@ -248,12 +280,12 @@ class ZeroOptimizer(ZeroStrategy):
 
     def broadcast_parameters(self) -> None:
         """Make every rank start from the first data-parallel rank's parameters (and masters)."""
-        if self.policy.world_size == 1:
-            return  # nothing to agree on; the layout's group of one rank is None (the world, to torch)
-        src = group_source_rank(self.policy.process_group)
         self.wait_for_parameters()
-        for flat in self.groups:
-            collectives.broadcast(flat.param_buffer, src=src, group=self.policy.process_group)
+        for flat, domain in zip(self.groups, self.domains):
+            if domain.world_size > 1:  # expert parameters: from the first rank of their expert-data group
+                collectives.broadcast(
+                    flat.param_buffer, src=group_source_rank(domain.group), group=domain.group
+                )
             flat.refresh_masters()
 
     # ------------------------------------------------------------------ micro steps
@@ -299,9 +331,7 @@ class ZeroOptimizer(ZeroStrategy):
         """Clear accumulated gradients."""
         for flat in self.groups:
             flat.zero_grads()
-        self.reducer.new_accumulation()
-        self.reducer.arrived.clear()
-        self.reducer.gradients_ready = False
+        self.reducer.new_window()
 
     def set_gradient_sync(self, enabled: bool) -> None:
         """Reduce gradients in backward (True) or accumulate them locally (False; stages 0-1)."""
@@ -313,14 +343,23 @@ class ZeroOptimizer(ZeroStrategy):
     def _squared_norm(self, local_gradients: bool = False) -> torch.Tensor:
         """Sum of squares of the reduced gradients (``local_gradients``: of every rank's own,
         un-reduced gradients, summed over the ranks)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.groups[0].device)
+        device = self.groups[0].device
         mp_rank0 = self.policy.mp_rank == 0
-        for flat, is_tp in zip(self.groups, self.tp_flags):
+        domains = distinct(self.domains)
+        parts = {name: torch.zeros((), dtype=torch.float32, device=device) for name in domains}
+        for flat, is_tp, domain in zip(self.groups, self.tp_flags, self.domains):
             if not (is_tp or mp_rank0):
                 continue  # replicated across model-parallel ranks: count it once
-            total += squared_norm(flat.grad).to(total.device)
-        if (self.policy.stage >= 1 or local_gradients) and self.policy.world_size > 1:
-            collectives.all_reduce(total, op="sum", group=self.policy.process_group)
+            parts[domain.name] += squared_norm(flat.grad).to(device)
+        summed = self.policy.stage >= 1 or local_gradients  # shards (or local gradients) add up
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for name, part in parts.items():
+            domain = domains[name]
+            if summed and domain.world_size > 1:
+                collectives.all_reduce(part, op="sum", group=domain.group)
+            if domain.spread_size > 1:  # other experts on the other expert-parallel ranks
+                collectives.all_reduce(part, op="sum", group=domain.spread_group)
+            total += part
         if self.policy.mp_size > 1:
             collectives.all_reduce(total, op="sum", group=self.policy.mp_group)
         return total
@@ -435,16 +474,21 @@ class ZeroOptimizer(ZeroStrategy):
     def _gather_shards(self, keys: Sequence[BucketKey] | None = None) -> None:
         """Sharded stages: every rank's updated shards to all ranks; all buckets waited here, or
         (``keys``, with ``overlap_comm``) those buckets' gathers started and left in flight."""
-        if self.policy.stage == 0 or self.policy.world_size == 1:
+        if self.policy.stage == 0:
             return
-        publish, group = self.policy.publish, self.policy.process_group
+        publish = self.policy.publish
         if keys is not None and self.gathers is not None:
             for gi, b in keys:
-                self.gathers.launch((gi, b), launch_publish(self.groups[gi], publish, group, buckets=[b]))
+                domain = self.domains[gi]
+                if domain.world_size > 1:
+                    self.gathers.launch(
+                        (gi, b), launch_publish(self.groups[gi], publish, domain.group, buckets=[b])
+                    )
             return
         pending = []
-        for flat in self.groups:
-            pending.extend(launch_publish(flat, publish, group))
+        for flat, domain in zip(self.groups, self.domains):
+            if domain.world_size > 1:
+                pending.extend(launch_publish(flat, publish, domain.group))
         for work, then in pending:
             if work is not None:
                 work.wait()
@@ -457,12 +501,15 @@ class ZeroOptimizer(ZeroStrategy):
         self.wait_for_parameters()
         places: list[ParamPlace] = []
         members: list[list[int]] = [[] for _ in self.optimizer.param_groups]
-        for flat, gi in zip(self.groups, self.group_index):
+        for flat, gi, domain in zip(self.groups, self.group_index, self.domains):
             for index, param in enumerate(flat.params):
                 pieces = tuple(FlatPiece(s, e, flat.master[m], o) for s, e, m, o in flat.master_pieces(index))
                 members[gi].append(len(places))
                 separate = flat.dtype != torch.float32
-                places.append(ParamPlace(param, tuple(param.shape), Holding.FLAT, separate, pieces=pieces))
+                split = split_over(domain, self.policy.stage)
+                places.append(
+                    ParamPlace(param, tuple(param.shape), Holding.FLAT, separate, pieces=pieces, split_over=split)
+                )
         return StateLayout(
             optimizer=checkpoint_view(self.optimizer),
             optimizer_name=type(self.optimizer).__name__,
@@ -484,10 +531,13 @@ class ZeroOptimizer(ZeroStrategy):
         its fp32 values of the masters; available after a reducing backward, until the step."""
         self.wait_for_parameters()
         places = []
-        for flat in self.groups:
+        for flat, domain in zip(self.groups, self.domains):
             for index, param in enumerate(flat.params):
                 pieces = tuple(FlatPiece(s, e, flat.grad[m], o) for s, e, m, o in flat.master_pieces(index))
-                places.append(ParamPlace(param, tuple(param.shape), Holding.FLAT, False, pieces=pieces))
+                split = split_over(domain, self.policy.stage)
+                places.append(
+                    ParamPlace(param, tuple(param.shape), Holding.FLAT, False, pieces=pieces, split_over=split)
+                )
         return GradientLayout(
             places=tuple(places),
             mean_divisor=self.mean_divisor,
@@ -520,14 +570,3 @@ class ZeroOptimizer(ZeroStrategy):
                 if torch.is_tensor(value) and value.dim() > 0:
                     total += value.numel() * value.element_size()
         return total
-
-
-def _split_by_kind(
-    params: Sequence[nn.Parameter],
-) -> dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]]:
-    """Group parameters by (dtype, device, tensor-parallel flag): one flat buffer each."""
-    out: dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
-    for p in params:
-        is_tp = bool(getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
-        out.setdefault((p.dtype, p.device, is_tp), []).append(p)
-    return out

@@ -77,6 +77,8 @@ class ParamPlace:
             parameter's own storage (whose value the module saves as ``model/<name>``).
         pieces: ``FLAT`` only: this rank's pieces, in flat order (empty: none here).
         tensor: ``LOCAL_SHARD``/``WHOLE`` only: the optimizer's tensor for it.
+        split_over: ``(group, partitioned)`` where its pieces are split over other ranks than the
+            layout's (expert parameters: the expert-data-parallel group); None: the layout's.
     """
 
     param: Any
@@ -85,6 +87,7 @@ class ParamPlace:
     separate_master: bool
     pieces: tuple[FlatPiece, ...] = ()
     tensor: torch.Tensor | None = None
+    split_over: tuple[Any, bool] | None = None
 
     def __post_init__(self) -> None:
         flat = self.holding is Holding.FLAT

@@ -74,7 +74,17 @@ def test_layout_comes_from_the_one_registered_topology(no_registered_layout: Non
     assert groups.get_data_parallel_world_size() == 1
 
 
-def test_expert_groups_need_moe() -> None:
-    groups._create_expert_and_data_parallel(1)
-    with pytest.raises(NotImplementedError, match=r"expert parallel size 2.*MoE"):
-        groups._create_expert_and_data_parallel(2)
+def test_expert_groups_are_declared_to_the_one_layout() -> None:
+    from shardwise.comm import mesh
+
+    mesh.reset_layout()
+    try:
+        groups._create_expert_and_data_parallel(1)  # size 1: the data-parallel groups serve
+        assert mesh.current_layout() is None and groups._get_expert_parallel_group_dict() == {}
+        # one process: ep=2 cannot tile the world; the layout says so, naming the declarer
+        with pytest.raises(ValueError, match=r"ep=2 .*_create_expert_and_data_parallel"):
+            groups._create_expert_and_data_parallel(2)
+        with pytest.raises(ValueError, match="use_data_before_expert_parallel_"):
+            groups._create_expert_and_data_parallel(2, use_data_before_expert_parallel_=True)
+    finally:
+        mesh.reset_layout()

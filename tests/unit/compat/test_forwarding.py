@@ -82,6 +82,13 @@ DEEPSPEED_TEST_NAMES = [
     ("deepspeed.monitor.wandb", "WandbMonitor"),
     ("deepspeed.moe.layer", "MoE"),
     ("deepspeed.moe.utils", "split_params_into_different_moe_groups_for_optimizer"),
+    ("deepspeed.moe.utils", "is_moe_param"),
+    ("deepspeed.moe.sharded_moe", "top2gating"),
+    ("deepspeed.moe.sharded_moe", "_sparse_encode"),
+    ("deepspeed.utils", "set_z3_leaf_modules"),
+    ("deepspeed.utils", "get_z3_leaf_modules"),
+    ("deepspeed.utils.z3_leaf_module", "z3_leaf_module"),
+    ("deepspeed", "get_accelerator"),
     ("deepspeed.pipe", "PipelineModule"),
     ("deepspeed.pipe", "LayerSpec"),
     ("deepspeed.pipe", "TiedLayerSpec"),
@@ -165,8 +172,8 @@ def test_missing_name_names_itself(deepspeed_package: object) -> None:
         deepspeed.no_such_name  # noqa: B018
     with pytest.raises(ModuleNotFoundError, match=r"deepspeed\.no_such_module is not provided by shardwise"):
         importlib.import_module("deepspeed.no_such_module")
-    with pytest.raises(ImportError, match="set_z3_leaf_modules"):
-        from deepspeed.utils import set_z3_leaf_modules  # type: ignore[import-not-found]  # noqa: F401
+    with pytest.raises(ImportError, match="no_such_function"):
+        from deepspeed.utils import no_such_function  # type: ignore[attr-defined]  # noqa: F401
 
 
 def test_unlisted_path_falls_back_to_the_shardwise_module_of_that_path() -> None:

@@ -28,7 +28,6 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "use_data_before_expert_parallelism": {"use_data_before_expert_parallelism": True},
     "data_parallel_size": {"data_parallel_size": 2},
     "graph_harvesting": {"graph_harvesting": True},
-    "expert_parallel": {"expert_parallel": {"enabled": True}},
     "weight_quantization": {"weight_quantization": {"bits": 8}},
     "datastates": {"datastates": {"enabled": True}},
     "optimizer.legacy_fusion": {"optimizer": {"type": "AdamW", "params": {}, "legacy_fusion": True}},

@@ -1,0 +1,64 @@
+"""Rank-side cases of the AutoEP tests: tiny transformers Mixtral / Qwen3-MoE models from a config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+VOCAB, STEPS = 64, 6
+
+
+def _model(family: str) -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    if family == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+            output_router_logits=True,
+        )
+        return MixtralForCausalLM(config)
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=32, head_dim=8, output_router_logits=True, norm_topk_prob=True,
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """``STEPS`` steps of a tiny MoE model, with AutoEP at ``case["ep"]`` (1: the section left out)."""
+    import torch
+
+    import shardwise
+    from shardwise.comm import groups, mesh
+    from shardwise.moe.utils import is_moe_param
+
+    mesh.reset_layout()
+    groups.clear_topology()
+    model = _model(case["family"])
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+        "zero_optimization": {"stage": case["stage"]},
+        "zero_allow_untested_optimizer": True,
+    }
+    if case["ep"] > 1:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": case["ep"], "preset_model": case["family"]}
+    engine, *_ = shardwise.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    generator = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (2, 12), generator=generator)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    experts = sum(p.numel() for p in model.parameters() if is_moe_param(p))
+    total = sum(p.numel() for p in model.parameters())
+    engine.destroy()
+    return {"loss": losses, "expert_numel": experts, "numel": total}
