@@ -73,6 +73,17 @@ class ReducerSet:
             reducer.arrived.clear()
             reducer.gradients_ready = False
 
+    def fold_window(self) -> None:
+        """Every domain brings autograd's stray gradients into its buffers (``GradientReducer.fold_window``)."""
+        for reducer, _ in self.members:
+            reducer.fold_window()
+
+    def reduce_window(self) -> None:
+        """Reduce the window now in every domain, domain after domain (the same order on every rank):
+        a pipeline's ReduceGrads (``GradientReducer.reduce_window``)."""
+        for reducer, _ in self.members:
+            reducer.reduce_window()
+
     def remove_hooks(self) -> None:
         """Detach every reducer's hooks."""
         for reducer, _ in self.members:

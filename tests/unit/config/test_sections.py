@@ -990,3 +990,11 @@ def test_unknown_key_inside_a_named_group_suggests_the_group_fields(
 def test_gradient_allreduce_op_ignores_case() -> None:
     """DeepSpeed reads "SUM" as "sum"."""
     assert load_config({"train_batch_size": 1, "gradient_allreduce_op": "SUM"}).config.gradient_allreduce_op == "sum"
+
+
+def test_pipeline_schedule_spelling_of_real_configs_is_accepted() -> None:
+    # a public config (the corpus's BERT-Parallelism-Efficiency) writes "schedule": "1F1B"
+    from shardwise.config.sections.features import PipelineConfig
+
+    assert PipelineConfig.model_validate({"schedule": "1F1B"}).schedule == "1f1b"
+    assert PipelineConfig.model_validate({"schedule": "Interleaved-1F1B"}).schedule == "interleaved_1f1b"

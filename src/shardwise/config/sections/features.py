@@ -110,6 +110,14 @@ class PipelineConfig(Section):
     ] = "1f1b"
     virtual_stages: int = Field(1, ge=1)
 
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _schedule_spelling(cls, value: object) -> object:
+        # Real configs write DeepSpeed's schedule in capitals ("1F1B", a key DeepSpeed ignores)
+        if isinstance(value, str):
+            return value.strip().lower().replace("-", "_")
+        return value
+
 
 class CompileConfig(Section):
     """``compile``: torch.compile / deepcompile flags. ``disable``, ``backend`` and
