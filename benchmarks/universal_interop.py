@@ -13,8 +13,9 @@ For every cell of {ZeRO stage 0-3} x {fp32, bf16} x {AdamW} x {save ranks -> res
 Two losses are compared per cell: the first step after the resume (it checks the weights) and the
 second (it checks the optimizer state the first update used: exp_avg, exp_avg_sq, step). fp32 cells
 pass within ``1e-6`` (both sides run the same fp32 operations on the same values, so only the
-reduction order of a changed world size can differ); bf16 cells within ``2e-2`` relative (the bf16
-forward rounds each activation to 8 bits of mantissa, 2^-8 = 0.4%, over three layers).
+reduction order of a changed world size can differ); bf16 cells within ``1e-3`` relative (measured
+up to 4.4e-5: an fp32 master one ulp apart, from another reduction order or Adam kernel, can round
+to the neighbouring bf16 value, which moves that weight by 2^-8 relative in the next forward).
 
 DeepSpeed runs from a side interpreter (``--ds-python``, default ``.venv-ds/bin/python``, made by
 ``make bench-setup``) with ``DS_ACCELERATOR=cpu``; shardwise never imports it. A cell that fails on
@@ -45,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("universal_interop_worker.py")
 DEFAULT_DS_PYTHON = REPO / ".venv-ds" / "bin" / "python"
 SW_PYTHON = sys.executable
-TOLERANCE = {"fp32": ("abs", 1e-6), "bf16": ("rel", 2e-2)}
+TOLERANCE = {"fp32": ("abs", 1e-6), "bf16": ("rel", 1e-3)}
 
 
 def free_port() -> int:

@@ -28,7 +28,7 @@ import torch
 
 from shardwise.checkpoint import keys
 from shardwise.checkpoint import universal_names as names
-from shardwise.checkpoint.deepspeed_import import ForeignObject, _plain, load_file
+from shardwise.checkpoint.deepspeed_import import ForeignObject, _plain, _rank_of, load_file
 
 
 def _number(value: Any) -> Any:
@@ -149,9 +149,21 @@ class UniversalCheckpoint:
         if (self.zero_dir / name / f"{names.FP32}.pt").is_file():
             return self.read_state(name, names.FP32)
         tensor = self.model["module"][name]
-        if name not in self.buffer_names and tensor.numel() == 0 and math.prod(self.module_specs()[name][0]):
+        shape = self.module_specs()[name][0]
+        if name in self.frozen_shapes and tensor.numel() == 0 and math.prod(shape):
+            return self._stage3_frozen(name, shape)
+        if name not in self.buffer_names and tensor.numel() == 0 and math.prod(shape):
             raise ValueError(f"{self.tag_dir}: parameter {name!r} has no {names.ZERO_DIR}/{name}/fp32.pt")
         return tensor
+
+    def _stage3_frozen(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A frozen ZeRO-3 parameter: DeepSpeed's conversion writes no ``fp32.pt`` for it, but keeps
+        every rank's ``frozen_param_fragments`` in the copied ``zero_pp_rank_*`` model states."""
+        files = sorted(self.tag_dir.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=_rank_of)
+        pieces = [(load_file(f).get("frozen_param_fragments") or {}).get(name) for f in files]
+        if not files or any(p is None for p in pieces):
+            raise ValueError(f"{self.tag_dir}: frozen parameter {name!r} has neither fp32.pt nor ZeRO-3 fragments")
+        return torch.cat([p.reshape(-1) for p in pieces])[: math.prod(shape)].view(shape)
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """Every module entry, full size, in the module's dtype."""
