@@ -3,7 +3,8 @@
 For every cell of {ZeRO stage 0-3} x {fp32, bf16} x {AdamW} x {save ranks -> resume ranks}:
 
 * **DeepSpeed writes, shardwise resumes**: DeepSpeed trains ``--steps`` steps and saves; its own
-  ``ds_to_universal`` converts the checkpoint; shardwise resumes with
+  ``ds_to_universal`` converts the checkpoint (at stage 0, which it refuses for want of ZeRO files,
+  ``shardwise checkpoint to-universal`` converts DeepSpeed's native file); shardwise resumes with
   ``"checkpoint": {"load_universal": true}``; its next losses are compared with DeepSpeed's own
   continued run.
 * **shardwise writes, DeepSpeed resumes**: shardwise trains and saves;
@@ -122,6 +123,7 @@ class Cell:
     dtype: str
     save_world: int
     load_world: int
+    converter: str = "ds_to_universal"
     status: str = "fail"
     diffs: list[float] = field(default_factory=list)
     detail: str = ""
@@ -146,7 +148,7 @@ def run_cell(cell: Cell, ds_python: str, steps: int, timeout: float) -> None:
                 [*common, "--action", "save", "--ckpt", str(native), "--out", str(ref_out)],
                 timeout=timeout,
             )
-            if cell.writer == "deepspeed":
+            if cell.writer == "deepspeed" and cell.stage > 0:
                 run_tool(
                     [
                         ds_python,
@@ -162,7 +164,8 @@ def run_cell(cell: Cell, ds_python: str, steps: int, timeout: float) -> None:
                     "ds_to_universal",
                     timeout=timeout,
                 )
-            else:
+            else:  # also DeepSpeed's stage 0, which ds_to_universal refuses (it saves no ZeRO files)
+                cell.converter = "shardwise to-universal"
                 run_tool(
                     [
                         str(Path(SW_PYTHON).with_name("shardwise")),
@@ -229,7 +232,8 @@ def main() -> int:
         diffs = ", ".join(f"{d:.1e}" for d in cell.diffs) or "-"
         print(
             f"{writer:>9} -> {'shardwise' if writer == 'deepspeed' else 'deepspeed':<9} stage {stage} {dtype} "
-            f"{save_world}->{load_world} ranks: {cell.status:<8} diffs [{diffs}] ({cell.seconds:.0f}s) {cell.detail}",
+            f"{save_world}->{load_world} ranks via {cell.converter}: {cell.status:<8} diffs [{diffs}] "
+            f"({cell.seconds:.0f}s) {cell.detail}",
             flush=True,
         )
     if args.json:

@@ -232,6 +232,9 @@ def shardwise_to_universal(
 ) -> Path:
     """Convert a shardwise checkpoint (any stage, any world size) to DeepSpeed's universal layout.
 
+    A native DeepSpeed 0.19.8 checkpoint converts too, including what DeepSpeed's own
+    ``ds_to_universal`` refuses: stage 0 (no ZeRO files) and optimizers other than Adam.
+
     Args:
         checkpoint: a save directory (its ``latest`` tag) or a tag directory.
         out_dir: where ``<tag>/`` and ``latest_universal`` are written.
@@ -246,8 +249,13 @@ def shardwise_to_universal(
     """
     tag_dir = layout.resolve(checkpoint, tag)
     kind = layout.detect_kind(tag_dir)
+    if kind == "deepspeed":
+        integrity.require_intact(tag_dir)
+        return _deepspeed_to_universal(tag_dir, out_dir)
     if kind != "shardwise":
-        raise ValueError(f"{tag_dir} is a {kind} checkpoint; to-universal converts shardwise checkpoints")
+        raise ValueError(
+            f"{tag_dir} is a {kind} checkpoint; to-universal converts shardwise and native DeepSpeed checkpoints"
+        )
     integrity.require_intact(tag_dir)
     summary = layout.read_summary(tag_dir)
     if int(summary.get("mp_world_size", 1)) > 1:
@@ -286,3 +294,41 @@ def shardwise_to_universal(
         frozen=frozen,
         buffer_names=[n for n in module if n not in params],
     )
+
+
+def _deepspeed_to_universal(tag_dir: Path, out_dir: str | os.PathLike[str]) -> Path:
+    """A native DeepSpeed checkpoint (stages 0-3, read by the importer) to the universal layout."""
+    from shardwise.checkpoint.deepspeed_import import DeepSpeedCheckpoint
+
+    ckpt = DeepSpeedCheckpoint(tag_dir)
+    module = ckpt.module_state_dict()
+    params = [n for n in module if n not in ckpt.buffer_names]
+    optimizer = ckpt.optimizer_state(params)
+    if optimizer is None:
+        raise ValueError(
+            f"{tag_dir}: the optimizer state is not readable (see the warning); nothing to convert"
+        )
+    trainable = {n for g in optimizer[keys.PARAM_GROUPS] for n in g[keys.PARAM_NAMES]}
+    frozen = {n: tuple(module[n].shape) for n in params if n not in trainable}
+    excluded = {"module", "optimizer", "lr_scheduler", "param_shapes", "frozen_param_shapes", "buffer_names"}
+    return write_universal(
+        out_dir,
+        tag_dir.name,
+        module=module,
+        optimizer=optimizer,
+        counters=ckpt.counters(),
+        ds_config=ckpt.model.get("ds_config") or {},
+        lr_scheduler=ckpt.model.get("lr_scheduler"),
+        client_state={k: v for k, v in ckpt.model.items() if k not in excluded and not _is_foreign(v)},
+        zero_stage=ckpt.stage,
+        dp_world_size=ckpt.world_size,
+        frozen=frozen,
+        buffer_names=list(ckpt.buffer_names),
+    )
+
+
+def _is_foreign(value: Any) -> bool:
+    """A DeepSpeed object read as a stand-in: not written back (it would need DeepSpeed to unpickle)."""
+    from shardwise.checkpoint.deepspeed_import import ForeignObject
+
+    return isinstance(value, ForeignObject)
