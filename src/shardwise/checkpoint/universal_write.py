@@ -228,7 +228,11 @@ def _model_states(
 
 
 def shardwise_to_universal(
-    checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, tag: str | None = None
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    out_tag: str | None = None,
 ) -> Path:
     """Convert a shardwise checkpoint (any stage, any world size) to DeepSpeed's universal layout.
 
@@ -238,7 +242,8 @@ def shardwise_to_universal(
     Args:
         checkpoint: a save directory (its ``latest`` tag) or a tag directory.
         out_dir: where ``<tag>/`` and ``latest_universal`` are written.
-        tag: the tag to convert instead of ``latest``; the output keeps the tag's name.
+        tag: the tag to convert instead of ``latest``.
+        out_tag: the output tag (default: the converted tag's name).
 
     Raises:
         CheckpointIntegrityError: the checkpoint is damaged (checked before anything is written).
@@ -251,7 +256,7 @@ def shardwise_to_universal(
     kind = layout.detect_kind(tag_dir)
     if kind == "deepspeed":
         integrity.require_intact(tag_dir)
-        return _deepspeed_to_universal(tag_dir, out_dir)
+        return _deepspeed_to_universal(tag_dir, out_dir, out_tag or tag_dir.name)
     if kind != "shardwise":
         raise ValueError(
             f"{tag_dir} is a {kind} checkpoint; to-universal converts shardwise and native DeepSpeed checkpoints"
@@ -281,7 +286,7 @@ def shardwise_to_universal(
     params = trainable | set(frozen) | set(summary.get("aliases", {}))
     return write_universal(
         out_dir,
-        str(common.get("tag") or tag_dir.name),
+        out_tag or str(common.get("tag") or tag_dir.name),
         module=module,
         optimizer=optimizer,
         counters=common.get("counters", {}),
@@ -296,7 +301,7 @@ def shardwise_to_universal(
     )
 
 
-def _deepspeed_to_universal(tag_dir: Path, out_dir: str | os.PathLike[str]) -> Path:
+def _deepspeed_to_universal(tag_dir: Path, out_dir: str | os.PathLike[str], out_tag: str) -> Path:
     """A native DeepSpeed checkpoint (stages 0-3, read by the importer) to the universal layout."""
     from shardwise.checkpoint.deepspeed_import import DeepSpeedCheckpoint
 
@@ -313,7 +318,7 @@ def _deepspeed_to_universal(tag_dir: Path, out_dir: str | os.PathLike[str]) -> P
     excluded = {"module", "optimizer", "lr_scheduler", "param_shapes", "frozen_param_shapes", "buffer_names"}
     return write_universal(
         out_dir,
-        tag_dir.name,
+        out_tag,
         module=module,
         optimizer=optimizer,
         counters=ckpt.counters(),
