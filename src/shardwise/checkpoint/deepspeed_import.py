@@ -332,8 +332,23 @@ class DeepSpeedCheckpoint:
             members = names[position : position + len(group["params"])]
             position += len(group["params"])
             groups.append({**{k: v for k, v in group.items() if k != "params"}, keys.PARAM_NAMES: members})
+            if "bias_correction" in group:
+                _one_step_per_group(out, members)
         out[keys.PARAM_GROUPS] = groups
         return out
+
+
+def _one_step_per_group(state: dict[str, Any], members: Sequence[str]) -> None:
+    """DeepSpeed's FusedAdam (its ``bias_correction`` group key) steps a whole group with one count,
+    but advances only the last parameter's ``state['step']`` (the others keep their initial 0):
+    the group's step is the largest, and every parameter gets it (torch's Adam keeps one each)."""
+    found = [state[f"optim/{n}/step"] for n in members if f"optim/{n}/step" in state]
+    if not found:
+        return
+    step = max(found, key=lambda v: float(v))
+    for name in members:
+        if f"optim/{name}/step" in state:
+            state[f"optim/{name}/step"] = step.clone() if torch.is_tensor(step) else step
 
 
 def _rank_of(path: Path) -> int:
