@@ -16,7 +16,10 @@ second (it checks the optimizer state the first update used: exp_avg, exp_avg_sq
 pass within ``1e-6`` (both sides run the same fp32 operations on the same values, so only the
 reduction order of a changed world size can differ); bf16 cells within ``1e-3`` relative (measured
 up to 4.4e-5: an fp32 master one ulp apart, from another reduction order or Adam kernel, can round
-to the neighbouring bf16 value, which moves that weight by 2^-8 relative in the next forward).
+to the neighbouring bf16 value, which moves that weight by 2^-8 relative in the next forward); and
+shardwise's ZeRO-3 bf16 forward rounds differently from its stages 0-2 on the very same weights
+(measured 7.6e-4 with no DeepSpeed involved: one universal checkpoint resumed at stage 2 and at
+stage 3), which the DeepSpeed-stage-3 -> shardwise-stage-3 bf16 cell shows.
 
 DeepSpeed runs from a side interpreter (``--ds-python``, default ``.venv-ds/bin/python``, made by
 ``make bench-setup``) with ``DS_ACCELERATOR=cpu``; shardwise never imports it. A cell that fails on
