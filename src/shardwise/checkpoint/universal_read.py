@@ -224,6 +224,7 @@ class UniversalCheckpoint:
             "global_steps": self.model.get("global_steps"),
             "ds_version": self.optim.get("ds_version") or self.model.get("ds_version"),
             "trainable_parameters": sum(math.prod(s) for s in self.shapes.values()),
+            "frozen_parameters": sum(math.prod(s) for s in self.frozen_shapes.values()),
             "optimizer_state_keys": [k for k in self.state_keys(first) if k != names.FP32],
             "files": len(list(self.tag_dir.rglob("*.pt"))),
         }
