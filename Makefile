@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo check-configs test test-numerics lint bench bench-setup deepspeed-suite clean
+.PHONY: setup demo check-configs test test-numerics test-interop lint bench bench-setup deepspeed-suite clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,17 @@ bench-setup:
 	$(DS_VENV)/bin/pip install --quiet --upgrade pip
 	$(DS_VENV)/bin/pip install --quiet "torch==2.13.0"
 	$(DS_VENV)/bin/pip install --quiet "deepspeed==0.19.8" || $(DS_VENV)/bin/pip install --quiet deepspeed
+
+## test-interop: universal checkpoints between real DeepSpeed 0.19.8 and shardwise, both directions, over
+## {stage 0-3} x {fp32, bf16} x {1, 2 ranks} (outside `make test`, which never needs DeepSpeed).
+## DS_PYTHON: an interpreter with DeepSpeed 0.19.8 (default: .venv-ds, created as bench-setup does);
+## INTEROP_ARGS: extra driver flags, e.g. "--stages 2 --dtypes fp32 --worlds 2:1" (see --help).
+DS_PYTHON ?=
+INTEROP_ARGS ?=
+test-interop: $(STAMP)
+	$(if $(DS_PYTHON),,$(MAKE) --no-print-directory bench-setup)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/universal_interop.py \
+		--ds-python "$(if $(DS_PYTHON),$(DS_PYTHON),$(DS_VENV)/bin/python)" $(INTEROP_ARGS)
 
 ## deepspeed-suite: DeepSpeed's own unit tests against shardwise's `deepspeed` package, a per-file table.
 ## DS_TESTS: a DeepSpeed checkout's tests/ directory, kept outside this repository (required);

@@ -393,6 +393,8 @@ def import_deepspeed(rank: int, world: int, case: dict[str, Any]) -> dict[str, A
         },
         "zero_optimization": {"stage": case["into_stage"], "reduce_bucket_size": 200},
     }
+    if case.get("universal"):
+        cfg["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = shardwise.initialize(
         model=net, model_parameters=[p for p in net.parameters() if p.requires_grad], config=cfg
     )

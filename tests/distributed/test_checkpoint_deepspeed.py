@@ -47,3 +47,26 @@ def test_a_deepspeed_checkpoint_loads_on_another_world_size():
         timeout=300,
     )
     assert all(ranks[0]["checks"].values()) and ranks[0]["global_steps"] == 4
+
+
+def test_deepspeeds_universal_checkpoints_resume_at_any_stage_and_world_size():
+    """ds_to_universal's output of the 2-rank fixtures (tests/fixtures/deepspeed_universal), loaded
+    with load_universal at other stages, restores DeepSpeed's exact state and continues as DeepSpeed's
+    own run did; at 1 rank the state is exact (the recorded losses are of 2 ranks' batches)."""
+    universal = FIXTURES.parent / "deepspeed_universal"
+    grid = [(1, 3, 2), (2, 0, 2), (3, 2, 2), (2, 1, 1), (3, 3, 1)]  # (DeepSpeed stage, shardwise stage, ranks)
+    for ds_stage, into, world in grid:
+        (ranks,) = run_distributed_cases(
+            cases.import_deepspeed,
+            [{"dir": str(universal / f"stage{ds_stage}"), "into_stage": into, "universal": True}],
+            world_size=world,
+            timeout=600,
+        )
+        for result in ranks:
+            where = f"DeepSpeed stage {ds_stage} universal -> shardwise stage {into} on {world} ranks"
+            assert all(result["checks"].values()), (where, result["checks"])
+            assert result["global_steps"] == 4 and result["client_has_ds_config"], where
+            if world == 2:  # DeepSpeed's recorded losses are of its 2 ranks' batches
+                assert all(
+                    math.isclose(a, b, rel_tol=1e-5) for a, b in zip(result["losses"], result["expected_losses"])
+                ), (where, result["losses"], result["expected_losses"])

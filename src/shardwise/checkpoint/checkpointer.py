@@ -235,11 +235,15 @@ class Checkpointer:
         """
         self.wait()
         root = Path(load_dir)
+        universal = self.options.load_universal
         if tag is None:
-            names = (
-                [layout.LATEST_UNIVERSAL, layout.LATEST] if self.options.load_universal else [layout.LATEST]
-            )
-            tag = next((t for t in (layout.read_latest(root, n) for n in names) if t is not None), None)
+            tag = layout.read_latest(root, layout.LATEST_UNIVERSAL if universal else layout.LATEST)
+            if tag is None and universal:
+                raise ValueError(
+                    f"checkpoint.load_universal is true but {root / layout.LATEST_UNIVERSAL} does not exist: "
+                    "point load_checkpoint at a universal checkpoint (ds_to_universal or `shardwise checkpoint "
+                    "to-universal` output), pass its tag, or set load_universal to false"
+                )
             if tag is None:
                 logger.warning(
                     "Unable to find latest file at %s, if trying to load latest checkpoint please ensure this file "
@@ -251,6 +255,25 @@ class Checkpointer:
         kind = layout.detect_kind(path)
         if kind is not None:  # every file checked against its checksum before any byte is used
             integrity_ranks.verify_before_load(path, state.process_group)
+        if universal and kind != "universal":
+            raise ValueError(
+                f"checkpoint.load_universal is true but {path} is a {kind} checkpoint, not a universal one "
+                "(no zero/optimizer_state.pt): convert it with `shardwise checkpoint to-universal` (or DeepSpeed's "
+                "ds_to_universal), or set load_universal to false to load it as it is"
+            )
+        if kind == "universal":
+            from shardwise.checkpoint.deepspeed_import import load_deepspeed_checkpoint
+            from shardwise.checkpoint.universal_read import UniversalCheckpoint
+
+            return load_deepspeed_checkpoint(
+                state,
+                path,
+                load_module_strict=load_module_strict,
+                load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states,
+                load_module_only=load_module_only,
+                ckpt=UniversalCheckpoint(path),
+            )
         if kind == "deepspeed":
             from shardwise.checkpoint.deepspeed_import import load_deepspeed_checkpoint
 

@@ -140,6 +140,20 @@ class DeepSpeedCheckpoint:
             self._optim = [load_file(f)["optimizer_state_dict"] for f in self.optim_files]
         return self._optim
 
+    def saved_loss_scaler(self) -> Any:
+        """DeepSpeed's saved loss scaler (a stand-in object), or None (stage 0: none saved)."""
+        return self.optim_states()[0].get("loss_scaler") if self.optim_files else None
+
+    def counters(self) -> dict[str, int]:
+        """``global_steps``, ``skipped_steps`` and (when saved) ``global_samples``."""
+        out = {
+            "global_steps": int(self.model.get("global_steps", 0)),
+            "skipped_steps": int(self.model.get("skipped_steps", 0)),
+        }
+        if self.model.get("global_samples") is not None:
+            out["global_samples"] = int(self.model["global_samples"])
+        return out
+
     def describe(self) -> dict[str, Any]:
         """A short summary for ``shardwise checkpoint info``."""
         return {
@@ -318,8 +332,23 @@ class DeepSpeedCheckpoint:
             members = names[position : position + len(group["params"])]
             position += len(group["params"])
             groups.append({**{k: v for k, v in group.items() if k != "params"}, keys.PARAM_NAMES: members})
+            if "bias_correction" in group:
+                _one_step_per_group(out, members)
         out[keys.PARAM_GROUPS] = groups
         return out
+
+
+def _one_step_per_group(state: dict[str, Any], members: Sequence[str]) -> None:
+    """DeepSpeed's FusedAdam (its ``bias_correction`` group key) steps a whole group with one count,
+    but advances only the last parameter's ``state['step']`` (the others keep their initial 0):
+    the group's step is the largest, and every parameter gets it (torch's Adam keeps one each)."""
+    found = [state[f"optim/{n}/step"] for n in members if f"optim/{n}/step" in state]
+    if not found:
+        return
+    step = max(found, key=lambda v: float(v))
+    for name in members:
+        if f"optim/{name}/step" in state:
+            state[f"optim/{name}/step"] = step.clone() if torch.is_tensor(step) else step
 
 
 def _rank_of(path: Path) -> int:
@@ -357,12 +386,18 @@ def load_deepspeed_checkpoint(
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
     load_module_only: bool,
+    ckpt: Any = None,
 ) -> LoadResult:
-    """Load a DeepSpeed tag directory into a :class:`~shardwise.checkpoint.training_state.TrainingState`."""
-    ckpt = DeepSpeedCheckpoint(path)
+    """Load a DeepSpeed tag directory into a :class:`~shardwise.checkpoint.training_state.TrainingState`.
+
+    ``ckpt`` is the opened checkpoint (default: :class:`DeepSpeedCheckpoint` of ``path``); a
+    :class:`~shardwise.checkpoint.universal_read.UniversalCheckpoint` reads the same way.
+    """
+    ckpt = DeepSpeedCheckpoint(path) if ckpt is None else ckpt
     logger.info(
-        "importing DeepSpeed %s checkpoint %s (ZeRO stage %d, %d ranks)",
+        "importing DeepSpeed %s %s checkpoint %s (ZeRO stage %d, %d ranks)",
         ckpt.model.get("ds_version"),
+        "native" if isinstance(ckpt, DeepSpeedCheckpoint) else "universal",
         path,
         ckpt.stage,
         ckpt.world_size,
@@ -389,21 +424,15 @@ def load_deepspeed_checkpoint(
         optimizer.refresh_masters_from_params()
     counters: dict[str, int] = {}
     if not load_module_only:
-        steps = int(ckpt.model.get("global_steps", 0))
-        counters = {
-            "global_steps": steps,
-            "skipped_steps": int(ckpt.model.get("skipped_steps", 0)),
-            "micro_steps": steps * max(1, state.gradient_accumulation_steps),
-        }
-        if ckpt.model.get("global_samples") is not None:
-            counters["global_samples"] = int(ckpt.model["global_samples"])
+        counters = ckpt.counters()
+        counters["micro_steps"] = counters["global_steps"] * max(1, state.gradient_accumulation_steps)
         scaler = state.parts.get("loss_scaler")
         saved = {
             "counters": counters,
             "lr_scheduler": ckpt.model.get("lr_scheduler"),
             "loss_scaler": (
-                _imported_loss_scaler(scaler.stateful, ckpt.optim_states()[0].get("loss_scaler"))
-                if scaler is not None and load_optimizer_states and ckpt.optim_files
+                _imported_loss_scaler(scaler.stateful, ckpt.saved_loss_scaler())
+                if scaler is not None and load_optimizer_states
                 else None
             ),
         }
@@ -426,6 +455,8 @@ def load_deepspeed_checkpoint(
 def _imported_loss_scaler(scaler: Any, saved: Any) -> dict[str, Any] | None:
     """This run's scaler state with DeepSpeed's fp16 scale and counters carried over, when both
     sides use the same kind of scaling; None (the scaler keeps its state) otherwise."""
+    if isinstance(saved, dict):  # shardwise's own state dict (a universal checkpoint it wrote)
+        return saved if saved.get("kind") == getattr(scaler, "kind", None) else None
     if not isinstance(saved, ForeignObject) or not isinstance(saved.state, dict):
         return None
     values = saved.state

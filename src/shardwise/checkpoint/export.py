@@ -43,10 +43,11 @@ class TensorSource:
     def __init__(self, tag_dir: Path, *, exclude_frozen: bool = False) -> None:
         self.tag_dir = tag_dir
         self.kind = layout.detect_kind(tag_dir)
-        if self.kind == "deepspeed":
+        if self.kind in ("deepspeed", "universal"):
             from shardwise.checkpoint.deepspeed_import import DeepSpeedCheckpoint
+            from shardwise.checkpoint.universal_read import UniversalCheckpoint
 
-            self._ds = DeepSpeedCheckpoint(tag_dir)
+            self._ds = (DeepSpeedCheckpoint if self.kind == "deepspeed" else UniversalCheckpoint)(tag_dir)
             self.specs = self._ds.module_specs(exclude_frozen=exclude_frozen)
             return
         if self.kind != "shardwise":
@@ -78,13 +79,13 @@ class TensorSource:
 
     def read(self, name: str) -> torch.Tensor:
         """The full tensor for a module entry (fp32 master for trainable parameters when saved)."""
-        if self.kind == "deepspeed":
+        if self.kind in ("deepspeed", "universal"):
             return self._ds.read_module_tensor(name)
         return self._reader.read(self._source_key(name))
 
     def best_dtype(self, name: str) -> torch.dtype:
         """The dtype of the most precise saved copy of ``name``."""
-        if self.kind == "deepspeed":
+        if self.kind in ("deepspeed", "universal"):
             return self._ds.best_dtype(name)
         return self._reader.entries[self._source_key(name)].dtype or self.specs[name][1]
 
@@ -187,7 +188,7 @@ def checkpoint_info(path: str | os.PathLike[str], *, verify: bool = False) -> di
         >>> # checkpoint_info("ckpts")["tags"][-1]["zero_stage"]
     """
     root = Path(path)
-    latest = None if layout.detect_kind(root) else layout.read_latest(root)
+    latest = None if layout.detect_kind(root) else (layout.read_latest(root) or layout.read_latest(root, layout.LATEST_UNIVERSAL))
     tags = []
     for tag_dir in integrity.tag_dirs(root):
         kind = layout.detect_kind(tag_dir)
@@ -229,4 +230,8 @@ def _describe(tag_dir: Path, kind: str | None) -> dict[str, object]:
         from shardwise.checkpoint.deepspeed_import import DeepSpeedCheckpoint
 
         info.update(DeepSpeedCheckpoint(tag_dir).describe())
+    elif kind == "universal":
+        from shardwise.checkpoint.universal_read import UniversalCheckpoint
+
+        info.update(UniversalCheckpoint(tag_dir).describe())
     return info

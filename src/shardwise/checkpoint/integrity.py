@@ -166,7 +166,7 @@ def verify_tag(tag_dir: Path, read: ReadPolicy = read_all) -> Verdict:
         >>> # verify_tag(Path("ckpts/global_step10")).status   # 'ok', 'damaged' or 'unverified'
     """
     kind = layout.detect_kind(tag_dir)
-    if kind == "deepspeed":
+    if kind in ("deepspeed", "universal"):
         return _verify_deepspeed(tag_dir, read)
     if kind is None:
         return Verdict(tag_dir, "damaged", [f"{tag_dir}: no checkpoint files (no .metadata, no summary)"])
@@ -232,25 +232,26 @@ def _verify_deepspeed(tag_dir: Path, read: ReadPolicy) -> Verdict:
     Files in torch's legacy (pre-1.6, non-zip) format carry no checksum: unverified.
     """
     problems, legacy = [], []
-    files = sorted(tag_dir.glob("*.pt"))
+    files = sorted(tag_dir.rglob("*.pt"))  # a universal checkpoint's zero/<param>/<state>.pt included
     for path in files:
+        name = str(path.relative_to(tag_dir))
         with open(path, "rb") as handle:
             head = handle.read(4)
         if head[:1] == b"\x80":  # a pickle: torch's legacy format
-            legacy.append(path.name)
+            legacy.append(name)
             continue
         record: FileRecord = {"bytes": path.stat().st_size}
         try:
             with zipfile.ZipFile(path) as archive:
-                bad = archive.testzip() if read(path.name, record) else None
+                bad = archive.testzip() if read(name, record) else None
         except (zipfile.BadZipFile, OSError, EOFError) as error:
             problems.append(
-                f"{path.name}: expected a complete torch.save zip file, found a damaged one ({error})"
+                f"{name}: expected a complete torch.save zip file, found a damaged one ({error})"
             )
             continue
         if bad is not None:
             problems.append(
-                f"{path.name}: expected record {bad} to match the CRC-32 stored with it, found other bytes"
+                f"{name}: expected record {bad} to match the CRC-32 stored with it, found other bytes"
             )
     if problems:
         return Verdict(tag_dir, "damaged", problems)

@@ -31,6 +31,7 @@ from shardwise.utils.logging import logger
 
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"
+UNIVERSAL_OPTIMIZER_STATE = "zero/optimizer_state.pt"  # marks DeepSpeed's universal layout
 SUMMARY = "shardwise_checkpoint.json"
 DCP_METADATA = ".metadata"
 
@@ -146,7 +147,9 @@ def tag_path(load_dir: Path, tag: str) -> Path:
 
 
 def detect_kind(path: Path) -> str | None:
-    """``"shardwise"`` (a DCP checkpoint), ``"deepspeed"`` (DeepSpeed's ``*_model_states.pt``) or None.
+    """``"shardwise"`` (a DCP checkpoint), ``"universal"`` (DeepSpeed's universal layout:
+    ``*_model_states.pt`` and ``zero/optimizer_state.pt``), ``"deepspeed"`` (DeepSpeed's native
+    ``*_model_states.pt``) or None.
 
     A directory with shardwise's summary or DCP data files but no ``.metadata`` is a damaged
     shardwise checkpoint, not "no checkpoint" (verification then names the missing file).
@@ -154,7 +157,7 @@ def detect_kind(path: Path) -> str | None:
     if (path / DCP_METADATA).is_file() or (path / SUMMARY).is_file() or any(path.glob("*.distcp")):
         return "shardwise"
     if any(path.glob("*model_states.pt")):
-        return "deepspeed"
+        return "universal" if (path / UNIVERSAL_OPTIMIZER_STATE).is_file() else "deepspeed"
     return None
 
 

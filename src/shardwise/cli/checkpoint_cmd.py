@@ -1,4 +1,4 @@
-"""``shardwise checkpoint info|verify|export``: inspect, verify and export checkpoints.
+"""``shardwise checkpoint info|verify|export|to-universal|from-universal``: inspect, verify, export, convert.
 
 ``info DIR`` lists the tags of a save directory (or one tag directory) with their layout,
 size and integrity (sizes and index; ``--verify`` for every checksum); ``verify DIR [--tag T]``
@@ -6,7 +6,10 @@ checks every file of every tag (or of ``T``) against the checksums recorded at s
 line per tag, exit 0 when none is damaged and 1 otherwise; ``export DIR OUT`` streams the
 model weights of the latest (or ``--tag``) checkpoint, shardwise or DeepSpeed, any stage
 and world size, into one safetensors or ``torch.load`` file with memory near the largest
-tensor, and refuses a damaged checkpoint. Errors are one line on stderr, never a traceback.
+tensor, and refuses a damaged checkpoint; ``to-universal DIR OUT`` writes DeepSpeed's universal layout
+(``latest_universal``, ``<tag>/zero/<param>/*.pt``) that DeepSpeed resumes with
+``"load_universal": true``, and ``from-universal DIR OUT`` turns one (``ds_to_universal``'s or
+ours) into a shardwise checkpoint. Errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -44,6 +47,16 @@ def add_parser(subparsers: Any) -> None:
     export.add_argument("--format", dest="fmt", choices=["safetensors", "pt"], default=None)
     export.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
     export.set_defaults(func=_export)
+    to_uni = sub.add_parser("to-universal", help="write DeepSpeed's universal checkpoint layout")
+    to_uni.add_argument("dir", metavar="DIR", help="a shardwise save directory (uses 'latest') or a tag directory")
+    to_uni.add_argument("out", metavar="OUT", help="output directory: OUT/<tag>/ and OUT/latest_universal")
+    to_uni.add_argument("--tag", default=None, help="the tag to convert instead of 'latest'")
+    to_uni.set_defaults(func=_to_universal)
+    from_uni = sub.add_parser("from-universal", help="turn a universal checkpoint into a shardwise one")
+    from_uni.add_argument("dir", metavar="DIR", help="a directory with latest_universal, or a universal tag directory")
+    from_uni.add_argument("out", metavar="OUT", help="output save directory: OUT/<tag>/ and OUT/latest")
+    from_uni.add_argument("--tag", default=None, help="the tag to convert instead of 'latest_universal'")
+    from_uni.set_defaults(func=_from_universal)
 
 
 def _size(num: float) -> str:
@@ -124,4 +137,29 @@ def _export(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"wrote {out} ({_size(out.stat().st_size)})")
+    return 0
+
+
+def _to_universal(args: argparse.Namespace) -> int:
+    from shardwise.checkpoint.universal_write import shardwise_to_universal
+
+    try:
+        out = shardwise_to_universal(args.dir, args.out, tag=args.tag)
+    except _READ_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    params = sum(1 for p in (out / "zero").iterdir() if p.is_dir())
+    print(f"wrote {out} ({params} parameters, {_size(sum(f.stat().st_size for f in out.rglob('*') if f.is_file()))})")
+    return 0
+
+
+def _from_universal(args: argparse.Namespace) -> int:
+    from shardwise.checkpoint.from_universal import universal_to_shardwise
+
+    try:
+        out = universal_to_shardwise(args.dir, args.out, tag=args.tag)
+    except _READ_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
     return 0
