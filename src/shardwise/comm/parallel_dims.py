@@ -12,10 +12,9 @@ shape torchtitan gives its ``ParallelDims``:
 ``ep``                    expert parallel (borrows its ranks from ``dp_shard x sp``)
 ========================  ==========================================================
 
-``dp_replicate x dp_shard x tp x pp x sp`` is the world size. Today the data dimensions
-are the ones the engine drives; ``tp`` and ``sp`` describe what a user's ``mpu`` reports,
-``pp`` and ``ep`` are 1. The pipeline, tensor, sequence and expert features add their
-dimension here instead of making groups of their own.
+``dp_replicate x dp_shard x tp x pp x sp`` is the world size. The pipeline, tensor,
+sequence and expert features declare their degree through :mod:`shardwise.comm.mesh`, which
+builds the groups from :meth:`ParallelDims.rank_groups`; none makes groups of its own.
 
 Example:
     >>> dims = ParallelDims(dp_shard=4, world_size=4)
