@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
@@ -47,6 +47,9 @@ from shardwise.step_hook_factory import build_step_hooks
 from shardwise.utils.logging import logger, set_log_level
 from shardwise.utils.report import report_logger
 from shardwise.zero.strategy import ZeroStrategy
+
+if TYPE_CHECKING:
+    from shardwise.pipe.module import PipelineModule
 
 
 def _config_source(args: object, config: object, config_params: object) -> Any:
@@ -397,7 +400,7 @@ def _missing_model(args: object) -> AssertedValueError:
     )
 
 
-def _is_pipeline(model: nn.Module) -> bool:
+def _is_pipeline(model: nn.Module) -> TypeGuard[PipelineModule]:
     """A ``shardwise.pipe.PipelineModule`` (checked without importing the pipe package otherwise)."""
     import sys
 

@@ -100,7 +100,7 @@ class _AllToAll(torch.autograd.Function):
     """The exchange with its inverse as the gradient."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         scatter_dim: int,
@@ -113,7 +113,7 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(x, scatter_dim, gather_dim, group, scatter_sizes, gather_sizes)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (_AllToAll.apply(grad.contiguous(), *ctx.args), None, None, None, None, None)
 
 
@@ -164,7 +164,7 @@ def all_to_all_dims(
 
 class _AllGatherCat(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group, sizes: list[int]) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group, sizes: list[int]) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
         buffers = []
         for size in sizes:
@@ -175,7 +175,7 @@ class _AllGatherCat(torch.autograd.Function):
         return torch.cat(buffers, dim=dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad = grad.clone(memory_format=torch.contiguous_format)  # reduced in place: never autograd's buffer
         dist.all_reduce(grad, group=ctx.group)
         mine = torch.split(grad, ctx.sizes, dim=ctx.dim)[group_rank(ctx.group)]

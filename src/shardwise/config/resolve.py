@@ -18,7 +18,7 @@ import copy
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 
@@ -246,7 +246,10 @@ def _tensor_parallel_world_batch(raw: dict[str, object], dp_world: int) -> list[
     tbs, mbs, gas = (raw.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                           "gradient_accumulation_steps"))
     numbers = (tp, tbs, mbs, gas)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers) or tp <= 1:
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers):
+        return []
+    tp, tbs, mbs, gas = cast("tuple[int, int, int, int]", numbers)
+    if tp <= 1:
         return []
     if tbs != mbs * gas * dp_world * tp:
         return []

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # torch 2.13's Muon maths
@@ -102,7 +102,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def __init__(
         self, params: Iterable[Any], adam_kernel: dict[str, bool] | None = None, **defaults: Any
     ) -> None:
-        groups = [dict(g) if isinstance(g, dict) else g for g in params]
+        groups: list[Any] = [dict(g) if isinstance(g, dict) else g for g in params]
         if groups and not isinstance(groups[0], dict):
             tensors = list(groups)
             groups = [
@@ -121,7 +121,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().__init__(groups, {})
         adam_groups = [g for g in self.param_groups if not g["use_muon"]]
         self._adam = (
-            torch.optim.AdamW(adam_groups, **(adam_kernel or {}), **_ADAM_DEFAULTS) if adam_groups else None
+            torch.optim.AdamW(adam_groups, **cast(dict[str, Any], adam_kernel or {}), **_ADAM_DEFAULTS)
+            if adam_groups
+            else None
         )
         if self._adam is not None:
             self._adam.state = self.state
@@ -139,7 +141,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step of every group (Muon, then AdamW)."""
         loss = None
         if closure is not None:

@@ -53,8 +53,9 @@ def tag_muon_parameters(model: nn.Module) -> int:
     many are Muon's."""
     count = 0
     for name, param in model.named_parameters():
-        param.use_muon = uses_muon(name, layer_shape(param))
-        count += int(param.use_muon)
+        flag = uses_muon(name, layer_shape(param))
+        setattr(param, "use_muon", flag)  # noqa: B010 - DeepSpeed's dynamic parameter attribute
+        count += int(flag)
     return count
 
 

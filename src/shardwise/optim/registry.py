@@ -85,7 +85,7 @@ def _fused_devices() -> frozenset[str]:
 
 
 def _kernel_flags(
-    params: dict[str, object], model_parameters: list[object], *, offload: bool, cpu_only_fused: bool = False
+    params: dict[str, object], model_parameters: list[Any], *, offload: bool, cpu_only_fused: bool = False
 ) -> dict[str, bool]:
     """``{"fused": True}`` where torch has fused kernels for these params, else ``{"foreach": True}``.
 
@@ -336,9 +336,10 @@ def _muon(type_name: str, params: dict[str, object], model_parameters: list[obje
             "optimizer.params.adam_w_mode",
             False,
         )
-    if isinstance(params.get("betas"), list):
-        params["betas"] = tuple(params["betas"])
-    groups = list(model_parameters)
+    betas = params.get("betas")
+    if isinstance(betas, list):
+        params["betas"] = tuple(betas)
+    groups: list[Any] = list(model_parameters)
     if groups and isinstance(groups[0], dict) and "use_muon" in groups[0]:
         settings = {k: v for k, v in params.items() if k not in ("muon_lr", "adam_lr")}
     else:  # a probe or plain tensors: split here (matrices Muon), with DeepSpeed's per-half lr keys
@@ -347,7 +348,7 @@ def _muon(type_name: str, params: dict[str, object], model_parameters: list[obje
         tensors = _param_tensors(groups)
         for t in tensors:
             if not hasattr(t, "use_muon"):
-                t.use_muon = t.dim() >= 2
+                setattr(t, "use_muon", t.dim() >= 2)  # noqa: B010 - DeepSpeed's dynamic parameter attribute
         groups = muon_param_groups([{"params": tensors}], params)
         settings = {}
     kernel = _kernel_flags({}, _param_tensors(groups), offload=offload)

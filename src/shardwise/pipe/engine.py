@@ -17,7 +17,8 @@ then ZeRO reduces the window over the stage's data-parallel ranks in its usual l
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -318,7 +319,14 @@ class PipelineEngine(ShardwiseEngine):
 
     # ------------------------------------------------------------------ checkpoints
     def load_checkpoint(
-        self, load_dir: Any, tag: object = None, load_module_strict: bool = True, **kwargs: Any
+        self,
+        load_dir: str | Path,
+        tag: object = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Callable[..., object] | None = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """``engine.load_checkpoint`` for any number of stages: entries are keyed by global layer
         index, so every stage reads its own layers' parameters and optimizer state from a checkpoint
@@ -327,7 +335,14 @@ class PipelineEngine(ShardwiseEngine):
         from shardwise.checkpoint import dcp_io, keys
 
         path, client_state = engine_io.load_checkpoint(
-            self, load_dir, tag=tag, load_module_strict=False, **kwargs
+            self,
+            load_dir,
+            tag=tag,
+            load_module_strict=False,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
         )
         if path is not None and load_module_strict:
             saved = dcp_io.saved_entries(dcp_io.read_metadata(path))

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch import nn
 
 from shardwise.pipe.topology import ProcessTopology
 
@@ -87,7 +88,7 @@ def save_layers(
             continue
         state = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in layer.state_dict().items()}
         if exclude_frozen_params:
-            for name, p in layer.named_parameters():
+            for name, p in cast(nn.Module, layer).named_parameters():  # a layer with a state_dict is a module
                 if not p.requires_grad:
                     state.pop(name, None)
         _save(checkpoint_engine, state, module.ckpt_layer_path(save_dir, local))

@@ -76,6 +76,16 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def _accumulated_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.grad``, which a held tied tensor has after a backward."""
+    if tensor.grad is None:
+        raise RuntimeError(
+            f"allreduce_tied_weight_gradients: a tied tensor of shape {tuple(tensor.shape)} has no .grad; "
+            "call it after backward (and keep tied weights trainable)"
+        )
+    return tensor.grad
+
+
 class PipelineModule(nn.Module):
     """Layers to be run as a pipeline (see the module docstring); DeepSpeed's arguments.
 
@@ -164,7 +174,7 @@ class PipelineModule(nn.Module):
         for tie in self._ties:
             tie.module = held.get(tie.key)
         tied.mark_replicas(self._ties, self.stage_id)
-        self.tied_comms = {
+        self.tied_comms: dict[str, dict[str, Any]] = {
             t.key: {
                 "ranks": t.ranks,
                 "group": self._grid.pp_proc_group,
@@ -224,7 +234,7 @@ class PipelineModule(nn.Module):
             else:
                 self.forward_funcs.append(layer)  # a plain callable, e.g. a lambda
         for p in self.parameters():
-            p.ds_pipe_replicated = False
+            setattr(p, "ds_pipe_replicated", False)  # noqa: B010 - DeepSpeed's dynamic parameter attribute
 
     def _synchronize_tied_weights(self) -> None:
         tied.synchronize(self._ties, self._grid.pp_proc_group, self._grid.pipe_parallel_size, _device())
@@ -336,7 +346,7 @@ class PipelineModule(nn.Module):
         """Sum the tied gradients (``param.grad``) over the stages that hold them (collective)."""
         tied.sum_gradients(
             self._ties,
-            lambda t: t.grad,
+            _accumulated_grad,
             self._grid.pp_proc_group,
             self._grid.pipe_parallel_size,
             _device(),

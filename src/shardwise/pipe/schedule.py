@@ -196,18 +196,18 @@ class TrainSchedule(PipeSchedule):
             cur_buf = self._buffer_idx(micro) if cur_ok else None
             cmds: list[PipeInstruction] = []
             if forward:
-                if prev_ok and self._valid_stage(self.prev_stage):
+                if prev_buf is not None and self._valid_stage(self.prev_stage):
                     cmds.append(SendGrad(prev_buf))
-                if cur_ok and self._valid_stage(self.prev_stage):
+                if cur_buf is not None and self._valid_stage(self.prev_stage):
                     cmds.append(RecvActivation(cur_buf))
             else:
-                if cur_ok and self._valid_stage(self.next_stage):
+                if cur_buf is not None and self._valid_stage(self.next_stage):
                     cmds.append(RecvGrad(cur_buf))
-                if prev_ok and self._valid_stage(self.next_stage):
+                if prev_buf is not None and self._valid_stage(self.next_stage):
                     cmds.append(SendActivation(prev_buf))
-            if (self.is_first_stage or self.is_last_stage) and forward and cur_ok:
+            if (self.is_first_stage or self.is_last_stage) and forward and cur_buf is not None:
                 cmds.append(LoadMicroBatch(cur_buf))
-            if cur_ok:
+            if cur_buf is not None:
                 cmds.append(ForwardPass(cur_buf) if forward else BackwardPass(cur_buf))
             if step == total - 1:
                 cmds.extend([ReduceTiedGrads(), ReduceGrads(), OptimizerStep()])

@@ -117,7 +117,7 @@ def norm_topology(topology: Topology, module: PipelineModule) -> Topology:
     """The layout ZeRO gets: the pipeline group as its model-parallel group (see the module docstring)."""
     grid = module._grid
     for param in module.parameters():
-        param.model_parallel = not getattr(param, "ds_pipe_replicated", False)
+        setattr(param, "model_parallel", not getattr(param, "ds_pipe_replicated", False))  # noqa: B010 - DeepSpeed's attribute
     if grid.pipe_parallel_size == 1:
         return topology
     return dataclasses.replace(

@@ -62,7 +62,7 @@ class TiedLayerSpec(LayerSpec):
         key: str,
         typename: type,
         *module_args: Any,
-        forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+        forward_fn: Callable[[Any, Any], Any] | None = None,
         tied_weight_attr: str | Sequence[str] = ("weight",),
         **module_kwargs: Any,
     ) -> None:

@@ -117,4 +117,4 @@ def mark_replicas(ties: list[TiedKey], stage_id: int) -> None:
     for tie in ties:
         if tie.module is not None:
             for p in tie.module.parameters():
-                p.ds_pipe_replicated = stage_id != tie.stages[0]
+                setattr(p, "ds_pipe_replicated", stage_id != tie.stages[0])  # noqa: B010 - DeepSpeed's dynamic attribute

@@ -17,7 +17,7 @@ import itertools
 import math
 from collections import namedtuple
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 
 class ProcessTopology:
@@ -35,7 +35,7 @@ class ProcessTopology:
             )
         self.axes = list(axes)
         self.dims = list(dims)
-        self.ProcessCoord = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]
+        self.ProcessCoord: Any = cast(Any, namedtuple("ProcessCoord", self.axes))
         # DeepSpeed exposes this dict; kept, in rank order.
         self.mapping = {
             self.ProcessCoord(*coord): rank

@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -119,6 +119,7 @@ class UlyssesSPDataLoaderAdapter:
         lengths = all_gather_sizes(length, self.sp_group, self.device)
         per_rank: list[dict[str, Any]] = [{} for _ in range(self.sp_world_size)]
         for key, value in batch.items():
+            pieces: Sequence[Any]
             if torch.is_tensor(value):
                 if value.shape[1] != length:
                     raise ValueError(

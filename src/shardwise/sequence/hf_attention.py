@@ -130,7 +130,7 @@ class UlyssesSPAttentionHF(nn.Module):
         k = self._to_heads(key, self.kv_replication_factor)
         v = self._to_heads(value, self.kv_replication_factor)
         if self.kv_replication_factor > 1:
-            module.num_key_value_groups = q.shape[_HF_HEADS] // k.shape[_HF_HEADS]
+            setattr(module, "num_key_value_groups", q.shape[_HF_HEADS] // k.shape[_HF_HEADS])  # noqa: B010 - HF's attribute
         attention_mask = self._full_length_mask(attention_mask, q)
         context, weights = self.attn(module, q, k, v, attention_mask, *args, **kwargs)
         # [bs, seq, heads_local, head_dim] -> [bs, seq_local, heads, head_dim]
@@ -230,7 +230,7 @@ class UlyssesSPAttentionHF(nn.Module):
             num_hidden_layers=text.num_hidden_layers,
             process_group=mpu.get_sequence_parallel_group(),
             seq_length_is_variable=seq_length_is_variable,
-            local_seq_length=None if seq_length_is_variable else seq_length // world,
+            local_seq_length=None if seq_length_is_variable or seq_length is None else seq_length // world,
             global_seq_length=None if seq_length_is_variable else seq_length,
             disable_in_eval=disable_in_eval,
         )

@@ -76,7 +76,7 @@ class TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, fn: Callable, self: Any, x: Tensor, shards: int, compute_params: Sequence[Tensor] | None
-    ) -> Tensor:  # type: ignore[override]
+    ) -> Tensor:
         """Output of every tile, concatenated; no graph is kept."""
         ctx.fn, ctx.module, ctx.shards = fn, self, shards
         ctx.compute_params = _trainable(compute_params)
@@ -85,7 +85,7 @@ class TiledMLP(torch.autograd.Function):
             return torch.cat([fn(self, tile) for tile in torch.chunk(x, shards, dim=-2)], dim=-2)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         """Recompute tile by tile; parameter gradients accumulate, the input's is concatenated."""
         (x,) = ctx.saved_tensors
         tiles = torch.chunk(x, ctx.shards, dim=-2)
@@ -106,7 +106,7 @@ class AutogradComputeMLP(torch.autograd.Function):
     """``fn(self, x)`` with no saved graph: recomputed whole in backward (one tile of :class:`TiledMLP`)."""
 
     @staticmethod
-    def forward(ctx: Any, fn: Callable, self: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, fn: Callable, self: Any, x: Tensor) -> Tensor:
         """The output; only ``x`` is saved."""
         ctx.fn, ctx.module = fn, self
         ctx.save_for_backward(x)
@@ -114,7 +114,7 @@ class AutogradComputeMLP(torch.autograd.Function):
             return fn(self, x)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         """Recompute and backpropagate."""
         (x,) = ctx.saved_tensors
         leaf = _leaf(x, x.requires_grad)
@@ -138,7 +138,7 @@ class SequenceTiledCompute(torch.autograd.Function):
     """Generic tiled compute; call it through :func:`sequence_tiled_compute` (DeepSpeed's argument order)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         fn: Callable,
         seqlen: int,
@@ -183,7 +183,7 @@ class SequenceTiledCompute(torch.autograd.Function):
         return _reduce(joined, output_reduction)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         """Recompute tile by tile with autograd; return the gradient of the grad-requiring input."""
         fn, _, step, sharded, passed, key, out_dim, reduction = ctx.saved
         incoming = grads[0]
@@ -263,7 +263,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     (``"mean"``: mean of the tile losses, as DeepSpeed; ``"sum"``: their sum)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         fn: Callable,
         self: Any,
@@ -293,7 +293,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         return losses.mean() if output_reduction == "mean" else losses.sum()
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         """Recompute each tile's loss with autograd, scaled by the incoming gradient."""
         x, y, *rest = ctx.saved_tensors
         mask = rest[0] if ctx.has_mask else None

@@ -13,6 +13,7 @@ the whole model can be re-pointed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from torch import nn
 
@@ -203,16 +204,17 @@ def split_model(model: nn.Module, tp: TPGroup, plan: PartitionPlan | None, *, so
         return _kind_of_spec(spec), spec
 
     def _replace(child: nn.Module, name: str, kind: str, spec: LayerSpec | None) -> nn.Module:
-        if kind == "embedding":
-            return ParallelEmbedding(child, tp, name, dim=names_plan.embedding_partition_dim)
+        if kind == "embedding":  # _decide returns "embedding" for an nn.Embedding only
+            return ParallelEmbedding(cast(nn.Embedding, child), tp, name, dim=names_plan.embedding_partition_dim)
+        linear = cast(nn.Linear, child)  # every other kind is an nn.Linear's
         dim = 1 if kind == "row" else 0
-        total = child.weight.shape[dim]
+        total = linear.weight.shape[dim]
         attention = ("attn" in name or "attention" in name) and kv_heads and total % kv_heads == 0
-        unit = total // kv_heads if attention else 1
+        unit = total // kv_heads if attention and kv_heads else 1
         if kind == "row":
-            return RowParallelLinear(child, tp, name, sub_sizes=_sub_sizes(spec, child, 1), unit=unit)
-        return ColumnParallelLinear(child, tp, name, gather_output=kind == "column+gather",
-                                    sub_sizes=_sub_sizes(spec, child, 0), unit=unit)
+            return RowParallelLinear(linear, tp, name, sub_sizes=_sub_sizes(spec, linear, 1), unit=unit)
+        return ColumnParallelLinear(linear, tp, name, gather_output=kind == "column+gather",
+                                    sub_sizes=_sub_sizes(spec, linear, 0), unit=unit)
 
     visit(model, "", False)
     if plan is None and not any(k == "row" for k in report.kinds.values()) and tp.size > 1:

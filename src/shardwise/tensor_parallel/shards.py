@@ -91,7 +91,7 @@ class Split:
 
     def whole(self, locals_: Sequence[torch.Tensor]) -> torch.Tensor:
         """The whole tensor from every rank's slice (in rank order)."""
-        pieces = []
+        pieces: list[torch.Tensor] = []
         cut = [list(t.split(list(self.rank_sizes[r]), dim=self.dim)) for r, t in enumerate(locals_)]
         for index in range(len(self.rank_sizes[0])):
             pieces.extend(cut[r][index] for r in range(self.parts))

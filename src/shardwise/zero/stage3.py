@@ -416,8 +416,11 @@ class Stage3Optimizer(ZeroStrategy):
             totals[1] = split[0]
         return float(totals.sum())
 
-    def _by_tp(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> tuple[list, list]:
-        whole, split = [], []
+    def _by_tp(
+        self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        whole: list[torch.Tensor] = []
+        split: list[torch.Tensor] = []
         for param, grad in zip(params, grads):
             (split if self._is_tp(param) else whole).append(grad)
         return whole, split
