@@ -160,8 +160,9 @@ class UniversalCheckpoint:
         """A frozen ZeRO-3 parameter: DeepSpeed's conversion writes no ``fp32.pt`` for it, but keeps
         every rank's ``frozen_param_fragments`` in the copied ``zero_pp_rank_*`` model states."""
         files = sorted(self.tag_dir.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=_rank_of)
-        pieces = [(load_file(f).get("frozen_param_fragments") or {}).get(name) for f in files]
-        if not files or any(p is None for p in pieces):
+        found = [(load_file(f).get("frozen_param_fragments") or {}).get(name) for f in files]
+        pieces = [p for p in found if p is not None]
+        if not files or len(pieces) != len(found):
             raise ValueError(f"{self.tag_dir}: frozen parameter {name!r} has neither fp32.pt nor ZeRO-3 fragments")
         return torch.cat([p.reshape(-1) for p in pieces])[: math.prod(shape)].view(shape)
 
