@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo check-configs test test-numerics test-interop lint bench bench-setup deepspeed-suite clean
+.PHONY: setup demo check-configs test test-drills test-numerics test-interop lint bench bench-setup deepspeed-suite clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,13 @@ check-configs: $(STAMP)
 ## test: the whole test suite, then the numeric tests again with torch's portable (default) and AVX2
 ## CPU kernels, so results hold on any x86 CPU whatever kernels the machine picks natively
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not drill" tests
 	$(MAKE) --no-print-directory test-numerics
+
+## test-drills: the fault-tolerance drills that wait out collective timeouts and rendezvous rounds
+## (a hung rank, a lost node under pdsh, an elastic scale-down); minutes each, so outside `make test`
+test-drills: $(STAMP)
+	$(BIN)/python -m pytest -q -m drill tests
 
 test-numerics: $(STAMP)
 	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -m numeric tests

@@ -89,6 +89,7 @@ def test_a_read_only_checkpoint_directory_on_one_node_is_named_on_every_rank(tmp
         assert f"node 127.0.0.{rank + 1} latest=one" in result.stdout
 
 
+@pytest.mark.drill  # three launches and a rendezvous round that waits for the lost node
 def test_an_elastic_job_loses_a_node_and_carries_on_with_the_same_global_batch(tmp_path) -> None:
     """3 nodes, node 3's agent killed at step 3: the other two re-rendezvous and finish with
     the elasticity block's batch for 2 ranks (gas 3 instead of 2), bit-equal to a run that

@@ -61,6 +61,7 @@ def test_a_killed_rank_is_restarted_from_the_last_published_checkpoint(
     assert torch.equal(_final(tmp_path, "ckpt"), uninterrupted[2])
 
 
+@pytest.mark.drill  # waits out the collective timeout and torch elastic's 30 s stop grace
 def test_a_hung_rank_is_named_then_the_job_recovers(tmp_path, uninterrupted) -> None:
     out = _launch(
         tmp_path, "ckpt", "stop", "--num_gpus", "2", "--max_restarts", "1", SHARDWISE_TIMEOUT_SECONDS="15"
@@ -70,7 +71,7 @@ def test_a_hung_rank_is_named_then_the_job_recovers(tmp_path, uninterrupted) -> 
     assert torch.equal(_final(tmp_path, "ckpt"), uninterrupted[2])
 
 
-@pytest.mark.parametrize("runner", ["ssh", "pdsh"])
+@pytest.mark.parametrize("runner", ["ssh", pytest.param("pdsh", marks=pytest.mark.drill)])
 def test_a_node_whose_agent_is_killed_is_restarted_by_the_launcher(tmp_path, uninterrupted, runner: str) -> None:
     bin_dir = install_stand_ins(tmp_path / "box")
     hostfile = write_hostfile(tmp_path / "hostfile", 3)
