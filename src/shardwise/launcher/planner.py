@@ -363,7 +363,7 @@ def torchrun_prefix(
     Example:
         >>> torchrun_prefix(python="python", nnodes="1:2", nproc_per_node=1, rendezvous="c10d",
         ...                 master_addr="h0", master_port=29500, node_rank=0, rdzv_id="job", max_restarts=3)[4:]
-        ['--nnodes=1:2', '--nproc-per-node=1', '--rdzv-backend=c10d', '--rdzv-endpoint=h0:29500', '--rdzv-id=job', '--max-restarts=3']
+        ['--nnodes=1:2', '--nproc-per-node=1', '--rdzv-backend=c10d', '--rdzv-endpoint=h0:29500', '--rdzv-id=job', '--rdzv-conf=is_host=true', '--max-restarts=3']
     """
     argv = [
         python,
@@ -385,6 +385,10 @@ def torchrun_prefix(
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={_endpoint(master_addr, master_port)}",
             f"--rdzv-id={rdzv_id}",
+            # Only the first node's agent hosts the rendezvous store. torch otherwise lets every agent
+            # whose machine owns the endpoint address race to host it, and with several agents on one
+            # machine the winner may be a node that later leaves, taking the store with it.
+            f"--rdzv-conf=is_host={'true' if str(node_rank) == '0' else 'false'}",
         ]
     argv.append(f"--max-restarts={max_restarts}")
     if log_dir:

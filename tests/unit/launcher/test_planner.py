@@ -137,6 +137,9 @@ def test_elastic_plan_uses_c10d_with_a_node_range() -> None:
         and "--rdzv-id=shardwise-29500" in argv
     )
     assert "--max-restarts=3" in argv and not any(a.startswith("--node-rank") for a in argv)
+    # only the first node's agent hosts the rendezvous store (not whichever agent binds first)
+    hosts = [next(a for a in n.argv if a.startswith("--rdzv-conf=")) for n in p.nodes]
+    assert hosts == ["--rdzv-conf=is_host=true"] + ["--rdzv-conf=is_host=false"] * 2
     assert plan(opts(rdzv_backend="c10d"), pool=pool).nnodes == "3"
 
 
