@@ -280,7 +280,10 @@ class PipelineEngine(ShardwiseEngine):
         if reduce is None:
             return outputs
         if reduce.lower() != "avg":
-            raise NotImplementedError(f"reduction type {reduce} not supported.")
+            raise NotImplementedError(
+                f"eval_batch(reduce_output={reduce!r}): only 'avg' or None are supported (None returns every "
+                "micro batch's output)"
+            )
         if torch.is_tensor(outputs[0]):
             reduced: Any = sum(outputs) / n
             if self.is_data_parallel:

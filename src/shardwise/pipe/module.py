@@ -200,8 +200,8 @@ class PipelineModule(nn.Module):
             weights = partition.type_weights(names, method.split(":", 1)[1])
             return partition.partition_balanced(weights, self.num_stages)
         raise NotImplementedError(
-            f"Partitioning method {method} not implemented. Use 'parameters', 'uniform' or 'type:<regex>' "
-            "(pipeline.partition / PipelineModule(partition_method=...))"
+            f"PipelineModule(partition_method={method!r}) is not a method shardwise knows: use 'parameters', "
+            "'uniform' or 'type:<regex>' (case-insensitive)"
         )
 
     def _build(self, ranges: list[tuple[int, int]], built: dict[int, nn.Module] | None = None) -> None:
@@ -215,7 +215,10 @@ class PipelineModule(nn.Module):
             if self.seed_layers:
                 (self.seed_fn or _seed_everything)(self.base_seed + layer_idx)
             if isinstance(layer, PipelineModule):
-                raise NotImplementedError("RECURSIVE BUILD NOT YET IMPLEMENTED")
+                raise NotImplementedError(
+                    f"layer {layer_idx} of the PipelineModule is itself a PipelineModule: nesting pipelines is "
+                    "not supported; pass its layers (LayerSpecs) to the outer PipelineModule instead"
+                )
             if isinstance(layer, TiedLayerSpec):
                 if layer.key not in self.tied_modules:
                     self.tied_modules[layer.key] = layer.build()
