@@ -337,6 +337,6 @@ class CpuAccelerator:
         known = torch._dynamo.list_backends(exclude_tags=())
         if backend not in known:
             raise ValueError(
-                f"{backend} not supported by {self.device_name()}. Supported Backends are {known}"
+                f"set_compile_backend({backend!r}): not a torch.compile backend on {self.device_name()}; known: {known}"
             )
         self._compile_backend = backend

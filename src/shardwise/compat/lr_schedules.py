@@ -43,9 +43,9 @@ _START_LR = {LR_RANGE_TEST: LR_RANGE_TEST_MIN_LR, ONE_CYCLE: CYCLE_MAX_LR, WARMU
 def get_lr_from_config(config: dict[str, Any]) -> tuple[Any, str]:
     """``(lr, "")`` from a ``scheduler`` section (``{"type": ..., "params": {...}}``), or ``(None, why)``."""
     if "type" not in config:
-        return None, "LR schedule type not defined in config"
+        return None, "the scheduler section has no 'type' key"
     if "params" not in config:
-        return None, "LR schedule params not defined in config"
+        return None, "the scheduler section has no 'params' key"
     kind, params = config["type"], config["params"]
     if kind not in VALID_LR_SCHEDULES:
         return None, f"{kind} is not a valid LR schedule"

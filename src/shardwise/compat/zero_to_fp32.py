@@ -88,7 +88,7 @@ def _natural_key(path: str) -> list[object]:
 def _files(checkpoint_dir: str | os.PathLike[str], pattern: str) -> list[str]:
     found = sorted((str(p) for p in Path(checkpoint_dir).glob(pattern)), key=_natural_key)
     if not found:
-        raise FileNotFoundError(f"can't find {pattern} files in directory '{checkpoint_dir}'")
+        raise FileNotFoundError(f"no file matching {pattern!r} in checkpoint directory '{checkpoint_dir}'")
     return found
 
 

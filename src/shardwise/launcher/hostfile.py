@@ -118,7 +118,7 @@ def read_hostfile(path: str | os.PathLike[str], missing_ok: bool = False) -> dic
     path = os.fspath(path)
     if not os.path.isfile(path):
         if missing_ok:
-            logger.warning("Unable to find hostfile, will proceed with training with local resources only.")
+            logger.warning("Unable to find hostfile %s: training on this machine's local resources only", path)
             return None
         raise FileNotFoundError(
             f"Hostfile {path!r} does not exist. Create it with lines of the form {HOSTFILE_ENTRY_FORM}, "

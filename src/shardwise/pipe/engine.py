@@ -41,6 +41,12 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
+_WHOLE_BATCHES_ONLY = (
+    "a PipelineEngine runs whole batches, micro batches flowing through the stages: call "
+    "engine.train_batch(data_iter) to train and engine.eval_batch(data_iter) to evaluate, not forward/backward/step"
+)
+
+
 class PipelineEngine(ShardwiseEngine):
     """The training engine of a :class:`~shardwise.pipe.module.PipelineModule` (see the module docstring)."""
 
@@ -198,7 +204,7 @@ class PipelineEngine(ShardwiseEngine):
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """Train on one batch (``gradient_accumulation_steps`` micro batches); returns the mean loss."""
         if not torch.is_grad_enabled():
-            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+            raise RuntimeError("train_batch() ran under torch.no_grad(): training needs gradients; call eval_batch() to evaluate")
         optimizer = self._require_optimizer("train_batch")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
@@ -360,16 +366,16 @@ class PipelineEngine(ShardwiseEngine):
 
     # ------------------------------------------------------------------ refused here
     def forward(self, *args: object, **kwargs: object) -> Any:
-        """Not for pipelines: DeepSpeed's message."""
-        raise RuntimeError("Only train_batch() is accessible in pipeline mode.")
+        """Not for pipelines: a pipeline runs whole batches (``train_batch`` / ``eval_batch``)."""
+        raise RuntimeError(_WHOLE_BATCHES_ONLY)
 
     def backward(self, *args: object, **kwargs: object) -> Any:
-        """Not for pipelines: DeepSpeed's message."""
-        raise RuntimeError("Only train_batch() is accessible in pipeline mode.")
+        """Not for pipelines: a pipeline runs whole batches (``train_batch`` / ``eval_batch``)."""
+        raise RuntimeError(_WHOLE_BATCHES_ONLY)
 
     def step(self, *args: object, **kwargs: object) -> None:
-        """Not for pipelines: DeepSpeed's message."""
-        raise RuntimeError("Only train_batch() is accessible in pipeline mode.")
+        """Not for pipelines: a pipeline runs whole batches (``train_batch`` / ``eval_batch``)."""
+        raise RuntimeError(_WHOLE_BATCHES_ONLY)
 
     def get_additional_losses(self) -> Any:
         """Extra losses of the last batch (None: the module reports none)."""

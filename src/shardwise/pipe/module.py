@@ -122,14 +122,16 @@ class PipelineModule(nn.Module):
     ) -> None:
         super().__init__()
         if num_stages is None and topology is None:
-            raise RuntimeError("must provide num_stages or topology")
+            raise RuntimeError("PipelineModule needs num_stages= or topology= to know how many stages to cut")
         if not init.is_initialized():
             raise RuntimeError(
                 "PipelineModule needs the process group to place its stages: call deepspeed.init_distributed() "
                 "(shardwise.init_distributed()) before building it"
             )
         if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
-            raise AssertionError("param `checkpointable_layers` must be type of list.")
+            raise AssertionError(
+                f"PipelineModule(checkpointable_layers={checkpointable_layers!r}): give a list of layer class names"
+            )
         self.micro_offset = 0
         self.loss_fn = loss_fn
         self.checkpointable_layers = checkpointable_layers
@@ -139,7 +141,8 @@ class PipelineModule(nn.Module):
             assert num_stages is not None
             if self.world_size % num_stages != 0:
                 raise RuntimeError(
-                    f"num_stages ({num_stages}) must divide distributed world size ({self.world_size})"
+                    f"PipelineModule(num_stages={num_stages}) on {self.world_size} ranks: the world size must be a "
+                    "multiple of the stage count (the rest is data parallelism)"
                 )
             topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=self.world_size // num_stages)
         self._topo = topology

@@ -71,5 +71,8 @@ def type_weights(names: Sequence[str | None], pattern: str) -> list[int]:
     regex = re.compile(pattern, re.IGNORECASE)
     weights = [1 if name is not None and regex.search(name) else 0 for name in names]
     if not any(weights):
-        raise RuntimeError(f"Partitioning '{pattern}' found no valid layers to partition.")
+        raise RuntimeError(
+            f"Partitioning 'type:{pattern}' found no valid layers: no layer class name matches {pattern!r} "
+            "(case-insensitive regex); check the spelling or use 'parameters'"
+        )
     return weights

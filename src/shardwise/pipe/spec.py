@@ -33,7 +33,7 @@ class LayerSpec:
 
     def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
         if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
-            raise RuntimeError("LayerSpec only supports torch.nn.Module types.")
+            raise RuntimeError(f"LayerSpec({typename!r}): the first argument must be an nn.Module subclass (the class, not an instance)")
         self.typename = typename
         self.module_args = module_args
         self.module_kwargs = module_kwargs

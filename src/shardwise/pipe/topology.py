@@ -49,7 +49,9 @@ class ProcessTopology:
     def get_rank(self, **coord_kwargs: int) -> int:
         """The rank at the coordinate given by every axis (``get_rank(pipe=0, data=1)``)."""
         if len(coord_kwargs) != len(self.axes):
-            raise ValueError("get_rank() does not support slices. Use filter_match())")
+            raise ValueError(
+                f"get_rank({coord_kwargs}) needs a value for every axis {self.axes}; for slices of the grid use filter_match()"
+            )
         unknown = set(coord_kwargs) - set(self.axes)
         if unknown:
             raise ValueError(f"get_rank(): axes {sorted(unknown)} are not in the topology's {self.axes}")
@@ -120,7 +122,7 @@ class ProcessTopology:
 def _prime_factors(n: int) -> list[int]:
     """The prime factors of ``n`` in ascending order (``[]`` for 1); ValueError for ``n <= 0``."""
     if n <= 0:
-        raise ValueError("Values must be strictly positive.")
+        raise ValueError(f"cannot factor {n}: only positive integers have prime factors")
     factors, p = [], 2
     while n > 1:
         while n % p == 0:

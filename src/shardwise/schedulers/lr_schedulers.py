@@ -239,7 +239,7 @@ class WarmupLR(_IterationScheduler):
     def get_lr(self) -> list[float]:
         """The LR of every group; before the first ``step()`` this is ``warmup_min_lr`` (with a warning)."""
         if self.last_batch_iteration < 0:
-            logger.warning("Attempting to get learning rate from scheduler before it has started")
+            logger.warning("get_lr() called before the scheduler's first step(): returning warmup_min_lr")
         return super().get_lr()
 
 

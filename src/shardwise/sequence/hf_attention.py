@@ -81,11 +81,13 @@ class UlyssesSPAttentionHF(nn.Module):
         self.core_attn_implementation: str | None = None
         if attn_head_count % self.world_size:
             raise ValueError(
-                f"Attention head count {attn_head_count} is not divisible by SP size {self.world_size}"
+                f"sequence parallelism splits attention heads over ranks: {attn_head_count} query heads do not "
+                f"divide among sequence_parallel_size={self.world_size}; pick a degree that divides the head count"
             )
         if kv_head_count % self.world_size and self.world_size % kv_head_count:
             raise ValueError(
-                f"KV attention head count {kv_head_count} is not divisible by SP size {self.world_size} or vice versa"
+                f"sequence parallelism needs the {kv_head_count} key/value heads and sequence_parallel_size="
+                f"{self.world_size} to divide one another (heads are split, or replicated when fewer than ranks)"
             )
         self.local_q_head_count = attn_head_count // self.world_size
         self.kv_replication_factor = max(1, self.world_size // kv_head_count)
@@ -216,7 +218,8 @@ class UlyssesSPAttentionHF(nn.Module):
             lazy_import_flash_attention(core_attn_implementation)
         if core_attn_implementation not in ALL_ATTENTION_FUNCTIONS:
             raise ValueError(
-                f"{core_attn_implementation} is not a valid attn_implementation. The choices are "
+                f"core_attn_implementation={core_attn_implementation!r} is not an attention function transformers knows; "
+                f"registered ones: "
                 f"{ALL_ATTENTION_FUNCTIONS.valid_keys()}"
             )
         text = config.get_text_config()

@@ -80,5 +80,5 @@ def test_balanced_matches_deepspeed(weights: list[int], parts: int, expected: li
 
 def test_type_weights() -> None:
     assert type_weights(["Embedding", "Block", "block", None, "LayerNorm"], "block") == [0, 1, 1, 0, 0]
-    with pytest.raises(RuntimeError, match="Partitioning 'attn' found no valid layers"):
+    with pytest.raises(RuntimeError, match="Partitioning 'type:attn' found no valid layers"):
         type_weights(["Block"], "attn")
