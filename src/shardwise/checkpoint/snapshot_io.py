@@ -82,13 +82,14 @@ def after_optimizer_step(engine: Any) -> None:
     if not policy.due(step):
         return
     engine.checkpointer.wait()  # the previous snapshot is published (or its error raised) before pruning
+    tag = policy.tag(step)
     if publisher:
-        for tag in policy.to_prune(layout.list_tags(policy.directory)):
-            shutil.rmtree(policy.directory / tag, ignore_errors=True)
+        for old in policy.to_prune(layout.list_tags(policy.directory), writing=tag):
+            shutil.rmtree(policy.directory / old, ignore_errors=True)
     engine.checkpointer.save(
         engine_io.training_state(engine),
         policy.directory,
-        tag=policy.tag(step),
+        tag=tag,
         client_state={},
         background=True,
     )

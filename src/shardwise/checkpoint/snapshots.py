@@ -16,7 +16,7 @@ Example:
     >>> policy = SnapshotPolicy(interval=4, directory=Path("snaps"), keep=1)
     >>> [step for step in range(1, 10) if policy.due(step)], policy.tag(8)
     ([4, 8], 'snapshot_step8')
-    >>> policy.to_prune(["snapshot_step4", "global_step6", "snapshot_step8"])
+    >>> policy.to_prune(["snapshot_step4", "global_step6", "snapshot_step8"], writing="snapshot_step12")
     ['snapshot_step4']
 """
 
@@ -82,10 +82,13 @@ class SnapshotPolicy:
         """The snapshot's tag."""
         return f"{SNAPSHOT_PREFIX}{global_step}"
 
-    def to_prune(self, tags: Iterable[str]) -> list[str]:
-        """The snapshot tags to delete before the next snapshot is written, oldest first: all but
-        the ``keep`` newest (other tags in the directory are never touched)."""
-        snapshots = sorted((step, tag) for tag in tags if (step := snapshot_step(tag)) is not None)
+    def to_prune(self, tags: Iterable[str], writing: str | None = None) -> list[str]:
+        """The snapshot tags to delete before ``writing`` (the next snapshot's tag) is written,
+        oldest first: all but the ``keep`` newest others (``writing`` itself is replaced by the
+        save, and tags that are not snapshots are never touched)."""
+        snapshots = sorted(
+            (step, tag) for tag in tags if (step := snapshot_step(tag)) is not None and tag != writing
+        )
         return [tag for _, tag in snapshots[: max(len(snapshots) - self.keep, 0)]]
 
 
