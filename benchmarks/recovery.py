@@ -16,7 +16,7 @@ Reported (from the ranks' JSON event lines, wall clock):
 * ``step_s``: the median step time before the kill;
 * ``save_block_s`` and ``save_share``: the median time ``save_checkpoint`` blocked the loop,
   and that as a share of a step (with async snapshots only the copy to host memory blocks);
-* with ``--snapshot-interval N``: ``step_s`` is the median of the steps without a snapshot,
+* with ``--snapshot-interval N``: ``step_s`` is the median step time less its snapshot's blocking part,
   ``save_block_s`` the median time the snapshot blocked inside ``engine.step()``,
   ``share_per_step`` that spread over the N steps it covers, ``resumed_at`` and ``redone``
   where the restarted ranks resumed and how many steps they trained again.
@@ -63,9 +63,10 @@ def main() -> None:
     after = [e for e in events if e["event"] == "step" and e["restart"] == 1]
     before = [e for e in events if e["event"] == "step" and e["restart"] == 0 and e["step"] > 1]
     saves = [e for e in events if e["event"] == "save" and e["restart"] == 0 and e["step"] > 1]
-    if interval:  # the snapshot steps carry the blocking part: the step time is the others'
-        before = [e for e in before if e["step"] % interval]
-    step_s = statistics.median(e["seconds"] for e in before)
+    blocked = {(e["rank"], e["step"]): e["seconds"] for e in saves}
+    # a snapshot blocks inside engine.step(): the step's own time is without it
+    step_s = statistics.median(e["seconds"] - (blocked.get((e["rank"], e["step"]), 0.0) if interval else 0.0)
+                               for e in before)  # fmt: skip
     save_s = statistics.median(e["seconds"] for e in saves)
     resumed = [e["step"] for e in events if e["event"] == "resumed" and e["restart"] == 1]
     result = {

@@ -257,10 +257,15 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         self.counters.micro_steps += 1
         self._window_micro_batches = 0 if boundary else self._window_micro_batches + 1
         if result is not None:
-            outcome = StepOutcome(self.global_steps, self.global_samples, result.applied, result.grad_norm)
-            self.step_hooks.after_optimizer_step(outcome)
-            if self.snapshots is not None:
-                snapshot_io.after_optimizer_step(self)
+            self._after_optimizer_step(result)
+
+    def _after_optimizer_step(self, result: StepResult) -> None:
+        """The end of an optimizer step, once the counters moved: the step hooks, then a snapshot
+        when one is due (``train_batch`` of the pipeline engine ends its steps here too)."""
+        outcome = StepOutcome(self.global_steps, self.global_samples, result.applied, result.grad_norm)
+        self.step_hooks.after_optimizer_step(outcome)
+        if self.snapshots is not None:
+            snapshot_io.after_optimizer_step(self)
 
     def _optimizer_step(self, optimizer: ZeroStrategy, lr_kwargs: Mapping[str, object] | None) -> StepResult:
         result = optimizer.step(loss_scale=self.loss_scale)
@@ -464,4 +469,9 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
 
 def _as_checkpointed(engine: ShardwiseEngine) -> engine_io.CheckpointedEngine:
     """Static check (mypy): the engine provides everything ``checkpoint/engine_io`` reads."""
+    return engine
+
+
+def _as_snapshotting(engine: ShardwiseEngine) -> snapshot_io.SnapshottingEngine:
+    """Static check (mypy): and everything ``checkpoint/snapshot_io`` reads."""
     return engine

@@ -17,7 +17,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from shardwise import comm
 from shardwise.checkpoint import engine_io, layout, publish
@@ -35,6 +35,17 @@ from shardwise.checkpoint.snapshots import (
 )
 from shardwise.config.sections.features import CheckpointConfig
 from shardwise.utils.logging import logger
+
+
+class SnapshottingEngine(engine_io.CheckpointedEngine, Protocol):
+    """What these functions read from an engine besides the checkpoint parts."""
+
+    snapshots: Snapshots | None
+
+    @property
+    def world_size(self) -> int:
+        """All ranks."""
+        ...
 
 
 class Snapshots:
@@ -68,13 +79,14 @@ def _attempt() -> int:
     return int(value) if value.isdigit() else 0
 
 
-def after_optimizer_step(engine: Any) -> None:
+def after_optimizer_step(engine: SnapshottingEngine) -> None:
     """Leave the progress mark and, when the policy says so, start a snapshot (every rank calls it).
 
     Raises:
         RuntimeError: the previous snapshot's background write failed (raised on every rank).
     """
-    snapshots: Snapshots = engine.snapshots
+    snapshots = engine.snapshots
+    assert snapshots is not None, "the engine calls this only with snapshots configured"
     policy, step = snapshots.policy, engine.global_steps
     publisher = publish.is_publisher(engine.checkpointer.options.use_node_local_storage)
     if publisher:
@@ -117,7 +129,7 @@ def candidates(load_dir: Path, policy: SnapshotPolicy) -> list[Candidate]:
 
 
 def load_checkpoint(
-    engine: Any,
+    engine: SnapshottingEngine,
     load_dir: str | Path,
     tag: object = None,
     load_module_strict: bool = True,
@@ -132,14 +144,14 @@ def load_checkpoint(
     Returns ``(path, client_state)`` (a snapshot's ``client_state`` holds only ``ds_config`` and
     ``global_samples``: read ``engine.global_steps``), or ``(None, None)`` when there is nothing.
     """
-    options = {
+    options: dict[str, Any] = {
         "load_module_strict": load_module_strict,
         "load_optimizer_states": load_optimizer_states,
         "load_lr_scheduler_states": load_lr_scheduler_states,
         "load_module_only": load_module_only,
         "custom_load_fn": custom_load_fn,
     }
-    snapshots: Snapshots | None = engine.snapshots
+    snapshots = engine.snapshots
     if tag is not None or snapshots is None:
         return engine_io.load_checkpoint(engine, load_dir, tag, **options)
     progress = read_progress(snapshots.policy.directory)

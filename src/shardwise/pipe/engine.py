@@ -30,7 +30,6 @@ from shardwise.pipe import executor as ex
 from shardwise.pipe import tied
 from shardwise.pipe.module import PipelineModule
 from shardwise.pipe.setup import pipe_group
-from shardwise.runtime.step_hooks import StepOutcome
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -215,9 +214,7 @@ class PipelineEngine(ShardwiseEngine):
         self.telemetry.after_step(True)
         self._report_progress()
         self.counters.micro_steps += self.micro_batches
-        self.step_hooks.after_optimizer_step(
-            StepOutcome(self.global_steps, self.global_samples, result.applied, result.grad_norm)
-        )
+        self._after_optimizer_step(result)  # the step hooks, then a snapshot when one is due
         self.total_loss = torch.stack(self._micro_losses).sum() if self._micro_losses else None
         self.agg_train_loss = self._aggregate_loss(self._micro_losses)
         return self.agg_train_loss
