@@ -152,7 +152,8 @@ def load_checkpoint(
         "custom_load_fn": custom_load_fn,
     }
     snapshots = engine.snapshots
-    if tag is not None or snapshots is None:
+    if tag is not None or snapshots is None or engine.checkpointer.options.load_universal:
+        # an explicit tag, or a universal checkpoint (`latest_universal`): snapshots are neither
         return engine_io.load_checkpoint(engine, load_dir, tag, **options)
     progress = read_progress(snapshots.policy.directory)
     tried = candidates(Path(load_dir), snapshots.policy)
