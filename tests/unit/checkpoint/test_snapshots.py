@@ -151,3 +151,29 @@ def test_an_engine_snapshots_by_itself_and_a_fresh_one_resumes_from_the_newest_t
     engine, _ = _engine(snaps)
     with pytest.raises(CheckpointIntegrityError, match="no checkpoint to resume from verifies"):
         engine.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_snapshot_is_written_in_the_background_even_without_async_save(tmp_path: Path, monkeypatch) -> None:
+    """The step returns once the state is copied: the write waits here on an event, the loop does not."""
+    import threading
+
+    from shardwise.checkpoint import publish
+
+    release, real = threading.Event(), publish.write_and_publish
+
+    def held_write(*args, **kwargs):
+        assert release.wait(60), "the test never released the write"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(publish, "write_and_publish", held_write)
+    snaps = tmp_path / "snaps"
+    engine, loader = _engine(snaps)
+    assert not engine.checkpointer.options.async_save
+    batches = iter(loader)
+    _train(engine, batches, 2)  # step 2 starts a snapshot whose write is held
+    _train(engine, batches, 1)  # and training goes on meanwhile
+    assert engine.global_steps == 3 and not (snaps / "snapshot_step2").exists()
+    release.set()
+    engine.wait_for_checkpoint()
+    assert (snaps / "latest").read_text() == "snapshot_step2"
+    engine.destroy()
