@@ -57,7 +57,9 @@ def _weights(engine: Any) -> torch.Tensor:
 
 def run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     """``case["op"]``: ``save`` (train, save_checkpoint), ``snapshots`` (train with snapshots, then
-    stop as if killed), ``resume`` (load_checkpoint, train on)."""
+    stop as if killed), ``resume`` (load_checkpoint, train on), ``pipeline`` (:func:`pipelined`)."""
+    if case["op"] == "pipeline":
+        return pipelined(rank, world, case)
     root = Path(case["root"])
     snapshots = {"snapshot_interval": case["interval"], "snapshot_dir": str(root / "snaps")} if "interval" in case else {}
     engine, loader = _engine(snapshots)
@@ -73,3 +75,17 @@ def run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     engine.wait_for_checkpoint()  # a snapshot still being written is published (the kill comes after it)
     out["weights"] = _weights(engine)
     return out
+
+
+def pipelined(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """A 2-stage pipeline: ``train_batch`` ends its steps through the engine's snapshot call too.
+    Train 3 steps (snapshots at 2), then a fresh pipeline resumes from the snapshot and redoes step 3."""
+    import pipe_cases as pipe
+
+    snapshots = {"snapshot_interval": 2, "snapshot_dir": str(Path(case["root"]) / "snaps")}
+    engine = pipe.build_pipe(2, checkpoint=snapshots)
+    losses = pipe.train(engine, 3)
+    engine.wait_for_checkpoint()
+    fresh = pipe.build_pipe(2, checkpoint=snapshots)
+    fresh.load_checkpoint(Path(case["root"]) / "ckpt")
+    return {"losses": losses, "resumed_at": fresh.global_steps, "redone": pipe.train(fresh, 1, first_step=2)}

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from shardwise.checkpoint import engine_io
+from shardwise.checkpoint import snapshot_io
 from shardwise.comm import collectives
 from shardwise.engine import ShardwiseEngine
 from shardwise.pipe import executor as ex
@@ -331,7 +331,7 @@ class PipelineEngine(ShardwiseEngine):
         stages' entries are expected, not unexpected)."""
         from shardwise.checkpoint import dcp_io, keys
 
-        path, client_state = engine_io.load_checkpoint(
+        path, client_state = snapshot_io.load_checkpoint(  # engine_io's; with snapshots, the newest that verifies
             self,
             load_dir,
             tag=tag,
