@@ -59,6 +59,7 @@ class Snapshots:
     def __init__(self, policy: SnapshotPolicy) -> None:
         self.policy = policy
         self.last_resume: ResumeReport | None = None
+        self.first_step_done = False  # the restart-without-resume check runs once
 
 
 def build_snapshots(section: CheckpointConfig) -> Snapshots | None:
@@ -88,6 +89,9 @@ def after_optimizer_step(engine: SnapshottingEngine) -> None:
     snapshots = engine.snapshots
     assert snapshots is not None, "the engine calls this only with snapshots configured"
     policy, step = snapshots.policy, engine.global_steps
+    if not snapshots.first_step_done:
+        snapshots.first_step_done = True
+        _warn_if_restart_did_not_resume(snapshots, step)
     publisher = publish.is_publisher(engine.checkpointer.options.use_node_local_storage)
     if publisher:
         write_progress(policy.directory, step, engine.world_size, _attempt())
@@ -105,6 +109,21 @@ def after_optimizer_step(engine: SnapshottingEngine) -> None:
         client_state={},
         background=True,
     )
+
+
+def _warn_if_restart_did_not_resume(snapshots: Snapshots, step: int) -> None:
+    """A restarted run whose script never called ``load_checkpoint`` trains from scratch next to the
+    snapshots it could have resumed: say so (once, at its first optimizer step)."""
+    latest = layout.read_latest(snapshots.policy.directory)
+    if snapshots.last_resume is None and _attempt() > 0 and latest is not None:
+        logger.warning(
+            "restart %d: %s holds snapshot %s but this run loaded none, so it trained step %d from where it "
+            "started; call engine.load_checkpoint(save_dir) before training to resume from the newest snapshot",
+            _attempt(),
+            snapshots.policy.directory,
+            latest,
+            step,
+        )
 
 
 def _candidate(path: Path, snapshot: bool) -> Candidate:

@@ -148,7 +148,7 @@ def test_an_engine_snapshots_by_itself_and_a_fresh_one_resumes_from_the_newest_t
         engine.load_checkpoint(tmp_path / "ckpt")
 
 
-def test_a_snapshot_is_written_in_the_background_even_without_async_save(tmp_path: Path, monkeypatch) -> None:
+def test_a_snapshot_is_written_in_the_background_even_without_async_save(tmp_path: Path, monkeypatch, caplog) -> None:
     """The step returns once the state is copied: the write waits here on an event, the loop does not."""
     import threading
 
@@ -172,3 +172,12 @@ def test_a_snapshot_is_written_in_the_background_even_without_async_save(tmp_pat
     engine.wait_for_checkpoint()
     assert (snaps / "latest").read_text() == "snapshot_step2"
     engine.destroy()
+
+
+    # a restarted run that never calls load_checkpoint is told it trains from scratch beside a snapshot
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted, loader = _engine(snaps)
+    _train(restarted, iter(loader), 1)
+    restarted.destroy()
+    said = caplog.text
+    assert f"restart 1: {snaps} holds snapshot snapshot_step2 but this run loaded none" in said, said
