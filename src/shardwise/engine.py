@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.checkpoint import engine_io
+from shardwise.checkpoint import engine_io, snapshot_io
 from shardwise.checkpoint.checkpointer import Checkpointer
 from shardwise.comm.topology import Topology
 from shardwise.config.resolve import ResolvedConfig
@@ -63,6 +63,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         telemetry: Telemetry,
         step_hooks: StepHooks,
         checkpointer: Checkpointer,
+        snapshots: snapshot_io.Snapshots | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -77,6 +78,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         self._nonfinite = NonFiniteSteps(config.config.max_consecutive_nonfinite_steps)
         self.step_hooks = step_hooks  # every part is built by initialize and injected
         self.checkpointer = checkpointer
+        self.snapshots = snapshots  # periodic snapshots (checkpoint.snapshot_interval), or None
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._backward_pending = False  # a backward ran since the last step()
@@ -255,8 +257,15 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         self.counters.micro_steps += 1
         self._window_micro_batches = 0 if boundary else self._window_micro_batches + 1
         if result is not None:
-            outcome = StepOutcome(self.global_steps, self.global_samples, result.applied, result.grad_norm)
-            self.step_hooks.after_optimizer_step(outcome)
+            self._after_optimizer_step(result)
+
+    def _after_optimizer_step(self, result: StepResult) -> None:
+        """The end of an optimizer step, once the counters moved: the step hooks, then a snapshot
+        when one is due (``train_batch`` of the pipeline engine ends its steps here too)."""
+        outcome = StepOutcome(self.global_steps, self.global_samples, result.applied, result.grad_norm)
+        self.step_hooks.after_optimizer_step(outcome)
+        if self.snapshots is not None:
+            snapshot_io.after_optimizer_step(self)
 
     def _optimizer_step(self, optimizer: ZeroStrategy, lr_kwargs: Mapping[str, object] | None) -> StepResult:
         result = optimizer.step(loss_scale=self.loss_scale)
@@ -439,7 +448,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
 
     # ------------------------------------------------------------------ checkpoints: checkpoint/engine_io's functions
     save_checkpoint = engine_io.save_checkpoint
-    load_checkpoint = engine_io.load_checkpoint
+    load_checkpoint = snapshot_io.load_checkpoint  # engine_io's, choosing among the snapshots too
     save_16bit_model = engine_io.save_16bit_model
     save_fp16_model = engine_io.save_16bit_model
     wait_for_checkpoint = engine_io.wait_for_checkpoint
@@ -460,4 +469,9 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
 
 def _as_checkpointed(engine: ShardwiseEngine) -> engine_io.CheckpointedEngine:
     """Static check (mypy): the engine provides everything ``checkpoint/engine_io`` reads."""
+    return engine
+
+
+def _as_snapshotting(engine: ShardwiseEngine) -> snapshot_io.SnapshottingEngine:
+    """Static check (mypy): and everything ``checkpoint/snapshot_io`` reads."""
     return engine

@@ -20,6 +20,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.checkpoint.engine_io import build_checkpointer
+from shardwise.checkpoint.snapshot_io import build_snapshots
 from shardwise.checkpointing.settings import (
     CheckpointingSettings,
     configure_for_engine,
@@ -628,6 +629,7 @@ def _build_engine(
         telemetry=telemetry,
         step_hooks=build_step_hooks(cfg.config, model, rank=topology.world_rank, telemetry=telemetry),
         checkpointer=build_checkpointer(cfg.config.checkpoint),
+        snapshots=build_snapshots(cfg.config.checkpoint),
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 import shardwise
+from shardwise.checkpoint import snapshot_io
 
 ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
@@ -33,8 +34,9 @@ def _spy(calls: list[str], name: str, function: Any) -> Any:
     return recorded
 
 
-def observed_step_order() -> list[str]:
-    """The parts a boundary ``engine.step()`` calls, in calling order (a model that trains: no skip)."""
+def observed_step_order(snapshot_dir: Path, monkeypatch: Any) -> list[str]:
+    """The parts a boundary ``engine.step()`` calls, in calling order (a model that trains: no skip;
+    snapshots every step)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     config = {
@@ -42,6 +44,7 @@ def observed_step_order() -> list[str]:
         "gradient_accumulation_steps": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+        "checkpoint": {"snapshot_interval": 1, "snapshot_dir": str(snapshot_dir)},
     }
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
     calls: list[str] = []
@@ -63,6 +66,8 @@ def observed_step_order() -> list[str]:
     engine.telemetry.on_boundary = _spy(calls, "telemetry.on_boundary", engine.telemetry.on_boundary)
     hooks = engine.step_hooks
     hooks.after_optimizer_step = _spy(calls, "StepHooks.after_optimizer_step", hooks.after_optimizer_step)
+    name = "checkpoint.snapshot_io.after_optimizer_step"
+    monkeypatch.setattr(snapshot_io, "after_optimizer_step", _spy(calls, name, snapshot_io.after_optimizer_step))
     for micro in range(2):
         x = torch.full((2, 4), float(micro + 1))
         engine.backward(engine(x).square().mean())
@@ -74,7 +79,8 @@ def observed_step_order() -> list[str]:
     return calls
 
 
-def test_the_documented_step_order_is_the_order_the_engine_calls_its_parts() -> None:
+def test_the_documented_step_order_is_the_order_the_engine_calls_its_parts(tmp_path: Path, monkeypatch) -> None:
     documented = documented_step_order()
     assert len(documented) >= 7, f"docs/architecture.md's **Step** list was not found: {documented}"
-    assert observed_step_order() == documented
+    assert observed_step_order(tmp_path / "snapshots", monkeypatch) == documented
+    assert (tmp_path / "snapshots" / "snapshot_step1").is_dir()  # the spied call took the snapshot

@@ -110,8 +110,14 @@ class Checkpointer:
         client_state: Mapping[str, Any] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
+        *,
+        background: bool | None = None,
     ) -> Path:
-        """Save ``state`` as ``save_dir/<tag>`` (collective); returns the tag directory."""
+        """Save ``state`` as ``save_dir/<tag>`` (collective); returns the tag directory.
+
+        ``background`` (None: ``async_save``'s choice) writes and publishes in a background thread
+        once the state is copied; the engine's periodic snapshots pass True.
+        """
         self.wait()
         if not str(save_dir):
             raise ValueError("save_checkpoint needs a save_dir (got an empty path)")
@@ -145,7 +151,7 @@ class Checkpointer:
         integrity_ranks.raise_if_any_failed(
             failure, state.process_group, f"saving checkpoint {tag!r} (nothing published, 'latest' unchanged)"
         )
-        if self.options.async_save:
+        if self.options.async_save if background is None else background:
             items = publish.snapshot(items)
             group = self._group_for_async(state.process_group)
             self._thread = threading.Thread(

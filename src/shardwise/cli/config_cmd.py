@@ -95,6 +95,13 @@ def _run(args: argparse.Namespace) -> int:
                 f"{batch.gradient_accumulation_steps} x {batch.world_size}, ZeRO {resolved.config.zero_stage}, "
                 f"{resolved.config.precision}{note}"
             )
+            section = resolved.config.checkpoint
+            if section.snapshot_interval > 0:
+                print(
+                    f"     snapshots: every {section.snapshot_interval} optimizer steps into {section.snapshot_dir} "
+                    f"(asynchronous; the {section.snapshot_keep} newest kept); load_checkpoint resumes from the "
+                    "newest snapshot or checkpoint that verifies"
+                )
             for warning in resolved.warnings:
                 print(f"     warning: {warning}")
             if resolved.ignored:

@@ -150,6 +150,22 @@ def _unsupported_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
     return errors
 
 
+def _snapshot_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
+    """Periodic snapshots need somewhere to go."""
+    section = cfg.checkpoint
+    if section.snapshot_interval > 0 and not section.snapshot_dir:
+        return [
+            ConfigError(
+                "checkpoint.snapshot_dir",
+                f"snapshot_interval {section.snapshot_interval} needs a directory for the snapshots",
+                'set "checkpoint": {"snapshot_dir": "<a directory every rank can write>"} (it may be the '
+                "directory you pass to load_checkpoint), or set snapshot_interval to 0",
+                value=section.snapshot_dir,
+            )
+        ]
+    return []
+
+
 def cross_section_errors(cfg: ShardwiseConfig) -> list[ConfigError]:
     """Every cross-section problem of a config whose sections are individually valid."""
     return [
@@ -157,4 +173,5 @@ def cross_section_errors(cfg: ShardwiseConfig) -> list[ConfigError]:
         *_loss_scaling_rules(cfg),
         *_communication_rules(cfg),
         *_unsupported_rules(cfg),
+        *_snapshot_rules(cfg),
     ]

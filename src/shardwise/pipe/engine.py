@@ -23,14 +23,13 @@ from typing import Any
 
 import torch
 
-from shardwise.checkpoint import engine_io
+from shardwise.checkpoint import snapshot_io
 from shardwise.comm import collectives
 from shardwise.engine import ShardwiseEngine
 from shardwise.pipe import executor as ex
 from shardwise.pipe import tied
 from shardwise.pipe.module import PipelineModule
 from shardwise.pipe.setup import pipe_group
-from shardwise.runtime.step_hooks import StepOutcome
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -221,9 +220,7 @@ class PipelineEngine(ShardwiseEngine):
         self.telemetry.after_step(True)
         self._report_progress()
         self.counters.micro_steps += self.micro_batches
-        self.step_hooks.after_optimizer_step(
-            StepOutcome(self.global_steps, self.global_samples, result.applied, result.grad_norm)
-        )
+        self._after_optimizer_step(result)  # the step hooks, then a snapshot when one is due
         self.total_loss = torch.stack(self._micro_losses).sum() if self._micro_losses else None
         self.agg_train_loss = self._aggregate_loss(self._micro_losses)
         return self.agg_train_loss
@@ -343,7 +340,7 @@ class PipelineEngine(ShardwiseEngine):
         stages' entries are expected, not unexpected)."""
         from shardwise.checkpoint import dcp_io, keys
 
-        path, client_state = engine_io.load_checkpoint(
+        path, client_state = snapshot_io.load_checkpoint(  # engine_io's; with snapshots, the newest that verifies
             self,
             load_dir,
             tag=tag,

@@ -84,6 +84,12 @@ class CheckpointConfig(Section):
     checkpoint_serialization: bool = True
     writer: CheckpointWriterConfig | None = None
     async_save: bool = False  # shardwise extension: write files while training continues
+    # shardwise extension: periodic snapshots the engine takes by itself (checkpoint/snapshots.py):
+    # an asynchronous save every ``snapshot_interval`` optimizer steps into ``snapshot_dir``, the
+    # ``snapshot_keep`` newest kept; ``load_checkpoint`` resumes from the newest that verifies
+    snapshot_interval: int = Field(0, ge=0)
+    snapshot_dir: str | None = None
+    snapshot_keep: int = Field(1, ge=1)
 
     @field_validator("tag_validation", mode="before")
     @classmethod
