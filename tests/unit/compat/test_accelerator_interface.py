@@ -85,7 +85,7 @@ def test_op_builders_and_environment(cpu: CpuAccelerator) -> None:
     env: dict[str, str] = {}
     cpu.set_visible_devices_envs(env, [0, 2])
     assert env == {"CUDA_VISIBLE_DEVICES": "0,2"}
-    with pytest.raises(ValueError, match="no_such_backend.*not a torch.compile backend"):
+    with pytest.raises(ValueError, match=r"no_such_backend.*not a torch\.compile backend"):
         cpu.set_compile_backend("no_such_backend")
 
 
