@@ -57,9 +57,11 @@ def _weights(engine: Any) -> torch.Tensor:
 
 def run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     """``case["op"]``: ``save`` (train, save_checkpoint), ``snapshots`` (train with snapshots, then
-    stop as if killed), ``resume`` (load_checkpoint, train on), ``pipeline`` (:func:`pipelined`)."""
+    stop as if killed), ``resume`` (load_checkpoint, train on), ``pipeline`` (:func:`pipelined`), ``agree`` (:func:`agree`)."""
     if case["op"] == "pipeline":
         return pipelined(rank, world, case)
+    if case["op"] == "agree":
+        return {"agreed": agree(rank)}
     root = Path(case["root"])
     snapshots = {"snapshot_interval": case["interval"], "snapshot_dir": str(root / "snaps")} if "interval" in case else {}
     engine, loader = _engine(snapshots)
@@ -75,6 +77,18 @@ def run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     engine.wait_for_checkpoint()  # a snapshot still being written is published (the kill comes after it)
     out["weights"] = _weights(engine)
     return out
+
+
+def agree(rank: int) -> list[str]:
+    """Node-local storage where rank 1's node never published the step-6 snapshot: both ranks must
+    try the same candidates, the ones every node holds, newest first."""
+    from shardwise.checkpoint.snapshot_io import agreed
+    from shardwise.checkpoint.snapshots import Candidate
+
+    node = Path(f"/node{rank}")
+    found = [Candidate(node / "snapshot_step6", 6, True)] if rank == 0 else []
+    found += [Candidate(node / "global_step5", 5, False), Candidate(node / "snapshot_step4", 4, True)]
+    return [c.path.name for c in agreed(found)]
 
 
 def pipelined(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:

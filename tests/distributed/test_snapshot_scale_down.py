@@ -21,12 +21,13 @@ def test_a_run_killed_after_a_snapshot_resumes_on_fewer_ranks_with_the_unconsume
         {"op": "save", "root": ref, "steps": 2},
         {"op": "snapshots", "root": snap, "steps": 3, "interval": 2},  # killed after step 3
         {"op": "pipeline", "root": str(tmp_path / "pipeline")},
+        {"op": "agree"},
     ], world_size=2)  # fmt: skip
     one = run_distributed_cases(cases.run, [
         {"op": "resume", "root": ref, "steps": 5},
         {"op": "resume", "root": snap, "steps": 5, "interval": 2},
     ], world_size=1)  # fmt: skip
-    (saved, killed, pipelined), (reference, resumed) = two, [results[0] for results in one]
+    (saved, killed, pipelined, agreed), (reference, resumed) = two, [results[0] for results in one]
     assert saved[0]["gas"] == 2 and reference["gas"] == 4  # the elastic batch: 8 = 2 x 2 x 2 = 2 x 4 x 1
     assert reference["resumed_at"] == resumed["resumed_at"] == 2
     assert resumed["report"].startswith("resumed at step 2 from snapshot ")
@@ -43,6 +44,9 @@ def test_a_run_killed_after_a_snapshot_resumes_on_fewer_ranks_with_the_unconsume
 
     # within 1e-6 of the run that changed size at the same step (the snapshot is the same state)
     assert torch.allclose(resumed["weights"], reference["weights"], rtol=1e-6, atol=0)
+
+    # node-local storage that differs by node: every rank tries the same candidates, those all nodes hold
+    assert [rank["agreed"] for rank in agreed] == [["global_step5", "snapshot_step4"]] * 2
 
     # a pipeline engine's train_batch snapshots too, and its load_checkpoint resumes from the snapshot
     for rank in pipelined:

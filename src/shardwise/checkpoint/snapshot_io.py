@@ -33,6 +33,7 @@ from shardwise.checkpoint.snapshots import (
     step_from_tag,
     write_progress,
 )
+from shardwise.comm.sequence_exchange import all_gather_objects
 from shardwise.config.sections.features import CheckpointConfig
 from shardwise.utils.logging import logger
 
@@ -147,6 +148,26 @@ def candidates(load_dir: Path, policy: SnapshotPolicy) -> list[Candidate]:
     return newest_first(found)
 
 
+def agreed(found: list[Candidate]) -> list[Candidate]:
+    """The candidates every rank sees (collective), in ``found``'s order.
+
+    Ranks must try the same checkpoints in the same order: each load is collective. With node-local
+    storage (or a shared file system still catching up) a crash between two nodes' publications can
+    leave the nodes with different newest snapshots; trying only what all of them hold keeps the
+    ranks in step instead of hanging them in different loads.
+    """
+    mine = [(c.path.name, c.step, c.snapshot) for c in found]
+    if comm.get_world_size() == 1:
+        return found
+    common = set(mine)
+    for theirs in all_gather_objects(mine, None):
+        common &= {tuple(x) for x in theirs}  # type: ignore[attr-defined]
+    dropped = [c.path.name for c in found if (c.path.name, c.step, c.snapshot) not in common]
+    if dropped:
+        logger.warning("resume: %s not on every rank's storage, so not a candidate", ", ".join(dropped))
+    return [c for c in found if (c.path.name, c.step, c.snapshot) in common]
+
+
 def load_checkpoint(
     engine: SnapshottingEngine,
     load_dir: str | Path,
@@ -175,7 +196,7 @@ def load_checkpoint(
         # an explicit tag, or a universal checkpoint (`latest_universal`): snapshots are neither
         return engine_io.load_checkpoint(engine, load_dir, tag, **options)
     progress = read_progress(snapshots.policy.directory)
-    tried = candidates(Path(load_dir), snapshots.policy)
+    tried = agreed(candidates(Path(load_dir), snapshots.policy))
     if not tried:
         return engine_io.load_checkpoint(engine, load_dir, None, **options)  # DeepSpeed's "no latest" warning
     skipped: list[str] = []
