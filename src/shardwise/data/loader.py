@@ -165,6 +165,7 @@ class ShardwiseDataLoader:
         self._pass_started = False  # a pass of `_epoch` has begun (and not run to its end)
         self._resume_pending = False  # load_state_dict() asked the next pass to resume
         self._pass_id = 0  # tells a stale iterator from the live one
+        self._handover_pass = -1  # the pass that was live when load_state_dict() moved the position
 
         self._generator = torch.Generator()
         self._skipper = _SkippingSampler(sampler) if sampler is not None else None
@@ -242,6 +243,11 @@ class ShardwiseDataLoader:
     def _run_pass(self, batches: Iterator[object], pass_id: int) -> Iterator[object]:
         for batch in batches:
             if pass_id != self._pass_id:
+                if pass_id == self._handover_pass and self._resume_pending:
+                    # An iterator made before load_checkpoint (``it = iter(loader)`` at the top of a
+                    # script): it goes on from the restored position instead of ending silently.
+                    logger.info("Data loader: an iterator made before the checkpoint load resumes at its position")
+                    yield from iter(self)
                 return  # a newer pass (or a load_state_dict) superseded this iterator
             # Count before yielding: once the caller holds the batch, it is consumed.
             self._pass_batches += 1
@@ -345,6 +351,7 @@ class ShardwiseDataLoader:
         self._skip = skip
         self._pass_started = False
         self._resume_pending = True
+        self._handover_pass = self._pass_id
         self._pass_id += 1  # any iterator still alive belongs to the old position
 
 

@@ -272,8 +272,22 @@ def test_load_state_dict_supersedes_a_live_iterator() -> None:
     stale = iter(loader)
     next(stale)
     loader.load_state_dict({"epoch": 0, "batches_consumed": 3})
+    live = iter(loader)  # the resumed pass started by a fresh iter(): the stale iterator just ends
     assert list(stale) == []
-    assert flat(list(loader)) == [6, 7]
+    assert flat(list(live)) == [6, 7]
+
+
+@pytest.mark.parametrize("advanced", [0, 1])
+def test_an_iterator_made_before_a_load_goes_on_from_the_restored_position(advanced: int) -> None:
+    """``it = iter(loader)`` before ``load_checkpoint`` (advanced or not): ``next(it)`` continues from
+    the checkpoint's position, it does not end the epoch silently."""
+    loader = build_data_loader(list(range(8)), batch_size=2, dp_rank=0, dp_world_size=1, route="eval")
+    early = iter(loader)
+    for _ in range(advanced):
+        next(early)
+    loader.load_state_dict({"epoch": 0, "batches_consumed": 2})
+    assert flat(list(early)) == [4, 5, 6, 7]
+    assert loader.state_dict()["epoch"] == 1  # the resumed pass ran to its end
 
 
 # ------------------------------------------------------------------ RepeatingLoader
