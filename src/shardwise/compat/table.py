@@ -38,7 +38,12 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.checkpoint.utils": ("shardwise.compat.ds_utils",),
     "deepspeed.checkpoint": ("shardwise.compat.ds_utils", "shardwise.compat.universal"),
     "deepspeed.checkpoint.ds_to_universal": ("shardwise.compat.universal",),
-    "deepspeed.checkpoint.constants": ("shardwise.compat.universal", "shardwise.compat.constants"),
+    "deepspeed.checkpoint.constants": (
+        "shardwise.compat.universal",
+        "shardwise.compat.constants",
+        "shardwise.autoep.universal",
+        "shardwise.autoep.convert",
+    ),
     "deepspeed.runtime.engine": ("shardwise.engine",),
     "deepspeed.runtime.lr_schedules": ("shardwise.compat.lr_schedules", "shardwise.schedulers"),
     "deepspeed.runtime.zero": ("shardwise.zero",),
