@@ -27,7 +27,7 @@ def test_autoep_matches_the_unconverted_model(family: str, tmp_path: object) -> 
         # expert weights are saved as cuts of the whole [num_experts, ...] tensor (not one per rank under
         # one name), so a run at another autoep_size finds every expert
         resumed = results.pop()
-        assert all(r["equal"] and r["experts"] == 4 for r in resumed), resumed
+        assert all(r["equal"] and r["experts"] == 4 and r["refused"] for r in resumed), resumed
         cases.pop()
     runs = {(c["stage"], c["ep"]): r for c, r in zip(cases, results)}
     for stage in (0, 1, 2):
