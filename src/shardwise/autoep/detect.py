@@ -56,14 +56,14 @@ class AutoEP:
                                  "fix: name the model family or leave it out")
             return [(name, PRESET_MODELS[name])]
         model_type = getattr(self.model_config, "model_type", None)
-        name = preset_name_for_hf_model_type(model_type)
-        if name is not None:
-            return [(name, PRESET_MODELS[name])]
+        detected = preset_name_for_hf_model_type(model_type)
+        if detected is not None:
+            return [(detected, PRESET_MODELS[detected])]
         unsupported = unsupported_preset_for_hf_model_type(model_type)
         if unsupported is not None:
             family, preset = unsupported
             raise ValueError(f"expert_parallel: model_type {model_type!r} is not converted by the '{family}' "
-                             f"family: {preset.unsupported_hf_model_type_notes[model_type]}")
+                             f"family: {preset.unsupported_hf_model_type_notes[str(model_type)]}")
         return list(PRESET_MODELS.items())
 
     def _layer_config(self) -> AutoEPConfig:
@@ -96,6 +96,7 @@ class AutoEP:
         if num_experts != num_from_weights:
             raise ValueError(f"AutoEP layer {name!r}: config.{attr} = {num_experts} but its experts hold "
                              f"{num_from_weights}; fix: make the config match the weights")
+        top_k: Any
         if isinstance(config.top_k, int) and not isinstance(config.top_k, bool):
             top_k = config.top_k
         else:

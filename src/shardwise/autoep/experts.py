@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "swiglu": nn.functional.silu,
     "geglu": nn.functional.gelu,
 }

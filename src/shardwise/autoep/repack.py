@@ -42,12 +42,14 @@ def _expert_tensors(experts: nn.Module, spec: Any, index: int | None = None) -> 
     """``[w1, w2, w3]`` of a module-list expert ``index``, or the fused tensors (w3 may be absent)."""
     owner = experts[index] if index is not None else experts  # type: ignore[index]
     names = [spec.expert_w1_name, spec.expert_w2_name, spec.expert_w3_name]
-    found = []
+    found: list[Tensor] = []
     for name in names:
         if name is None:
             continue
         value = getattr(owner, name)
-        found.append(value.weight if isinstance(value, nn.Module) else value)
+        tensor = value.weight if isinstance(value, nn.Module) else value
+        assert isinstance(tensor, Tensor), (spec.moe_module_name, name)
+        found.append(tensor)
     return found
 
 
