@@ -17,17 +17,12 @@ from shardwise.autoep.config import (
     validate_autoep_post_detection,
 )
 from shardwise.autoep.detect import AutoEP
-from shardwise.autoep.layer import AutoEPMoELayer
 from shardwise.comm import mesh
 from shardwise.comm.topology import Topology
 
 Replacements = dict[int, list[nn.Parameter]]
 """``id(old parameter) -> the parameters that replace it`` (empty: it left this rank)."""
 
-AUTOEP_LAYERS_KEY = "ds_autoep_layers"
-"""The model-states key holding :func:`autoep_layer_metadata` (DeepSpeed's name)."""
-LAYER_FIELDS = ("moe_layer_id", "module_path", "num_experts", "num_local_experts", "ep_size")
-"""What each entry of the checkpoint's layer list holds."""
 
 
 def autoep_config(section: Mapping[str, Any] | None, topology: Topology) -> AutoEPConfig | None:
@@ -100,26 +95,3 @@ def repoint(params: Any, replaced: Replacements) -> Any:
         return out if isinstance(params, list) else tuple(out)
     return params
 
-
-def autoep_layer_metadata(model: nn.Module) -> list[dict[str, Any]]:
-    """One entry per AutoEP layer, in module order: ``moe_layer_id``, ``module_path``,
-    ``num_experts``, ``num_local_experts``, ``ep_size`` and ``expert_key_prefix``."""
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, AutoEPMoELayer)]
-    return [
-        {"moe_layer_id": i, "module_path": name, "num_experts": m.num_experts,
-         "num_local_experts": m.num_local_experts, "ep_size": m.ep_size, "expert_key_prefix": f"{name}.experts"}
-        for i, (name, m) in enumerate(layers)
-    ]
-
-
-def check_autoep_layer_metadata(layers: object) -> list[dict[str, Any]]:
-    """A checkpoint's layer list, checked: a list of dicts with every field of :data:`LAYER_FIELDS`."""
-    if not isinstance(layers, list) or not all(isinstance(entry, dict) for entry in layers):
-        raise RuntimeError(f"checkpoint {AUTOEP_LAYERS_KEY} is malformed: expected a list of dicts, got "
-                           f"{type(layers).__name__}; fix: load a checkpoint written by an AutoEP run")
-    for entry in layers:
-        missing = [name for name in LAYER_FIELDS if name not in entry]
-        if missing:
-            raise RuntimeError(f"checkpoint {AUTOEP_LAYERS_KEY} entry {entry} has missing fields {missing}; "
-                               "fix: load a checkpoint written by an AutoEP run")
-    return layers

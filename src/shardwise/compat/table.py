@@ -42,7 +42,6 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "shardwise.compat.universal",
         "shardwise.compat.constants",
         "shardwise.autoep.universal",
-        "shardwise.autoep.convert",
     ),
     "deepspeed.runtime.engine": ("shardwise.engine",),
     "deepspeed.runtime.lr_schedules": ("shardwise.compat.lr_schedules", "shardwise.schedulers"),
