@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.autoep.convert import autoep_config, convert_model, repoint
 from shardwise.checkpoint.engine_io import build_checkpointer
 from shardwise.checkpoint.snapshot_io import build_snapshots
 from shardwise.checkpointing.settings import (
@@ -37,7 +38,6 @@ from shardwise.config.loading import read_config_source
 from shardwise.config.model import ShardwiseConfig
 from shardwise.config.sections.training import OptimizerConfig, SchedulerConfig
 from shardwise.engine import ShardwiseEngine
-from shardwise.moe.autoep import autoep_settings, convert_model, repoint
 from shardwise.moe.declare import declare_expert_parallelism, expert_parallel_degree
 from shardwise.moe.naming import global_expert_names
 from shardwise.optim.client import adopt_client_optimizer, client_param_groups
@@ -515,22 +515,23 @@ def _apply_autoep(
     source: object, model: Any, model_parameters: Any, optimizer: Any, mpu: object, topology: Topology
 ) -> tuple[Topology, Any]:
     """The config's ``expert_parallel`` (AutoEP): declare ``ep`` and convert the model's MoE blocks
-    (:mod:`shardwise.moe.autoep`); parameter lists and a client optimizer built before are re-pointed
+    (:mod:`shardwise.autoep.convert`); parameter lists and a client optimizer built before are re-pointed
     at the kept experts. Nothing without the section (or with ``autoep_size`` 1)."""
     raw = read_config_source(source)[0] if isinstance(source, (str, os.PathLike, Mapping)) else {}
-    settings = autoep_settings(raw.get("expert_parallel"))
-    if settings is None or settings.autoep_size == 1:
+    config = autoep_config(raw.get("expert_parallel"), topology)
+    if config is None:
         return topology, model_parameters
     if mpu is not None:
         raise ValueError(
             "expert_parallel (AutoEP) with an mpu: shardwise builds expert groups in its own process layout; "
             "fix: drop mpu="
         )
-    topology = mesh.ensure_layout(ep=settings.autoep_size, source="expert_parallel.autoep_size")
-    replaced = convert_model(model, settings, topology.group_of("ep"), topology.rank_in("ep"))
+    replaced = convert_model(model, config, topology)
+    if config.autoep_size > 1:
+        topology = mesh.current_layout() or topology
     if optimizer is not None and hasattr(optimizer, "param_groups"):
         for group in optimizer.param_groups:
-            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+            group["params"] = repoint(list(group["params"]), replaced)
     return topology, repoint(model_parameters, replaced)
 
 

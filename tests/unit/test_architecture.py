@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("preflight",),  # the model-free checks of initialize, shared with `config check` (builds on a probe)
     ("runtime",),  # engine counters, the non-finite step policy, the step-hook protocol
     ("zero",),  # ZeRO stages 0-3 (optimizers, reducer, FSDP2 wrapping)
+    ("autoep",),  # the expert_parallel section: MoE blocks rebuilt for expert parallelism (reads zero.Init weights)
     ("checkpoint",),  # DCP save/load, resharding, DeepSpeed import
     ("profiling",),  # timers, flops profiler, telemetry (reads monitor/precision)
     ("compression",),  # compression_training: quantization, pruning, layer reduction (a step hook)

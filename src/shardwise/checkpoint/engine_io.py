@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.autoep.layer import AutoEPMoELayer
 from shardwise.checkpoint.checkpointer import Checkpointer, CheckpointOptions, TrainingState
 from shardwise.checkpoint.module_state import copy_whole_state
 from shardwise.checkpoint.optimizer_state import OptimizerState
@@ -307,9 +308,11 @@ def save_16bit_model(
 
 def _refuse_expert_parallel(engine: CheckpointedEngine, what: str) -> None:
     """One file from rank 0 cannot hold an expert-parallel model: the other ranks' experts are not there."""
-    if global_expert_names(engine.module):
+    autoep = any(isinstance(m, AutoEPMoELayer) and m.ep_size > 1 for m in engine.module.modules())
+    if global_expert_names(engine.module) or autoep:
         raise ValueError(
-            f"engine.{what} with expert parallelism (MoE layers with ep_size > 1): rank 0 holds only its "
+            f"engine.{what} with expert parallelism (MoE layers with ep_size > 1 or AutoEP with autoep_size > "
+            "1): rank 0 holds only its "
             "own experts; fix: engine.save_checkpoint(dir) (every expert by its global index), then "
             "`shardwise checkpoint export` or load it at ep_size=1"
         )

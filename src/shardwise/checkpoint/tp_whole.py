@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.autoep.layer import AutoEPMoELayer
 from shardwise.checkpoint import keys
 from shardwise.checkpoint.boxes import Box
 from shardwise.checkpoint.dcp_io import FlatShards, SavedEntry
@@ -154,10 +155,28 @@ class TPSlices:
         return out
 
 
+def _autoep_slices(module: nn.Module, splits: dict[str, tuple[Split, TPGroup]],
+                   shapes: dict[str, tuple[int, ...]]) -> None:
+    """AutoEP layers' expert weights: rank ``r`` of the expert-parallel group holds experts
+    ``r * L .. r * L + L - 1``, a cut of dimension 0 of the whole ``[num_experts, ...]`` tensor."""
+    for prefix, layer in module.named_modules():
+        if not isinstance(layer, AutoEPMoELayer) or layer.ep_size == 1:
+            continue
+        group = TPGroup(layer.ep_group, layer.ep_rank, layer.ep_size)
+        for pname in ("w1", "w2", "w3"):
+            name = f"{prefix}.experts.{pname}" if prefix else f"experts.{pname}"
+            shape = list(getattr(layer.experts, pname).shape)
+            shape[0] = layer.num_experts
+            splits[name] = (Split.plan(dim=0, total=layer.num_experts, parts=layer.ep_size), group)
+            shapes[name] = tuple(shape)
+
+
 def tp_slices(module: nn.Module) -> TPSlices:
-    """The split parameters of ``module``'s tensor-parallel layers (empty without any)."""
+    """The split parameters of ``module``'s tensor-parallel layers and of its AutoEP layers'
+    experts (empty without any)."""
     splits: dict[str, tuple[Split, TPGroup]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    _autoep_slices(module, splits, shapes)
     for prefix, layer in module.named_modules():
         if not isinstance(layer, TensorParallelLayer):
             continue

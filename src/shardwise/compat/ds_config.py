@@ -1,6 +1,7 @@
 """``deepspeed.runtime.config``: ``DeepSpeedConfig`` (a ds_config read and validated by shardwise, with
 DeepSpeed's attribute names), ``deepspeed.runtime.precision_config.get_bfloat16_config``, and the
-optimizer-name constants.
+optimizer-name constants. ``expert_parallel_config`` is the ``expert_parallel`` section as
+:class:`~shardwise.autoep.config.AutoEPConfig` (a ``load_balance_coeff`` other than null refused).
 
 ``DeepSpeedConfig(path_or_dict)`` is :func:`shardwise.config.load_config` (every check shardwise makes,
 errors with key, value, rule and fix; a duplicate key is refused) for this process's data-parallel
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from shardwise.autoep.config import AutoEPConfig, parse_autoep_config
 from shardwise.comm import get_rank, get_world_size, is_initialized
 from shardwise.compat.monitors import DeepSpeedMonitorConfig
 from shardwise.compat.zero_config import DeepSpeedZeroConfig
@@ -52,6 +54,8 @@ class DeepSpeedConfig:
         self.gradient_accumulation_steps = batch.gradient_accumulation_steps
         self.zero_config = DeepSpeedZeroConfig(**self._param_dict.get("zero_optimization", {}) or {}) \
             if isinstance(self._param_dict.get("zero_optimization", {}), dict) else DeepSpeedZeroConfig()
+        section = self._param_dict.get("expert_parallel")
+        self.expert_parallel_config: AutoEPConfig = parse_autoep_config(section if isinstance(section, dict) else None)
         self.zero_optimization_stage = cfg.zero_optimization.stage
         self.zero_enabled = self.zero_optimization_stage > 0
         self.monitor_config = DeepSpeedMonitorConfig(

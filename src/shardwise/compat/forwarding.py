@@ -166,9 +166,11 @@ class ForwardingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return module
 
     def exec_module(self, module: ModuleType) -> None:
-        module.__doc__ = (
-            f"{module.__name__}, forwarded to shardwise ({', '.join(sources_of(module.__name__))})"
-        )
+        sources = sources_of(module.__name__)
+        module.__doc__ = f"{module.__name__}, forwarded to shardwise ({', '.join(sources)})"
+        spec = importlib.util.find_spec(sources[0]) if sources else None
+        if spec is not None and spec.origin and spec.has_location:
+            module.__file__ = spec.origin  # where the code lives: inspect.getsource reads the first source
 
 
 _FINDER = ForwardingFinder()

@@ -22,6 +22,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.comm": ("shardwise.comm", "shardwise.comm.torch_api"),
     "deepspeed.zero": ("shardwise.zero",),
     "deepspeed.accelerator": ("shardwise.compat.accelerator",),
+    "deepspeed.accelerator.cpu_accelerator": ("shardwise.compat.cpu_accelerator",),
     "deepspeed.utils": (
         "shardwise.compat.ds_utils",
         "shardwise.utils.logging",
@@ -37,7 +38,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.checkpoint.utils": ("shardwise.compat.ds_utils",),
     "deepspeed.checkpoint": ("shardwise.compat.ds_utils", "shardwise.compat.universal"),
     "deepspeed.checkpoint.ds_to_universal": ("shardwise.compat.universal",),
-    "deepspeed.checkpoint.constants": ("shardwise.compat.universal", "shardwise.compat.constants"),
+    "deepspeed.checkpoint.constants": (
+        "shardwise.compat.universal",
+        "shardwise.compat.constants",
+        "shardwise.autoep.universal",
+    ),
     "deepspeed.runtime.engine": ("shardwise.engine",),
     "deepspeed.runtime.lr_schedules": ("shardwise.compat.lr_schedules", "shardwise.schedulers"),
     "deepspeed.runtime.zero": ("shardwise.zero",),
@@ -83,6 +88,19 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.module_inject.autotp_config": ("shardwise.tensor_parallel.specs", "shardwise.tensor_parallel.presets"),
     "deepspeed.runtime.tensor_parallel": ("shardwise.tensor_parallel.model_init",),
     "deepspeed.moe.sharded_moe": ("shardwise.moe.layer", "shardwise.moe.gating", "shardwise.moe.dispatch"),
+    "deepspeed.module_inject.auto_ep": ("shardwise.autoep.detect",),
+    "deepspeed.module_inject.auto_ep_config": ("shardwise.autoep.config", "shardwise.autoep.presets"),
+    "deepspeed.module_inject.auto_ep_layer": ("shardwise.autoep.layer",),
+    "deepspeed.module_inject.auto_ep_preset_adapters": ("shardwise.autoep.presets",),
+    "deepspeed.module_inject.auto_ep_presets": ("shardwise.autoep.presets",),
+    "deepspeed.module_inject.auto_ep_presets.base": ("shardwise.autoep.presets", "shardwise.autoep.config"),
+    "deepspeed.module_inject.auto_ep_presets.registry": ("shardwise.autoep.presets",),
+    "deepspeed.moe.ep_router": ("shardwise.autoep.router",),
+    "deepspeed.moe.ep_count": ("shardwise.autoep.router",),
+    "deepspeed.moe.ep_experts": ("shardwise.autoep.experts",),
+    "deepspeed.moe.ep_kernels": ("shardwise.autoep.experts",),
+    "deepspeed.moe.ep_repack": ("shardwise.autoep.repack",),
+    "deepspeed.checkpoint.autoep_universal": ("shardwise.autoep.universal",),
 }
 
 RENAMES: dict[str, str] = {
@@ -105,6 +123,9 @@ RENAMES: dict[str, str] = {
     "deepspeed.moe.sharded_moe._sparse_encode": "shardwise.moe.dispatch:sparse_encode",
     "deepspeed.moe.sharded_moe._sparse_decode": "shardwise.moe.dispatch:sparse_decode",
     "deepspeed.moe.sharded_moe._capacity": "shardwise.moe.gating:capacity",
+    "deepspeed.accelerator.cpu_accelerator.CPU_Accelerator": "shardwise.compat.cpu_accelerator:CpuAccelerator",
+    "deepspeed.module_inject.auto_ep_config._UNSET": "shardwise.autoep.config:UNSET",
+    "deepspeed.module_inject.auto_ep_presets.base._UNSET": "shardwise.autoep.config:UNSET",
     **{
         f"deepspeed.{path}": f"shardwise.compat.unavailable:{path.rpartition('.')[2]}"
         for path in (

@@ -62,7 +62,7 @@ args = TrainingArguments(
 )
 trainer = Trainer(model=model, args=args, train_dataset=Tokens())
 trainer.train()
-converted = sum(type(m).__name__ == "ExpertParallelExperts" for m in model.modules())
+converted = sum(type(m).__name__ == "AutoEPMoELayer" for m in model.modules())
 assert converted == (2 if size > 1 else 0), converted
 if torch.distributed.get_rank() == 0:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -126,6 +126,16 @@ DEEPSPEED_TEST_NAMES = [
     ("deepspeed.utils.zero_to_fp32", "get_optim_files"),
     ("deepspeed.sequence.layer", "DistributedAttention"),
     ("deepspeed.runtime.sequence_parallel.ulysses_sp", "UlyssesSPAttentionHF"),
+    ("deepspeed.module_inject.auto_ep", "AutoEP"),
+    ("deepspeed.module_inject.auto_ep_config", "parse_autoep_config"),
+    ("deepspeed.module_inject.auto_ep_config", "MoELayerSpec"),
+    ("deepspeed.module_inject.auto_ep_layer", "AutoEPMoELayer"),
+    ("deepspeed.module_inject.auto_ep_presets.registry", "preset_name_for_hf_model_type"),
+    ("deepspeed.moe.ep_router", "TokenChoiceTopKRouter"),
+    ("deepspeed.moe.ep_experts", "GroupedExperts"),
+    ("deepspeed.moe.ep_repack", "repack_expert_weights"),
+    ("deepspeed.checkpoint.autoep_universal", "consolidate_autoep_zero12_expert_states"),
+    ("deepspeed.accelerator.cpu_accelerator", "CPU_Accelerator"),
 ]
 
 
@@ -202,6 +212,17 @@ def test_unavailable_parts_import_and_fail_with_their_names(deepspeed_package: o
     with pytest.raises(NotImplementedError, match=r"DeepSpeedZeroOptimizer_Stage3.*engine\.optimizer"):
         DeepSpeedZeroOptimizer_Stage3()
     assert not isinstance(object(), DeepSpeedZeroOptimizer_Stage3)
+
+
+def test_a_forwarded_module_has_its_first_sources_file(deepspeed_package: object) -> None:
+    import inspect
+
+    import deepspeed.moe.ep_router  # type: ignore[import-not-found]
+
+    from shardwise.autoep import router
+
+    assert deepspeed.moe.ep_router.__file__ == router.__file__
+    assert inspect.getsource(deepspeed.moe.ep_router) == inspect.getsource(router)
 
 
 def test_dunder_names_come_only_from_the_table(deepspeed_package: object) -> None:
