@@ -139,6 +139,8 @@ def report(engine: Any, stage: int) -> dict[str, Any]:
         "muon_state_keys": state_keys,
         "state_per_element": per_element,
         "steps": engine.global_steps,
+        # DeepSpeed's engine.basic_optimizer: the torch optimizer ZeRO wraps, with the halves' settings
+        "basic_lrs": sorted({(g["use_muon"], g["lr"]) for g in engine.basic_optimizer.param_groups}),
     }
 
 

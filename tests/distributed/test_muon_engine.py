@@ -68,6 +68,7 @@ def ref() -> dict:
 def test_muon_matches_torch_muon_and_adamw(runs, ref, case):
     for rank in runs[_id(case)]:
         assert rank["optimizer"] == "MuonWithAdamW" and rank["steps"] == STEPS
+        assert rank["basic_lrs"] == [(False, muon_cases.MUON["adam_lr"]), (True, muon_cases.MUON["muon_lr"])]
         worst = max(float((a - b).abs().max()) for a, b in zip(rank["params"], ref["params"]))
         assert worst <= 1e-6, worst
         assert rank["ns_matrices"] == ref["matrices"] * STEPS > 0
