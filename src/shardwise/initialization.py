@@ -233,15 +233,6 @@ def _place_and_build_zero(
         device=device,
     )
     offload = zero.offload_optimizer_device != "none"
-    if muon and offload and zero.stage in (1, 2):
-        raise ConfigError(
-            "zero_optimization.offload_optimizer.device",
-            "Muon at ZeRO stages 1-2 orthogonalises each matrix from the flat shards on the device "
-            "(every rank assembles a bucket's update); with optimizer offload the shards are stepped as "
-            "host copies in sub-groups, which that assembly does not support yet",
-            "use stage 3 (Muon's matrices are kept whole there, offload works) or drop offload_optimizer",
-            value=zero.offload_optimizer_device,
-        )
     factory = _optimizer_factory(root.optimizer, offload, client_optimizer)
     if factory is None:
         return prepared.module, None

@@ -8,6 +8,7 @@ divided by the world size, as the engine's all-reduce / reduce-scatter does (exa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from zero_reference import _full_masters, _micro_batch, make_model
 
 import shardwise
 from shardwise.optim.muon_groups import uses_muon
+from shardwise.zero.offload import checkpoint_view
 
 MUON = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.05, "muon_lr": 0.03, "adam_lr": 0.01, "ns_method": "standard"}
 BETAS, EPS = (0.9, 0.99), 1e-8
@@ -93,37 +95,65 @@ def _weights(engine: Any, stage: int) -> list[torch.Tensor]:
     return _full_masters(engine)
 
 
-def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """``case``: stage, gas, micro_batch, steps, optional zero keys and ``init`` (zero.Init)."""
-    torch.set_num_threads(1)
+def build_engine(rank: int, case: dict[str, Any], make: Callable[[], torch.nn.Module] = make_model) -> Any:
+    """The engine for ``case`` (stage, gas, micro_batch, optional zero keys and ``init``: zero.Init)
+    on ``make()``'s model; under zero.Init rank 0 loads a plain build's values (Init draws others)."""
     cfg = config(case["stage"], case["gas"], case["micro_batch"], **case.get("zero", {}))
     if case.get("init"):
         with shardwise.zero.Init(config_dict_or_path=cfg):
-            model = make_model()
-        reference = make_model().state_dict()  # Init draws other values: load the reference's
+            model = make()
+        reference = make().state_dict()
         with shardwise.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
             if rank == 0:
                 model.load_state_dict(reference)
     else:
-        model = make_model()
+        model = make()
     engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def report(engine: Any, stage: int) -> dict[str, Any]:
+    """Final weights, the Newton-Schulz counters and the optimizer state as measured on this rank.
+
+    ``state_per_element``: for the Muon half and the AdamW half, the elements of the per-parameter
+    state tensors (scalars such as AdamW's ``step`` left out) over the elements of the tensors the
+    optimizer steps (whole matrices, flat shards or FSDP2 shards; with NVMe offload read back from
+    the swap file): 1.0 is one buffer per parameter, 2.0 two."""
+    proxy = engine.optimizer.optimizer
+    inner = getattr(proxy, "inner", proxy)  # inside optimizer offload's proxy
+    view = checkpoint_view(proxy)
+    muon_params = [p for g in view.param_groups if g["use_muon"] for p in g["params"]]
+    state_keys = sorted({tuple(sorted(view.state[p])) for p in muon_params if p in view.state})
+    per_element = {}
+    for flag in (True, False):
+        params = [p for g in view.param_groups if g["use_muon"] is flag for p in g["params"]]
+        held = sum(
+            t.numel() for p in params for t in view.state.get(p, {}).values() if torch.is_tensor(t) and t.dim() > 0
+        )
+        per_element["muon" if flag else "adamw"] = held / max(1, sum(p.numel() for p in params))
+    return {
+        "params": _weights(engine, stage),
+        "optimizer": type(inner).__name__,
+        "ns_matrices": inner.newton_schulz_matrices,
+        "ns_iterations": inner.newton_schulz_iterations,
+        "muon_state_keys": state_keys,
+        "state_per_element": per_element,
+        "steps": engine.global_steps,
+        # DeepSpeed's engine.basic_optimizer: the torch optimizer ZeRO wraps, with the halves' settings
+        "basic_lrs": sorted({(g["use_muon"], g["lr"]) for g in engine.basic_optimizer.param_groups}),
+    }
+
+
+def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """``case``: stage, gas, micro_batch, steps, optional zero keys and ``init`` (zero.Init)."""
+    torch.set_num_threads(1)
+    engine = build_engine(rank, case)
     for step in range(case["steps"]):
         for micro in range(case["gas"]):
             x, y = _micro_batch({**case, "same_data": True}, step, micro, rank)
             engine.backward(engine(x, y))
             engine.step()
-    inner = engine.optimizer.optimizer
-    inner = getattr(inner, "inner", inner)  # inside optimizer offload's proxy
-    muon_params = [p for g in inner.param_groups if g["use_muon"] for p in g["params"]]
-    state_keys = sorted({tuple(sorted(inner.state[p])) for p in muon_params if p in inner.state})
-    return {
-        "params": _weights(engine, case["stage"]),
-        "optimizer": type(inner).__name__,
-        "ns_matrices": inner.newton_schulz_matrices,
-        "ns_iterations": inner.newton_schulz_iterations,
-        "muon_state_keys": state_keys,
-        "steps": engine.global_steps,
-    }
+    return report(engine, case["stage"])
 
 
 def _full_state(engine: Any) -> dict[str, torch.Tensor]:
@@ -159,13 +189,3 @@ def load_state(rank: int, world: int, case: dict[str, Any], path: str) -> dict[s
     engine, _, _, _ = shardwise.initialize(model=model, config=config(case["stage"], 1, 2))
     engine.load_checkpoint(path, tag="muon")
     return _full_state(engine)
-
-
-def offload_refusal(rank: int, world: int) -> str:
-    """Muon with optimizer offload at stage 1: the error message (or "accepted")."""
-    cfg = config(1, 1, 2, offload_optimizer={"device": "cpu"})
-    try:
-        shardwise.initialize(model=make_model(), config=cfg)
-    except ValueError as error:
-        return str(error)
-    return "accepted"

@@ -174,8 +174,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if flat is None and p.dim() < 2:
                 raise RuntimeError(
                     f"Muon got a {p.dim()}-D tensor of {p.numel()} elements with no map to its matrices: a flat "
-                    "shard whose strategy did not attach_flat_matrices (ZeRO optimizer offload at stages 1-2 "
-                    "with Muon is not supported); fix: drop offload_optimizer, or use stage 0 or 3"
+                    "shard whose strategy did not call attach_flat_matrices; fix: give Muon whole matrices, or "
+                    "attach the flat layout (shardwise.zero.muon_shards.attach_flat_matrices)"
                 )
             if flat is None:
                 ortho = self._orthogonalize(_as_matrix(update, p.shape), group).view(p.shape)

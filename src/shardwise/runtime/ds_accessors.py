@@ -1,6 +1,6 @@
 """DeepSpeed engine accessors that only read what the engine holds: a mixin of thin methods.
 
-``local_rank``, ``mp_world_size``, ``fp16_enabled()``, ``bfloat16_enabled()``, ``gradient_clipping()``,
+``local_rank``, ``basic_optimizer``, ``mp_world_size``, ``fp16_enabled()``, ``bfloat16_enabled()``, ``gradient_clipping()``,
 ``steps_per_print()``, ``timers``, ``empty_partition_cache``,
 ``compile(backend=, compile_kwargs=)``. Kept out of ``engine.py`` so the engine stays the loop
 (``load_module_state_dict`` needs the checkpoint package: ``checkpoint/engine_io.py``).
@@ -28,6 +28,12 @@ class DeepSpeedAccessors:
     def local_rank(self) -> int:
         """This process's rank on its node."""
         return int(comm.get_local_rank())
+
+    @property
+    def basic_optimizer(self) -> Any:
+        """DeepSpeed's name for the torch optimizer ZeRO wraps (its param groups carry the config's
+        settings, e.g. Muon's ``use_muon`` halves); None without an optimizer."""
+        return None if self.optimizer is None else self.optimizer.optimizer
 
     @property
     def mp_world_size(self) -> int:

@@ -41,7 +41,7 @@ from shardwise.zero.async_gather import BucketKey, PendingGathers
 from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
 from shardwise.zero.grad_fold import divide_, scaled_step
-from shardwise.zero.muon_shards import flat_matrices
+from shardwise.zero.muon_shards import attach_flat_matrices
 from shardwise.zero.offload import checkpoint_view
 from shardwise.zero.optimizer_subset import restricted, steps_per_tensor
 from shardwise.zero.param_owner import register_owner
@@ -131,9 +131,8 @@ class ZeroOptimizer(ZeroStrategy):
         self.group_index: list[int] = []  # flat group -> user param group
         self.tp_flags: list[bool] = []
         self.optimizer = optimizer_factory(self._build_flat_groups(param_groups))
-        attach = getattr(self.optimizer, "attach_flat_matrices", None)
-        if attach is not None and policy.stage >= 1:
-            attach(flat_matrices(self.groups, self.group_index, param_groups, policy.process_group))
+        if policy.stage >= 1:  # Muon: where each shard's matrices lie (offloaded or not)
+            attach_flat_matrices(self.optimizer, self.groups, self.group_index, param_groups, policy.process_group)
         self.reducer = self._build_reducer()
         self.exchanging: GradientExchangingOptimizer | None = (
             self.optimizer if isinstance(self.optimizer, GradientExchangingOptimizer) else None
