@@ -5,7 +5,8 @@ would shadow the ``shardwise.initialize`` function on the package.)
 
 topology -> config (with the objects handed in resolving "auto") -> comms logger ->
 activation checkpointing (``shardwise.checkpointing`` configured from its section) -> precision -> module placement and dtype -> ZeRO strategy -> scheduler -> telemetry
-(monitors, timers) -> step hooks (the flops profiler...) -> checkpointer -> engine -> data loader.
+(monitors, timers) -> step hooks (the flops profiler...) -> checkpointer -> engine -> compile (only the
+legacy ``compile.disable: false``) -> data loader.
 """
 
 from __future__ import annotations
