@@ -21,6 +21,7 @@ from torch import nn
 from shardwise.checkpoint import engine_io, snapshot_io
 from shardwise.checkpoint.checkpointer import Checkpointer
 from shardwise.comm.topology import Topology
+from shardwise.compilation.compiler import ModelCompiler
 from shardwise.config.resolve import ResolvedConfig
 from shardwise.monitor.master import MonitorMaster
 from shardwise.ops.sparse_attention.from_config import SparseAttentionBuilder
@@ -64,6 +65,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         step_hooks: StepHooks,
         checkpointer: Checkpointer,
         snapshots: snapshot_io.Snapshots | None = None,
+        compiler: ModelCompiler,
     ) -> None:
         super().__init__()
         self.module = module
@@ -79,6 +81,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         self.step_hooks = step_hooks  # every part is built by initialize and injected
         self.checkpointer = checkpointer
         self.snapshots = snapshots  # periodic snapshots (checkpoint.snapshot_interval), or None
+        self.compiler = compiler  # engine.compile(): torch.compile per block (shardwise.compilation)
         self._boundary_override: bool | None = None
         self._in_no_sync = False
         self._backward_pending = False  # a backward ran since the last step()
@@ -154,6 +157,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
     def forward(self, *args: object, **kwargs: object) -> Any:
         """Call the wrapped module: step hooks adjust the arguments, then inputs are cast under
         ``fp16.auto_cast`` and autocast applies if configured."""
+        self.compiler.before_forward()
         training = self.module.training
         context = ForwardContext(global_step=self.global_steps, training=training)
         args, kwargs = self.step_hooks.adjust_forward(args, kwargs, context)
@@ -445,6 +449,23 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
+
+    # ------------------------------------------------------------------ compile: shardwise.compilation
+    def compile(
+        self,
+        backend: Any = "inductor",
+        compile_kwargs: Mapping[str, Any] | None = None,
+        schedule: object = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """``torch.compile`` each transformer block of the module (the unit stage 3 shards), or the
+        whole module's forward when it has no repeated block (DeepSpeed's ``engine.compile``)."""
+        self.compiler.compile(self.module, backend, compile_kwargs, schedule, compiled_autograd_enabled)
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` ran."""
+        return self.compiler.is_compiled
 
     # ------------------------------------------------------------------ checkpoints: checkpoint/engine_io's functions
     save_checkpoint = engine_io.save_checkpoint

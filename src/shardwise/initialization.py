@@ -5,7 +5,8 @@ would shadow the ``shardwise.initialize`` function on the package.)
 
 topology -> config (with the objects handed in resolving "auto") -> comms logger ->
 activation checkpointing (``shardwise.checkpointing`` configured from its section) -> precision -> module placement and dtype -> ZeRO strategy -> scheduler -> telemetry
-(monitors, timers) -> step hooks (the flops profiler...) -> checkpointer -> engine -> data loader.
+(monitors, timers) -> step hooks (the flops profiler...) -> checkpointer -> engine -> compile (only the
+legacy ``compile.disable: false``) -> data loader.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from shardwise.comm import mesh
 from shardwise.comm.comms_logger import configure_comms_logger
 from shardwise.comm.groups import set_topology
 from shardwise.comm.topology import Topology, build_topology
+from shardwise.compilation.compiler import ModelCompiler
 from shardwise.config import ConfigError, ResolutionContext, ResolvedConfig
 from shardwise.config.errors import AssertedValueError, ZeRORuntimeException
 from shardwise.config.loading import read_config_source
@@ -337,6 +339,7 @@ def initialize(
     _synchronize_buffers(model, topology)
     scheduler = _build_scheduler(root.scheduler, lr_scheduler, zero_optimizer)
     engine = _build_engine(cfg, model, topology, precision, zero_optimizer, scheduler, device, collate_fn)
+    _compile_if_configured(engine, root)
     loader = None
     if training_data is not None:
         loader = engine.deepspeed_io(training_data)
@@ -622,7 +625,18 @@ def _build_engine(
         step_hooks=build_step_hooks(cfg.config, model, rank=topology.world_rank, telemetry=telemetry),
         checkpointer=build_checkpointer(cfg.config.checkpoint),
         snapshots=build_snapshots(cfg.config.checkpoint),
+        compiler=ModelCompiler(cfg.config.compile),
     )
+
+
+def _compile_if_configured(engine: ShardwiseEngine, root: ShardwiseConfig) -> None:
+    """``compile.disable: false``, the pre-0.17 spelling: DeepSpeed then compiled the model itself
+    (at its first forward) with ``compile.backend`` and ``compile.kwargs``; so does this, per block."""
+    section = root.compile
+    if section.disable:
+        return
+    logger.info("compile.disable is false: compiling the model (backend %r)", section.backend)
+    engine.compile(backend=section.backend, compile_kwargs=section.kwargs)
 
 
 def _log_ready(

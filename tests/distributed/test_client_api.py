@@ -47,10 +47,8 @@ def test_load_module_state_dict_takes_whole_tensors_at_every_stage() -> None:
             assert result["same_training"] and result["same_params"], case
 
 
-def test_empty_partition_cache_and_compile() -> None:
-    stage0, stage3 = run_distributed_cases(
-        cases.partition_cache_and_compile, [0, 3], world_size=2, timeout=600
-    )
+def test_empty_partition_cache() -> None:
+    stage0, stage3 = run_distributed_cases(cases.partition_cache, [0, 3], world_size=2, timeout=600)
     for result in stage0:
         assert (
             result["between_windows"] == [] and result["after_release"] == []
@@ -60,7 +58,3 @@ def test_empty_partition_cache_and_compile() -> None:
         assert (
             result["after_release"] == result["between_windows"]
         )  # released: every sharded parameter is a shard again
-    for result in [*stage0, *stage3]:
-        assert result["is_compiled"] == (False, True) and result["compiled_call"]
-        plain, compiled = result["losses"]
-        assert plain == compiled  # the eager backend runs the same kernels

@@ -39,6 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("profiling",),  # timers, flops profiler, telemetry (reads monitor/precision)
     ("compression",),  # compression_training: quantization, pruning, layer reduction (a step hook)
     ("data_efficiency", "autotuning"),  # curriculum/sampler/random-LTD; autotuning (metric hook, space, tuners)
+    ("compilation",),  # engine.compile(): torch.compile per transformer block (zero's block notion)
     ("engine", "step_hook_factory"),  # orchestration only; the builder of the configured step hooks
     ("pipe",),  # pipeline parallelism (deepspeed.pipe): PipelineModule, topologies, schedules, PipelineEngine
     ("initialization", "launcher"),  # the two entry points: initialize() and the launcher

@@ -6,6 +6,7 @@ Each rule returns ``ConfigError``s naming the key that should change, so a user 
 
 from __future__ import annotations
 
+from shardwise.config.compile_rules import compile_errors
 from shardwise.config.errors import ConfigError
 from shardwise.config.loss_scale_rules import dynamic_scale_settings
 from shardwise.config.model import ShardwiseConfig
@@ -174,4 +175,5 @@ def cross_section_errors(cfg: ShardwiseConfig) -> list[ConfigError]:
         *_communication_rules(cfg),
         *_unsupported_rules(cfg),
         *_snapshot_rules(cfg),
+        *compile_errors(cfg),
     ]

@@ -134,6 +134,11 @@ def _param_offload_below_stage3(cfg: ShardwiseConfig, value: object, world: int)
     return cfg.zero_optimization.offload_param_device != "none"
 
 
+def _legacy_compile_off(cfg: ShardwiseConfig, value: object, world: int) -> bool:
+    key = "backend" if isinstance(value, str) else "kwargs"
+    return cfg.compile.disable and value != _default_at(f"compile.{key}")
+
+
 def _set_without_optimizer_offload(cfg: ShardwiseConfig, value: object, world: int) -> bool:
     default = _default_at("zero_optimization.sub_group_size")
     return value != default and cfg.zero_optimization.offload_optimizer_device == "none"
@@ -352,7 +357,31 @@ INERT_KEYS: tuple[InertKey, ...] = (
         "gradients are sent whole: partitioning them acts only with tensor slicing (a topology's model axis), "
         "which shardwise's pipelines refuse",
     ),
-    InertKey("compile", "the model is not compiled by shardwise; call torch.compile on it yourself"),
+    *(  # the compile section: DeepCompile's own passes' settings (deepcompile, debug_log,
+        # autoep_non_moe and disable act: shardwise.compilation; passes is refused: config/compile_rules.py)
+        InertKey(f"compile.{key}", why)
+        for key, why in (
+            ("free_activation", "autograd frees each activation once its backward used it; DeepCompile's pass that frees them earlier inside its graph does not exist here"),
+            ("free_activation_threshold", "a setting of DeepCompile's free_activation pass, which does not exist here"),
+            ("offload_activation", "DeepCompile's activation offload pass does not exist here; activation_checkpointing.cpu_checkpointing keeps checkpointed activations in host memory"),
+            ("offload_activation_pin_memory", "a setting of DeepCompile's offload_activation pass, which does not exist here"),
+            ("offload_opt_states", "DeepCompile's optimizer-state offload pass does not exist here; zero_optimization.offload_optimizer offloads the optimizer state"),
+            ("offload_parameters", "DeepCompile's parameter offload pass does not exist here; zero_optimization.offload_param (stage 3) offloads parameters"),
+            ("double_buffer", "DeepCompile's double-buffered gathers inside its graph do not exist here; stage 3 prefetches the next blocks with FSDP2 (stage3_prefetch_bucket_size)"),
+            ("symmetric_memory", "DeepCompile's symmetric-memory all-gathers do not exist here; collectives run outside the compiled blocks"),
+            *(
+                (f"sync_{when}_{what}", "no collective runs inside a compiled block (ZeRO gathers and reduces outside the graph), so there is none to synchronise")
+                for what in ("reduce", "allgather")
+                for when in ("before", "after")
+            ),
+            ("keep_int_input_tensors", "DeepCompile's profiling pass replays recorded inputs; shardwise runs no profiling pass, so no input is recorded"),
+            ("keep_all_input_tensors", "DeepCompile's profiling pass replays recorded inputs; shardwise runs no profiling pass, so no input is recorded"),
+        )
+    ),
+    *(
+        InertKey(f"compile.{key}", "compile.disable is true (its default), so nothing is compiled at initialize; engine.compile() takes its own backend and compile_kwargs", _legacy_compile_off)
+        for key in ("backend", "kwargs")
+    ),
     InertKey("checkpoint.writer", "checkpoints are written by shardwise's own writer", _present),
     InertKey("checkpoint.parallel_write", "every rank writes its own files"),
     InertKey(

@@ -1,8 +1,7 @@
 """DeepSpeed engine accessors that only read what the engine holds: a mixin of thin methods.
 
 ``local_rank``, ``basic_optimizer``, ``mp_world_size``, ``fp16_enabled()``, ``bfloat16_enabled()``, ``gradient_clipping()``,
-``steps_per_print()``, ``timers``, ``empty_partition_cache``,
-``compile(backend=, compile_kwargs=)``. Kept out of ``engine.py`` so the engine stays the loop
+``steps_per_print()``, ``timers``, ``empty_partition_cache``. Kept out of ``engine.py`` so the engine stays the loop
 (``load_module_state_dict`` needs the checkpoint package: ``checkpoint/engine_io.py``).
 """
 
@@ -22,7 +21,6 @@ class DeepSpeedAccessors:
     telemetry: Any
     module: Any
     optimizer: Any
-    _is_compiled: bool = False
 
     @property
     def local_rank(self) -> int:
@@ -101,24 +99,3 @@ class DeepSpeedAccessors:
         again (the strategy's ``release_gathered_parameters``). A no-op at stages 0-2."""
         if self.optimizer is not None:
             self.optimizer.release_gathered_parameters()
-
-    def compile(
-        self, backend: str = "inductor", compile_kwargs: dict[str, object] | None = None, schedule: object = None
-    ) -> None:
-        """``torch.compile`` the wrapped module in place (DeepSpeed's ``engine.compile``).
-
-        Raises:
-            NotImplementedError: a DeepSpeed compile ``schedule`` (its own graph passes) was given.
-        """
-        if schedule is not None:
-            raise NotImplementedError(
-                "engine.compile(schedule=...) runs DeepSpeed's own compiler passes, which shardwise does not "
-                "have: call engine.compile(backend=..., compile_kwargs=...) without schedule"
-            )
-        self.module.compile(backend=backend, **(compile_kwargs or {}))
-        self._is_compiled = True
-
-    @property
-    def is_compiled(self) -> bool:
-        """Whether :meth:`compile` ran."""
-        return self._is_compiled

@@ -128,7 +128,7 @@ def choose_units(nodes: Mapping[str, ModuleNode], rules: WrapRules) -> list[str]
             if usable(node) and node.numel >= rules.leaf_unit_min_numel:
                 units.append(name)
             return
-        blocks = _block_children(node, nodes) if node.is_container else set()
+        blocks = block_children(node, nodes)
         for child in node.children:
             if child in blocks and usable(nodes[child]):
                 units.append(child)
@@ -139,11 +139,55 @@ def choose_units(nodes: Mapping[str, ModuleNode], rules: WrapRules) -> list[str]
     return units
 
 
-def _block_children(node: ModuleNode, nodes: Mapping[str, ModuleNode]) -> set[str]:
+def block_children(node: ModuleNode, nodes: Mapping[str, ModuleNode]) -> set[str]:
+    """The *blocks* among ``node``'s children: in a container (``ModuleList``, ``Sequential``,
+    ``ModuleDict``), the children whose class occurs at least twice among the siblings (transformer
+    layers). The one definition of a block: stage 3 shards each as a unit (:func:`choose_units`) and
+    ``engine.compile`` compiles each (:func:`repeated_blocks`)."""
+    if not node.is_container:
+        return set()
     counts: dict[str, int] = {}
     for child in node.children:
         counts[nodes[child].class_path] = counts.get(nodes[child].class_path, 0) + 1
     return {c for c in node.children if counts[nodes[c].class_path] >= 2}
+
+
+def repeated_blocks(nodes: Mapping[str, ModuleNode]) -> list[str]:
+    """The outermost blocks (:func:`block_children`) of the model, in registration order.
+
+    A block counts when it has a forward of its own, parameters, and submodules: a repeated bare
+    layer (the two ``Linear`` of an MLP ``Sequential``) is one op, not a block. Blocks never nest:
+    the search does not go below a block.
+
+    Example:
+        >>> def n(name, cls, numel, children=(), container=False):
+        ...     return ModuleNode(name, cls, numel, tuple(children), len(children), container, not container, True)
+        >>> nodes = {
+        ...     "": n("", "m.GPT", 30, ["emb", "layers"]),
+        ...     "emb": n("emb", "torch.nn.Embedding", 10),
+        ...     "layers": n("layers", "torch.nn.ModuleList", 20, ["layers.0", "layers.1"], container=True),
+        ...     "layers.0": n("layers.0", "m.Block", 10, ["layers.0.fc"]),
+        ...     "layers.0.fc": n("layers.0.fc", "torch.nn.Linear", 10),
+        ...     "layers.1": n("layers.1", "m.Block", 10, ["layers.1.fc"]),
+        ...     "layers.1.fc": n("layers.1.fc", "torch.nn.Linear", 10),
+        ... }
+        >>> repeated_blocks(nodes)
+        ['layers.0', 'layers.1']
+    """
+    found: list[str] = []
+
+    def visit(name: str) -> None:
+        node = nodes[name]
+        blocks = block_children(node, nodes)
+        for child in node.children:
+            sub = nodes[child]
+            if child in blocks and sub.wrappable and sub.numel > 0 and sub.children:
+                found.append(child)
+            else:
+                visit(child)
+
+    visit("")
+    return found
 
 
 def reshard_plan(unit_numels: list[int], max_live_numel: int, max_reuse_distance: int) -> list[bool]:

@@ -136,7 +136,27 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "pipeline.seed_layers": {"pipeline": {"seed_layers": True}},
     "pipeline.pipe_partitioned": {"pipeline": {"pipe_partitioned": False}},
     "pipeline.grad_partitioned": {"pipeline": {"grad_partitioned": False}},
-    "compile": {"compile": {"deepcompile": True}},
+    **{
+        f"compile.{key}": {"compile": {key: value}}
+        for key, value in (
+            ("free_activation", True),
+            ("free_activation_threshold", 1024),
+            ("offload_activation", True),
+            ("offload_activation_pin_memory", False),
+            ("offload_opt_states", True),
+            ("offload_parameters", True),
+            ("double_buffer", False),
+            ("symmetric_memory", True),
+            ("sync_before_reduce", True),
+            ("sync_after_reduce", True),
+            ("sync_before_allgather", True),
+            ("sync_after_allgather", True),
+            ("keep_int_input_tensors", False),
+            ("keep_all_input_tensors", True),
+            ("backend", "eager"),  # compile.disable left true: nothing compiles at initialize
+            ("kwargs", {"fullgraph": True}),
+        )
+    },
     "checkpoint.writer": {"checkpoint": {"writer": {"type": "fast"}}},
     "checkpoint.parallel_write": {"checkpoint": {"parallel_write": {"pipeline_stage": True}}},
     "checkpoint.checkpoint_serialization": {"checkpoint": {"checkpoint_serialization": False}},

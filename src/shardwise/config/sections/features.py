@@ -126,12 +126,18 @@ class PipelineConfig(Section):
 
 
 class CompileConfig(Section):
-    """``compile``: torch.compile / deepcompile flags. ``disable``, ``backend`` and
-    ``kwargs`` are the pre-0.17 spelling and are still accepted."""
+    """``compile``: DeepSpeed 0.19.8's keys (DeepCompile's flags) and the pre-0.17 spelling
+    ``disable``/``backend``/``kwargs``. What each does here: ``shardwise.compilation`` (the keys
+    that act: ``deepcompile``, ``debug_log``, ``autoep_non_moe``, ``disable``/``backend``/``kwargs``),
+    ``config/inert.py`` (the ones named as ignored, with why) and ``config/compile_rules.py``
+    (``passes``, refused by name)."""
 
     deepcompile: bool = False
+    autoep_non_moe: bool = False
     free_activation: bool = False
+    free_activation_threshold: int = Field(10 * 1024 * 1024, ge=0)
     offload_activation: bool = False
+    offload_activation_pin_memory: bool = True
     offload_opt_states: bool = False
     double_buffer: bool = True
     symmetric_memory: bool = False
@@ -143,6 +149,7 @@ class CompileConfig(Section):
     sync_after_allgather: bool = False
     keep_int_input_tensors: bool = True
     keep_all_input_tensors: bool = False
+    passes: list[str] | None = None
     disable: bool = True
     backend: str = "inductor"
     kwargs: dict[str, Any] = Field(default_factory=dict)
