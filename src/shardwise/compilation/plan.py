@@ -48,10 +48,10 @@ class CompilePlan:
 
 
 def _moe_layer_types() -> tuple[type[nn.Module], ...]:
-    from shardwise.moe.autoep import ExpertParallelExperts
+    from shardwise.autoep.layer import AutoEPMoELayer
     from shardwise.moe.layer import MOELayer
 
-    return (MOELayer, ExpertParallelExperts)
+    return (MOELayer, AutoEPMoELayer)
 
 
 def plan_compile(model: nn.Module, keep_moe_eager: bool = False) -> CompilePlan:
@@ -61,7 +61,7 @@ def plan_compile(model: nn.Module, keep_moe_eager: bool = False) -> CompilePlan:
         model: the engine's module (at stage 3, already sharded with FSDP2: its blocks are the
             shard units; the FSDP2 class swap does not change what a block is).
         keep_moe_eager: keep the expert-parallel layers (``MOELayer``, AutoEP's
-            ``ExpertParallelExperts``: routing, token all-to-alls, experts) out of the graph.
+            ``AutoEPMoELayer``: routing, token all-to-alls, experts) out of the graph.
     """
     if type(model).compile is not nn.Module.compile:
         return CompilePlan([], own_compile=True)
