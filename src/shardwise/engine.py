@@ -357,11 +357,12 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
 
     def get_mom(self) -> list[Any]:
-        """Momentum (SGD/RMSprop) or betas per param group."""
+        """Betas (Adam-like groups) or momentum (SGD, RMSprop, Muon's matrices) per param group.
+
+        Read from each group, not from the optimizer's class name, which an offload wrapper hides."""
         if self.optimizer is None:
             return []
-        key = "momentum" if type(self.optimizer.optimizer).__name__ in ("SGD", "RMSprop") else "betas"
-        return [g.get(key) for g in self.optimizer.param_groups]
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
 
     # ------------------------------------------------------------------ batch size changes
     def set_train_batch_size(self, train_batch_size: int) -> None:

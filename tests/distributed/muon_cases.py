@@ -141,6 +141,7 @@ def report(engine: Any, stage: int) -> dict[str, Any]:
         "steps": engine.global_steps,
         # DeepSpeed's engine.basic_optimizer: the torch optimizer ZeRO wraps, with the halves' settings
         "basic_lrs": sorted({(g["use_muon"], g["lr"]) for g in engine.basic_optimizer.param_groups}),
+        "mom": engine.get_mom(),
     }
 
 

@@ -75,6 +75,8 @@ def test_muon_matches_torch_muon_and_adamw(runs, ref, case):
         assert rank["ns_iterations"] == 5 * rank["ns_matrices"]
         # one buffer per Muon parameter, two (exp_avg, exp_avg_sq) per AdamW one, measured in elements
         assert rank["muon_state_keys"] == [("momentum_buffer",)]
+        # get_mom reads each group (an offload wrapper hides the class name): betas or momentum, never None
+        assert rank["mom"] and all(m in (list(muon_cases.BETAS), muon_cases.BETAS, muon_cases.MUON["momentum"]) for m in rank["mom"]), rank["mom"]
         assert rank["state_per_element"] == {"muon": 1.0, "adamw": 2.0}, rank["state_per_element"]
 
 
