@@ -300,7 +300,7 @@ class DeepSpeedCheckpoint:
         ``param_slice_mappings`` order), not as a flat partition like Adam's moments; a parameter
         split across two ranks is held whole by both. None when ``key`` is not laid out so.
         """
-        mappings = [state.get("param_slice_mappings") for state in self.optim_states()]
+        mappings: list[Any] = [state.get("param_slice_mappings") for state in self.optim_states()]
         shapes = self._param_shapes()[group]
         if any(m is None for m in mappings):
             return None
