@@ -56,9 +56,11 @@ bench-setup:
 	$(DS_VENV)/bin/pip install --quiet "deepspeed==0.19.8" || $(DS_VENV)/bin/pip install --quiet deepspeed
 
 ## test-interop: universal checkpoints between real DeepSpeed 0.19.8 and shardwise, both directions, over
-## {stage 0-3} x {fp32, bf16} x {1, 2 ranks} (outside `make test`, which never needs DeepSpeed).
+## {stage 0-3} x {fp32, bf16} x {AdamW, Muon} x {1:1 2:2 2:1 3:3 2:3 3:2 3:1 save:resume ranks}
+## (outside `make test`, which never needs DeepSpeed; about an hour on 2 busy cores: narrow it).
 ## DS_PYTHON: an interpreter with DeepSpeed 0.19.8 (default: .venv-ds, created as bench-setup does);
-## INTEROP_ARGS: extra driver flags, e.g. "--stages 2 --dtypes fp32 --worlds 2:1" (see --help).
+## INTEROP_ARGS: extra driver flags (see --help): --stages, --dtypes, --optimizers, --worlds SAVE:RESUME...,
+## --writers deepspeed|shardwise, --json FILE; e.g. "--stages 2 --dtypes fp32 --optimizers Muon --worlds 3:2".
 DS_PYTHON ?=
 INTEROP_ARGS ?=
 test-interop: $(STAMP)

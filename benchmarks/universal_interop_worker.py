@@ -5,16 +5,27 @@ deepspeed``) and under a side venv with DeepSpeed 0.19.8 (``--side deepspeed``),
 execute the very same training code through DeepSpeed's API. Rank variables come from the
 environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
 
+One launch runs several cells (``--cells STAGE:DTYPE:OPTIMIZER ...``) one after the other, each with
+a fresh model and engine, so a matrix costs one interpreter start per side and world size, not one
+per cell. Cell ``c`` lives in ``--root/<c>/`` (``native/``: the writer's checkpoint, ``universal/``:
+the converted one).
+
 Actions:
 
-``save``   train ``--steps`` steps from a seeded model, save ``--ckpt`` (tag ``global_step<N>``),
-           then continue ``--more`` steps and record their losses (the writer's continued run).
-``resume`` build a differently seeded model with ``checkpoint.load_universal``, load the universal
-           checkpoint in ``--ckpt``, train ``--more`` steps and record their losses.
+``save``   per cell: train ``--steps`` steps from a seeded model, save ``native/`` (tag
+           ``global_step<N>``), convert it on rank 0 (DeepSpeed: its own ``ds_to_universal``,
+           called in-process with one worker; shardwise: ``shardwise_to_universal``), then continue
+           ``--more`` steps and record their losses (the writer's continued run). A conversion that
+           fails is recorded (``convert_error``), not fatal: the driver converts that cell with
+           shardwise's converter instead.
+``resume`` per cell: build a differently seeded model with ``checkpoint.load_universal``, load
+           ``universal/``, train ``--more`` steps and record their losses.
 
-Each step's batch is a function of the step number only (a global batch of 4 samples, each rank
+Each step's batch is a function of the step number only (a global batch of 6 samples, each rank
 taking its slice), so a run at another world size sees the same samples; the recorded loss is the
-mean over ranks (= the global batch's mean). Rank 0 writes ``{"losses": [...]}`` to ``--out``.
+mean over ranks (= the global batch's mean). Each rank appends one JSON line per finished cell to
+``--results.rank<r>``; a cell that raises writes its error line and ends the process at once (so
+the other ranks' collectives fail fast and the driver relaunches the cells after it).
 """
 
 from __future__ import annotations
@@ -22,12 +33,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
-GLOBAL_BATCH = 4
+GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
 
 
 class Net(nn.Module):
@@ -54,16 +68,37 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
-def config(stage: int, dtype: str, world: int, universal: bool) -> dict[str, Any]:
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "AdamW": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+    # DeepSpeed's Muon: the three weight matrices take Muon, the biases AdamW (adam_lr). "standard"
+    # is the Newton-Schulz iteration both sides run the same way (DeepSpeed's default "gram" runs
+    # in fp16 on DeepSpeed and as "standard" on shardwise).
+    "Muon": {
+        "type": "Muon",
+        "params": {
+            "lr": 0.01,
+            "muon_lr": 0.02,
+            "adam_lr": 0.01,
+            "momentum": 0.9,
+            "weight_decay": 0.01,
+            "ns_method": "standard",
+        },
+    },
+}
+
+
+def config(stage: int, dtype: str, world: int, universal: bool, optimizer: str = "AdamW") -> dict[str, Any]:
     """The DeepSpeed config both sides use."""
     cfg: dict[str, Any] = {
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+        "optimizer": OPTIMIZERS[optimizer],
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1000,
     }
+    if optimizer == "Muon" and stage == 3:
+        cfg["zero_optimization"]["reduce_scatter"] = False  # DeepSpeed refuses Muon with it at stage 3
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if universal:
@@ -71,16 +106,92 @@ def config(stage: int, dtype: str, world: int, universal: bool) -> dict[str, Any
     return cfg
 
 
+def error_line(error: BaseException) -> str:
+    """``Type: message (file:line)``, the line being the innermost DeepSpeed or shardwise frame."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if "/deepspeed/" in f.filename or "/shardwise/" in f.filename] or frames
+    where = f" ({Path(ours[-1].filename).name}:{ours[-1].lineno})" if ours else ""
+    return f"{type(error).__name__}: {error}{where}"[:400]
+
+
+def convert(side: str, native: Path, universal: Path, tag: str) -> str | None:
+    """Rank 0: the writer side's own converter; returns its error line, or None."""
+    try:
+        if side == "deepspeed":
+            from deepspeed.checkpoint import ds_to_universal
+
+            ds_to_universal.main(
+                SimpleNamespace(
+                    input_folder=str(native / tag),
+                    output_folder=str(universal / tag),
+                    num_extract_workers=1,
+                    num_merge_workers=1,
+                    keep_temp_folder=False,
+                    strict=True,
+                    inject_missing_state=True,
+                )
+            )
+        else:
+            from shardwise.checkpoint.universal_write import shardwise_to_universal
+
+            shardwise_to_universal(native, universal)
+    except BaseException as error:
+        return error_line(error)
+    return None
+
+
+def run_cell(deepspeed: Any, args: argparse.Namespace, cell: str, rank: int, world: int) -> dict[str, Any]:
+    """Save (and convert) or resume one cell; returns its record."""
+    stage_s, dtype, optimizer = cell.split(":")
+    stage = int(stage_s)
+    folder = Path(args.root) / cell.replace(":", "-")
+    native, universal = folder / "native", folder / "universal"
+    torch.manual_seed(0 if args.action == "save" else 1)
+    model = Net()
+    cfg = config(stage, dtype, world, universal=args.action == "resume", optimizer=optimizer)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+
+    def step(n: int) -> float:
+        x, y = batch(n, rank, world)
+        loss = engine(x.to(torch_dtype), y)
+        engine.backward(loss)
+        engine.step()
+        value = loss.detach().float().clone()
+        torch.distributed.all_reduce(value)
+        return float(value) / world
+
+    record: dict[str, Any] = {"cell": cell}
+    if args.action == "save":
+        for n in range(args.steps):
+            step(n)
+        tag = f"global_step{args.steps}"
+        engine.save_checkpoint(str(native), tag=tag)
+        torch.distributed.barrier()
+        if rank == 0:
+            record["convert_error"] = convert(args.side, native, universal, tag)
+        torch.distributed.barrier()
+        start = args.steps
+    else:
+        path, _ = engine.load_checkpoint(str(universal))
+        if path is None:
+            raise RuntimeError(f"load_checkpoint({universal}) loaded nothing")
+        start = int(engine.global_steps)
+    record["losses"] = [step(start + i) for i in range(args.more)]
+    record["global_steps"] = int(engine.global_steps)
+    torch.distributed.barrier()
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--side", choices=["deepspeed", "shardwise"], required=True)
     parser.add_argument("--action", choices=["save", "resume"], required=True)
-    parser.add_argument("--stage", type=int, required=True)
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], required=True)
+    parser.add_argument("--cells", nargs="+", required=True, help="STAGE:DTYPE:OPTIMIZER ...")
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--results", required=True, help="each rank appends to <results>.rank<r>")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--more", type=int, default=2)
-    parser.add_argument("--ckpt", required=True)
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     if args.side == "deepspeed":
@@ -89,38 +200,16 @@ def main() -> None:
         import shardwise as deepspeed  # type: ignore[no-redef]
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-
-    torch.manual_seed(0 if args.action == "save" else 1)
-    model = Net()
-    cfg = config(args.stage, args.dtype, world, universal=args.action == "resume")
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-
-    def step(n: int) -> float:
-        x, y = batch(n, rank, world)
-        loss = engine(x.to(dtype), y)
-        engine.backward(loss)
-        engine.step()
-        value = loss.detach().float().clone()
-        torch.distributed.all_reduce(value)
-        return float(value) / world
-
-    start = 0
-    if args.action == "save":
-        for n in range(args.steps):
-            step(n)
-        engine.save_checkpoint(args.ckpt, tag=f"global_step{args.steps}")
-        start = args.steps
-    else:
-        path, _ = engine.load_checkpoint(args.ckpt)
-        if path is None:
-            raise SystemExit(f"load_checkpoint({args.ckpt}) loaded nothing")
-        start = int(engine.global_steps)
-    losses = [step(start + i) for i in range(args.more)]
-    if rank == 0:
-        with open(args.out, "w") as handle:
-            json.dump({"losses": losses, "global_steps": int(engine.global_steps)}, handle)
-    torch.distributed.barrier()
+    with open(f"{args.results}.rank{rank}", "a") as results:
+        for cell in args.cells:
+            try:
+                record = run_cell(deepspeed, args, cell, rank, world)
+            except BaseException as error:
+                results.write(json.dumps({"cell": cell, "error": error_line(error)}) + "\n")
+                results.flush()
+                os._exit(1)
+            results.write(json.dumps(record) + "\n")
+            results.flush()
     # DeepSpeed's CPU communication threads can abort the interpreter's teardown ("terminate called
     # without an active exception") after all work is done; leave without it, results are written.
     os._exit(0)

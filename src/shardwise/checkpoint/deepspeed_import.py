@@ -274,68 +274,177 @@ class DeepSpeedCheckpoint:
             flat_numel = self._flat_groups(
                 "fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"
             )[0][g].numel()
-            for key in _elementwise_keys(state0, flat_numel):
-                per_rank = [[inner["state"][gg][key] for gg in sorted(inner["state"])] for inner in inners]
+            elementwise = _elementwise_keys(state0, flat_numel)
+            for key in elementwise:
+                per_rank = [
+                    [inner["state"][gg].get(key) for gg in sorted(inner["state"])] for inner in inners
+                ]
                 for name, tensor in self._assemble(per_rank, g, shapes).items():
                     out[f"optim/{name}/{key}"] = tensor
             for key, value in state0.items():
-                if key not in _elementwise_keys(state0, flat_numel):
-                    for name in shapes:
-                        out[f"optim/{name}/{key}"] = value
+                if key in elementwise:
+                    continue
+                whole = self._whole_param_state(inners, g, key) if torch.is_tensor(value) else None
+                for name in shapes:
+                    out[f"optim/{name}/{key}"] = value if whole is None else whole[name]
             hyper = {k: v for k, v in inners[0]["param_groups"][g].items() if k != "params"}
             groups.append({**hyper, keys.PARAM_NAMES: list(shapes)})
         out[keys.PARAM_GROUPS] = groups
         return out
 
+    def _whole_param_state(self, inners: list[Any], group: int, key: str) -> dict[str, torch.Tensor] | None:
+        """DeepSpeed's ZeRO-1/2 Muon momentum: per rank, the whole parameters its partition touches.
+
+        Muon orthogonalises whole matrices, so DeepSpeed keeps each rank's ``momentum_buffer`` as
+        the concatenation of every parameter that overlaps the rank's partition (in the rank's
+        ``param_slice_mappings`` order), not as a flat partition like Adam's moments; a parameter
+        split across two ranks is held whole by both. None when ``key`` is not laid out so.
+        """
+        mappings: list[Any] = [state.get("param_slice_mappings") for state in self.optim_states()]
+        shapes = self._param_shapes()[group]
+        if any(m is None for m in mappings):
+            return None
+        out: dict[str, torch.Tensor] = {}
+        for inner, mapping in zip(inners, mappings):
+            tensor = inner["state"].get(group, {}).get(key)
+            names = list(mapping[group])
+            if not torch.is_tensor(tensor) or tensor.numel() != sum(math.prod(shapes[n]) for n in names):
+                return None
+            offset = 0
+            for name in names:
+                numel = math.prod(shapes[name])
+                out.setdefault(name, tensor.reshape(-1)[offset : offset + numel].view(shapes[name]).clone())
+                offset += numel
+        return out if set(out) == set(shapes) else None
+
     def _stage0_optimizer(self, trainable_names: Sequence[str]) -> dict[str, Any] | None:
+        """Stage 0: a plain torch optimizer's state dict, or DeepSpeed's 16-bit wrapper around one.
+
+        The bf16/fp16 wrappers save ``optimizer_state_dict`` (the inner optimizer's) with the fp32
+        masters either as one flat tensor per group (``fp32_groups_flat``: the fused wrapper, whose
+        inner state is flat too) or per parameter (``fp32_groups``: the unfused wrapper, which
+        DeepSpeed uses for Muon).
+        """
         saved = self.model.get("optimizer")
-        if not isinstance(saved, dict) or "state" not in saved or "param_groups" not in saved:
+        wrapper = saved if isinstance(saved, dict) and "optimizer_state_dict" in saved else None
+        inner = wrapper["optimizer_state_dict"] if wrapper is not None else saved
+        if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
             logger.warning(
-                "%s: the stage-0 optimizer state is not a plain torch optimizer state dict (a 16-bit wrapper); "
-                "only the weights are imported",
+                "%s: the stage-0 optimizer state is neither a torch optimizer state dict nor DeepSpeed's "
+                "16-bit wrapper around one; only the weights are imported",
                 self.tag_dir,
             )
             return None
-        ids = [i for group in saved["param_groups"] for i in group["params"]]
-        params = [n for n in self.model["module"] if n not in self.buffer_names]
-        names = (
-            list(trainable_names)
-            if len(ids) == len(trainable_names)
-            else params
-            if len(ids) == len(params)
-            else None
+        module = self.model["module"]
+        flat = wrapper.get("fp32_groups_flat") if wrapper is not None else None
+        groups_names = self._stage0_group_names(
+            inner["param_groups"], trainable_names, None if flat is None else [t.numel() for t in flat]
         )
-        if names is None:
+        if groups_names is None:
+            return None
+        out: dict[str, Any] = {}
+        groups = []
+        for g, (group, members) in enumerate(zip(inner["param_groups"], groups_names)):
+            shapes = {n: tuple(module[n].shape) for n in members}
+            if wrapper is not None and "fp32_groups_flat" in wrapper:  # one flat group, flat state
+                out.update(_split_flat(wrapper["fp32_groups_flat"][g], shapes, "master/{}"))
+                state = inner["state"].get(group["params"][0], {}) if group["params"] else {}
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.numel() == wrapper["fp32_groups_flat"][g].numel():
+                        out.update(_split_flat(value, shapes, f"optim/{{}}/{key}"))
+                    else:
+                        out.update({f"optim/{n}/{key}": value for n in members})
+            else:
+                masters = (
+                    wrapper["fp32_groups"][g] if wrapper is not None and "fp32_groups" in wrapper else None
+                )
+                for position, (index, name) in enumerate(zip(group["params"], members)):
+                    master = masters[position] if masters is not None else module[name]
+                    out[f"master/{name}"] = master.detach().float().reshape(shapes[name])
+                    for key, value in inner["state"].get(index, {}).items():
+                        if torch.is_tensor(value) and key != "step" and tuple(value.shape) != shapes[name]:
+                            raise ValueError(
+                                f"{self.tag_dir}: optimizer state {key} of {name} has the wrong shape "
+                                f"{tuple(value.shape)} (the parameter's is {shapes[name]})"
+                            )
+                        out[f"optim/{name}/{key}"] = value
+                if "bias_correction" in group:
+                    _one_step_per_group(out, members)
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, keys.PARAM_NAMES: members})
+        out[keys.PARAM_GROUPS] = groups
+        return out
+
+    def _stage0_group_names(
+        self,
+        param_groups: Sequence[Mapping[str, Any]],
+        trainable_names: Sequence[str],
+        flat_numels: Sequence[int] | None = None,
+    ) -> list[list[str]] | None:
+        """The parameter names of each saved group, in the group's order.
+
+        Groups take the trainable parameters in module order (a flat group, ``flat_numels``,
+        as many as fill its size), except DeepSpeed's Muon halves
+        (``use_muon`` in the group): a Muon group takes the next Muon matrices (DeepSpeed's rule)
+        sorted by shape, largest first, as DeepSpeed's Muon optimizer reorders them; an Adam
+        half takes the next other parameters.
+        """
+        from shardwise.optim.muon_groups import uses_muon
+
+        module = self.model["module"]
+        params = [n for n in module if n not in self.buffer_names]
+        counts = [len(group["params"]) for group in param_groups]
+        if flat_numels is not None:
+            counts, position = [], 0
+            for numel in flat_numels:
+                start = position
+                while position < len(trainable_names) and numel > 0:
+                    numel -= math.prod(module[trainable_names[position]].shape)
+                    position += 1
+                counts.append(position - start if numel == 0 else -1)
+            if min(counts, default=0) < 0:
+                logger.warning(
+                    "%s: the flat fp32 groups do not add up to the trainable parameters; only the weights "
+                    "are imported",
+                    self.tag_dir,
+                )
+                return None
+        names = list(trainable_names) if sum(counts) == len(trainable_names) else params
+        if sum(counts) != len(names):
             logger.warning(
                 "%s: the optimizer has %d parameters, which matches neither the %d trainable nor all %d parameters; "
                 "only the weights are imported",
                 self.tag_dir,
-                len(ids),
+                sum(counts),
                 len(trainable_names),
                 len(params),
             )
             return None
-        module = self.model["module"]
-        out: dict[str, Any] = {f"master/{n}": module[n].float() for n in names}
-        for index, name in zip(ids, names):
-            for key, value in saved["state"].get(index, {}).items():
-                if (
-                    torch.is_tensor(value)
-                    and key != "step"
-                    and tuple(value.shape) != tuple(module[name].shape)
-                ):
-                    raise ValueError(f"{self.tag_dir}: optimizer state {key} of {name} has the wrong shape")
-                out[f"optim/{name}/{key}"] = value
-        position = 0
-        groups = []
-        for group in saved["param_groups"]:
-            members = names[position : position + len(group["params"])]
-            position += len(group["params"])
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, keys.PARAM_NAMES: members})
-            if "bias_correction" in group:
-                _one_step_per_group(out, members)
-        out[keys.PARAM_GROUPS] = groups
+        pools = {
+            None: list(names),
+            True: [n for n in names if uses_muon(n, tuple(module[n].shape))],
+            False: [n for n in names if not uses_muon(n, tuple(module[n].shape))],
+        }
+        out = []
+        for group, count in zip(param_groups, counts):
+            kind = group.get("use_muon")
+            pool = pools[None if kind is None else bool(kind)]
+            members, pool[:] = pool[:count], pool[count:]
+            if kind:
+                members = sorted(members, key=lambda n: tuple(module[n].shape), reverse=True)
+            out.append(members)
         return out
+
+
+def _split_flat(
+    flat: torch.Tensor, shapes: Mapping[str, tuple[int, ...]], key: str
+) -> dict[str, torch.Tensor]:
+    """Cut a flat tensor into the named shapes, back to back (``key`` formats each name)."""
+    out, offset = {}, 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        out[key.format(name)] = flat.reshape(-1)[offset : offset + numel].float().view(shape).clone()
+        offset += numel
+    return out
 
 
 def _one_step_per_group(state: dict[str, Any], members: Sequence[str]) -> None:

@@ -184,7 +184,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
             else:
                 self._flat_step(p, update, flat, group)
 
-    def _flat_step(self, shard: torch.Tensor, update: torch.Tensor, flat: FlatMatrices, group: dict[str, Any]) -> None:
+    def _flat_step(
+        self, shard: torch.Tensor, update: torch.Tensor, flat: FlatMatrices, group: dict[str, Any]
+    ) -> None:
         """Orthogonalise every matrix of the shard's bucket from the assembled update; apply this shard's slice."""
         lo, hi = flat.own
         whole = torch.zeros(flat.bucket_numel, dtype=update.dtype, device=update.device)
@@ -200,14 +202,26 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 continue
             piece = shard[start - lo : stop - lo]
             piece.mul_(1 - lr * wd)
-            piece.add_(ortho[start - offset : stop - offset], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], matrix.shape))
+            piece.add_(
+                ortho[start - offset : stop - offset],
+                alpha=-_adjust_lr(lr, group["adjust_lr_fn"], matrix.shape),
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load, then the AdamW half re-linked to the new group dicts and state."""
+        """torch's load, then the AdamW half re-linked to the new group dicts and state.
+
+        A plain-number ``step`` (DeepSpeed's universal checkpoints hold ints) becomes the float32
+        tensor torch's AdamW steps with, as ``AdamW.__setstate__`` does for its own loads.
+        """
         super().load_state_dict(state_dict)
         if self._adam is not None:
             self._adam.param_groups = [g for g in self.param_groups if not g["use_muon"]]
             self._adam.state = self.state
+            for group in self._adam.param_groups:
+                for p in group["params"]:
+                    state = self.state.get(p, {})
+                    if "step" in state and not torch.is_tensor(state["step"]):
+                        state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
 
 def _check_muon_group(group: dict[str, Any]) -> None:
