@@ -144,3 +144,11 @@ def run_stage3(rank: int, world: int, tmp: str, under_init: bool) -> dict:
         "resumed_steps": compression_scheduler(fresh).training_steps,
         "resumed_bits": fresh.output.compression["weight_quantization"].bits,
     }
+
+
+def run_case(rank: int, world: int, case: dict) -> dict:
+    """One case of the test module's grid (``run_distributed_cases``): ``run`` or ``run_stage3`` in its own
+    checkpoint directory."""
+    if case["kind"] == "stage3":
+        return run_stage3(rank, world, case["tmp"], case["under_init"])
+    return run(rank, world, case["tmp"], case["stage"], case["bf16"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 
 import pytest
@@ -258,6 +259,8 @@ def _start_facts(rank: int, world_size: int) -> dict:
         "late_env": os.environ.get("SHARDWISE_HARNESS_LATE"),
         "threads": torch.get_num_threads(),
         "parent_pid": os.getppid(),
+        # imported by the forkserver, not by this module: a forked rank has it without paying for it
+        "engine_preloaded": "shardwise.engine" in sys.modules,
     }
 
 
@@ -275,3 +278,4 @@ def test_ranks_see_the_parents_current_environment_whatever_the_start_method(
     assert [f["threads"] for f in facts] == [max(1, _available_cpus() // 2)] * 2
     forked_from_server = facts[0]["parent_pid"] != os.getpid()
     assert forked_from_server == (method == "forkserver")
+    assert [f["engine_preloaded"] for f in facts] == [method == "forkserver"] * 2

@@ -44,18 +44,34 @@ def _max_abs(a, b):
     return (a - b).abs().max().item()
 
 
-def _parity(stage: int, bf16: bool) -> list[dict]:
-    # stages 1 and 3 pad the last 7 positions (labels -100): the two halves then count 16 and 9
-    # tokens, so only the token-weighted reduction makes SP=2 equal SP=1
-    case = {"stage": stage, "bf16": bf16, "steps": STEPS, **({"pad_to": 25} if stage % 2 else {})}
-    (ranks,) = run_distributed_cases(cases.parity_case, [case], world_size=2, timeout=600)
+# stages 1 and 3 pad the last 7 positions (labels -100): the two halves then count 16 and 9
+# tokens, so only the token-weighted reduction makes SP=2 equal SP=1
+PARITY_CASES = [
+    {"stage": stage, "bf16": bf16, "steps": STEPS, **({"pad_to": 25} if stage % 2 else {})}
+    for bf16 in (False, True)
+    for stage in (0, 1, 2, 3)
+]
+
+
+@pytest.fixture(scope="module")
+def parity_runs() -> dict[tuple[int, bool], list[dict]]:
+    """All eight SP=2-vs-SP=1 trainings in one spawn: each case resets the layout, seeds its model and
+    data and restores the attention table (parity_case), so sharing the ranks changes no number, and
+    the ranks import transformers and set up the group once instead of eight times. A failing case
+    is named in the error (run_distributed_cases)."""
+    runs = run_distributed_cases(cases.parity_case, PARITY_CASES, world_size=2, timeout=2400)
+    return {(case["stage"], case["bf16"]): ranks for case, ranks in zip(PARITY_CASES, runs, strict=True)}
+
+
+def _parity(runs: dict[tuple[int, bool], list[dict]], stage: int, bf16: bool) -> list[dict]:
+    ranks = runs[(stage, bf16)]
     assert ranks[0]["sp2_sizes"] == (2, 2, 1)  # sequence_parallel_size, seq_dp_world_size, dp_world_size
     return ranks
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_tiny_llama_sp2_matches_sp1_fp32(stage: int) -> None:
-    for result in _parity(stage, bf16=False):
+def test_tiny_llama_sp2_matches_sp1_fp32(parity_runs, stage: int) -> None:
+    for result in _parity(parity_runs, stage, bf16=False):
         sp1, sp2 = result["sp1"], result["sp2"]
         # fp32: SP moves the same numbers; only summation orders differ (the loss over two halves,
         # the weight gradients summed per half then over the group): a few ulps per step, and plain
@@ -68,9 +84,9 @@ def test_tiny_llama_sp2_matches_sp1_fp32(stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_tiny_llama_sp2_matches_sp1_bf16(stage: int) -> None:
+def test_tiny_llama_sp2_matches_sp1_bf16(parity_runs, stage: int) -> None:
     u = BF16_UNIT_ROUNDOFF
-    for result in _parity(stage, bf16=True):
+    for result in _parity(parity_runs, stage, bf16=True):
         sp1, sp2 = result["sp1"], result["sp2"]
         # bf16 (u = 2^-8): every activation and gradient partial is rounded once per run, and SP
         # rounds different partial sums (two half-sequence sums instead of one), so an element may

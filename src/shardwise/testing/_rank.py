@@ -125,6 +125,10 @@ def worker_main(spec: RankSpec, conn: Connection) -> None:
             world_size=spec.world_size,
             timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
         )
+        # gloo's constructor can return on one rank while a peer is still finishing its handshake;
+        # a rank whose test function returns at once would then tear the group down under that
+        # peer ("Connection closed by peer" in connectFullMesh). Nobody leaves before all are in.
+        dist.barrier()
         phase = "the test function"
         result = fn(spec.rank, spec.world_size, *args, **kwargs)
         phase = "pickling the return value"

@@ -6,8 +6,9 @@ sets the usual launcher variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``L
 group, calls ``fn(rank, world_size, *args, **kwargs)`` and sends the return value back to the parent.
 
 Ranks are forked from a ``forkserver``: one clean, single-threaded server process per test session
-that imported torch once, so a rank starts in milliseconds instead of paying torch's import (about
-1.5 s of CPU per rank, which dominated the suite on a 2-core machine). Never plain ``fork``: a child
+that imported torch and the engine once (``_PRELOAD``), so a rank starts in milliseconds instead of
+paying those imports (about 1.5 s of CPU per rank for torch and as much again for the engine's
+torch.distributed.checkpoint/tensor, which dominated the suite on a 2-core machine). Never plain ``fork``: a child
 forked from the parent would inherit its torch thread pools and locks. A forked rank is still a
 fresh process for everything the tests look at: it gets the parent's current environment and
 ``sys.path`` (not the server's), its thread count is set with ``torch.set_num_threads``, and nothing
@@ -344,8 +345,23 @@ def _rank_env(
     return env
 
 
-#: what a forkserver loads once, so each rank forks with torch already imported
-_PRELOAD = ["torch", "torch.distributed", "shardwise.testing._rank"]
+#: what a forkserver loads once, so each rank forks with it already imported. Beyond torch, the
+#: modules nearly every rank imports: the engine (it pulls in DCP, DTensor, FSDP, dynamo and sympy,
+#: seconds of CPU per rank on a 2-core machine), the optimizers, the test models, and pytest (a rank
+#: re-imports the parent's ``__main__``, which is pytest's under ``python -m pytest``, and the test
+#: modules import it). None of them starts a thread or seeds a random generator (numpy.random stays
+#: unloaded, so each rank seeds its own), and the variables read while they are imported (torch's
+#: TORCH*/TORCHDYNAMO*, ``SHARDWISE_LOG_LEVEL``) are the session's, as for torch itself: no test sets
+#: them per rank. A module that fails to import here is left to the rank, which reports the error.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "shardwise.testing._rank",
+    "shardwise.engine",
+    "shardwise.optim",
+    "shardwise.testing.models",
+    "pytest",
+]
 
 
 def _start_context() -> SpawnContext | ForkServerContext:
