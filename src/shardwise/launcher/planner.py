@@ -75,6 +75,7 @@ LAUNCHERS = ("pdsh", "ssh", "openmpi", "mpich", "impi", "mvapich", "slurm", LOCA
 EXPORT_PREFIXES = ("NCCL", "PYTHON", "MLFLOW", "MV2", "UCX", "SHARDWISE", "TORCH_", "DEEPSPEED_TIMEOUT")
 # Never forwarded: they describe this machine or this process, not the job.
 _NO_EXPORT = frozenset({"PYTHONHOME", "PYTHONSTARTUP", "PYTHONEXECUTABLE", "SHARDWISE_RUN_DIR"})
+_BINARIES_OF = {"openmpi": "mpirun", "mpich": "mpirun", "impi": "mpirun", "mvapich": "mpirun", "slurm": "srun"}
 _LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
@@ -532,6 +533,12 @@ def plan_launch(
         raise ValueError(
             f"--launcher {runner} starts every rank of the hostfile through mpirun: --include, --exclude, "
             "--num_nodes and --num_gpus cannot be honoured. Edit the hostfile instead (as with DeepSpeed)."
+        )
+    if options.elastic_training and runner in ("openmpi", "mpich", "impi", "mvapich", "slurm"):
+        raise ValueError(
+            f"--elastic_training cannot be honoured by --launcher {runner}: {_BINARIES_OF[runner]} starts every rank "
+            "itself with a fixed world size (no torchrun agent, no c10d rendezvous), so no node can leave or join. "
+            "Use --launcher pdsh, ssh or local for an elastic run, or drop --elastic_training."
         )
     nodes = assign_ranks(resources)
     if options.no_ssh and options.node_rank >= len(nodes):

@@ -17,8 +17,8 @@ Two halves:
   ``impi``
   ``mvapich``   ``mpirun -np N -ppn P --hostfile /tmp/shardwise_mvapich_hostfile`` with
                 DeepSpeed's ``MV2_*`` settings
-  ``slurm``     ``srun -n N [--nodelist ...] --export=ALL,K=V python -u -m
-                shardwise.launcher.worker -- script args``
+  ``slurm``     ``srun -n N [--nodelist ...] --kill-on-bad-exit=1 --export=ALL,K=V python
+                -u -m shardwise.launcher.worker -- script args``
   ============  ===========================================================================
 
   With the MPI and SLURM backends the MPI launcher or srun is the process manager (it
@@ -224,6 +224,10 @@ def build_commands(plan: LaunchPlan, cwd: str) -> list[RunnerCommand]:
             argv += ["--nodes", str(options.num_nodes)]
         if options.num_gpus > 0:
             argv += ["--gpus-per-node", str(per_node)]
+        if not any(a == "-K" or a.startswith(("--kill-on-bad-exit", "-K")) for a in extra):
+            # A failed rank ends the step at once (as the other runners stop every node), not
+            # when the others time out: the cluster's default KillOnBadExit=0 lets them run on.
+            argv.append("--kill-on-bad-exit=1")
         argv.append("--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items()))
         return [RunnerCommand("all ranks", (*argv, *_rank_program(plan)))]
     raise ValueError(f"unknown runner {runner!r}")  # plan_launch validated it already
