@@ -52,6 +52,7 @@ __all__ = [
     "LaunchOptions",
     "LaunchPlan",
     "NodeLaunch",
+    "agent_restarts",
     "collect_exports",
     "describe_plan",
     "env_file_paths",
@@ -404,6 +405,23 @@ def max_restarts(options: LaunchOptions) -> int:
     return 3 if options.elastic_training else 0
 
 
+def agent_restarts(options: LaunchOptions, rendezvous: str, nnodes: str) -> int:
+    """torchrun's ``--max-restarts`` on each node: :func:`max_restarts`, except 0 for a
+    fixed-size job over several nodes (static rendezvous), which the launcher restarts as a
+    whole instead: torch's static rendezvous never tells the other agents that one node
+    restarted its ranks, so they would first wait out the collective timeout (and a node whose
+    rank hangs would never restart at all).
+
+    Example:
+        >>> options = LaunchOptions("t.py", max_restarts=2)
+        >>> agent_restarts(options, "static", "1"), agent_restarts(options, "static", "3")
+        (2, 0)
+    """
+    if rendezvous == "static" and nnodes.isdigit() and int(nnodes) > 1:
+        return 0
+    return max_restarts(options)
+
+
 def rdzv_id(options: LaunchOptions) -> str:
     """The rendezvous id shared by every node of the job."""
     return options.rdzv_id or f"shardwise-{options.master_port}"
@@ -446,7 +464,7 @@ def torchrun_args(
         master_port=options.master_port,
         node_rank=node.node_rank if node_rank is None else node_rank,
         rdzv_id=rdzv_id(options),
-        max_restarts=max_restarts(options),
+        max_restarts=agent_restarts(options, rendezvous, nnodes),
         log_dir=options.each_rank_log,
     )
     return prefix + worker_args(options)

@@ -46,7 +46,14 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from shardwise.launcher.lifeline import preexec_die_with
-from shardwise.launcher.planner import DEFAULT_HOSTFILE, LOCAL, LaunchPlan, max_restarts, rdzv_id, worker_args
+from shardwise.launcher.planner import (
+    DEFAULT_HOSTFILE,
+    LOCAL,
+    LaunchPlan,
+    agent_restarts,
+    rdzv_id,
+    worker_args,
+)
 from shardwise.utils.logging import logger
 
 __all__ = ["MVAPICH_HOSTFILE", "RunnerCommand", "build_commands", "check_backend", "run_commands"]
@@ -170,7 +177,7 @@ def build_commands(plan: LaunchPlan, cwd: str) -> list[RunnerCommand]:
             f"--rendezvous={plan.rendezvous}",
             f"--nnodes={plan.nnodes}",
             f"--rdzv_id={rdzv_id(options)}",
-            f"--max_restarts={max_restarts(options)}",
+            f"--max_restarts={agent_restarts(options, plan.rendezvous, plan.nnodes)}",
             *([f"--log_dir={options.each_rank_log}"] if options.each_rank_log else []),
             "--",
             *worker_args(options),
