@@ -134,9 +134,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ[AGENT_PID_VAR] = str(os.getpid())
     args = list(sys.argv[1:] if argv is None else argv)
     job = static_job(args)
-    from torch.distributed.launcher.api import LaunchConfig
+    from torch.distributed.run import get_args_parser
 
-    if "signals_to_handle" in LaunchConfig.__dataclass_fields__ and not any(
+    if "--signals-to-handle" in get_args_parser()._option_string_actions and not any(
         a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in args
     ):
         # torchrun installs its SIGTERM handler each time it starts ranks unless told not to
