@@ -67,19 +67,28 @@ def static_job(argv: Sequence[str]) -> tuple[str, int, int] | None:
     return options["master-addr"], int(options["master-port"]), int(options.get("node-rank", "0") or 0)
 
 
-def _continue_children() -> None:
-    """SIGCONT to every child of this process (torchrun's ranks)."""
-    me = os.getpid()
+def _children() -> list[int]:
+    """The pids of this process's children (torchrun's ranks), from ``/proc``."""
+    me, found = os.getpid(), []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat", encoding="utf-8") as handle:
-                ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
-            if ppid == me:
-                os.kill(int(entry), signal.SIGCONT)
+                if int(handle.read().rsplit(")", 1)[1].split()[1]) == me:
+                    found.append(int(entry))
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
+    return found
+
+
+def _continue_children() -> None:
+    """SIGCONT to every child of this process (torchrun's ranks)."""
+    for pid in _children():
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except OSError:
+            continue
 
 
 def _on_sigterm(signum: int, _frame: FrameType | None) -> None:
@@ -106,7 +115,12 @@ def _watch(host: str, port: int) -> None:
     while not _given_up.wait(_WATCH_INTERVAL_S):
         try:
             if store is None:
-                store = _connect(host, port, 5.0)
+                # Only while this node runs ranks: the rendezvous store is up then (a store client
+                # that fails to connect is avoided; the agent once aborted in one, "terminate called
+                # without an active exception"), and a finished job's store may be gone.
+                if not _children():
+                    continue
+                store = _connect(host, port, 30.0)
             if store.check([JOB_FAILED_KEY]):
                 failed = store.get(JOB_FAILED_KEY).decode(errors="replace")
                 logger.warning("node %s gave up on the job; stopping this node's ranks", failed)

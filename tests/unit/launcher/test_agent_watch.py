@@ -40,6 +40,7 @@ def test_an_announced_failure_stops_the_watching_agent(monkeypatch: pytest.Monke
     port = _free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
     monkeypatch.setattr(agent, "_WATCH_INTERVAL_S", 0.05)
+    monkeypatch.setattr(agent, "_children", lambda: [1])  # the agent runs ranks: it watches
     sent: list[int] = []
     stopped = threading.Event()
 
