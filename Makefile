@@ -30,8 +30,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not drill" tests
 	$(MAKE) --no-print-directory test-numerics
 
-## test-drills: the fault-tolerance drills that wait out collective timeouts and rendezvous rounds
-## (a hung rank, a lost node under pdsh, an elastic scale-down); minutes each, so outside `make test`
+## test-drills: the fault-tolerance drill matrix (six drills x local/ssh/pdsh/slurm/openmpi runners on
+## 3 loopback nodes, tests/integration/test_drill_matrix.py) and the single-node hung rank; each cell
+## waits out timeouts or restarts (up to ~90 s), so outside `make test`
 test-drills: $(STAMP)
 	$(BIN)/python -m pytest -q -m drill tests
 

@@ -150,6 +150,17 @@ def _attempt_store(job: DistEnv, timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"shardwise/attempt_{attempt}", client)
 
 
+def store_client(host: str, port: int, timeout: timedelta) -> dist.Store:
+    """A client of the ``TCPStore`` served at ``host:port`` (torchrun's static rendezvous store,
+    which the node agents use to tell each other that the job failed; see
+    :mod:`shardwise.launcher.agent`).
+
+    Raises:
+        RuntimeError: no store answered within ``timeout`` (torch's connect error).
+    """
+    return dist.TCPStore(host_name=host, port=port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
 def init_distributed(
     dist_backend: str | None = None,
     auto_mpi_discovery: bool = True,

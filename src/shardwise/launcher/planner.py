@@ -52,6 +52,7 @@ __all__ = [
     "LaunchOptions",
     "LaunchPlan",
     "NodeLaunch",
+    "agent_restarts",
     "collect_exports",
     "describe_plan",
     "env_file_paths",
@@ -75,6 +76,7 @@ LAUNCHERS = ("pdsh", "ssh", "openmpi", "mpich", "impi", "mvapich", "slurm", LOCA
 EXPORT_PREFIXES = ("NCCL", "PYTHON", "MLFLOW", "MV2", "UCX", "SHARDWISE", "TORCH_", "DEEPSPEED_TIMEOUT")
 # Never forwarded: they describe this machine or this process, not the job.
 _NO_EXPORT = frozenset({"PYTHONHOME", "PYTHONSTARTUP", "PYTHONEXECUTABLE", "SHARDWISE_RUN_DIR"})
+_BINARIES_OF = {"openmpi": "mpirun", "mpich": "mpirun", "impi": "mpirun", "mvapich": "mpirun", "slurm": "srun"}
 _LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
@@ -403,6 +405,23 @@ def max_restarts(options: LaunchOptions) -> int:
     return 3 if options.elastic_training else 0
 
 
+def agent_restarts(options: LaunchOptions, rendezvous: str, nnodes: str) -> int:
+    """torchrun's ``--max-restarts`` on each node: :func:`max_restarts`, except 0 for a
+    fixed-size job over several nodes (static rendezvous), which the launcher restarts as a
+    whole instead: torch's static rendezvous never tells the other agents that one node
+    restarted its ranks, so they would first wait out the collective timeout (and a node whose
+    rank hangs would never restart at all).
+
+    Example:
+        >>> options = LaunchOptions("t.py", max_restarts=2)
+        >>> agent_restarts(options, "static", "1"), agent_restarts(options, "static", "3")
+        (2, 0)
+    """
+    if rendezvous == "static" and nnodes.isdigit() and int(nnodes) > 1:
+        return 0
+    return max_restarts(options)
+
+
 def rdzv_id(options: LaunchOptions) -> str:
     """The rendezvous id shared by every node of the job."""
     return options.rdzv_id or f"shardwise-{options.master_port}"
@@ -445,7 +464,7 @@ def torchrun_args(
         master_port=options.master_port,
         node_rank=node.node_rank if node_rank is None else node_rank,
         rdzv_id=rdzv_id(options),
-        max_restarts=max_restarts(options),
+        max_restarts=agent_restarts(options, rendezvous, nnodes),
         log_dir=options.each_rank_log,
     )
     return prefix + worker_args(options)
@@ -532,6 +551,12 @@ def plan_launch(
         raise ValueError(
             f"--launcher {runner} starts every rank of the hostfile through mpirun: --include, --exclude, "
             "--num_nodes and --num_gpus cannot be honoured. Edit the hostfile instead (as with DeepSpeed)."
+        )
+    if options.elastic_training and runner in ("openmpi", "mpich", "impi", "mvapich", "slurm"):
+        raise ValueError(
+            f"--elastic_training cannot be honoured by --launcher {runner}: {_BINARIES_OF[runner]} starts every rank "
+            "itself with a fixed world size (no torchrun agent, no c10d rendezvous), so no node can leave or join. "
+            "Use --launcher pdsh, ssh or local for an elastic run, or drop --elastic_training."
         )
     nodes = assign_ranks(resources)
     if options.no_ssh and options.node_rank >= len(nodes):

@@ -17,8 +17,8 @@ Two halves:
   ``impi``
   ``mvapich``   ``mpirun -np N -ppn P --hostfile /tmp/shardwise_mvapich_hostfile`` with
                 DeepSpeed's ``MV2_*`` settings
-  ``slurm``     ``srun -n N [--nodelist ...] --export=ALL,K=V python -u -m
-                shardwise.launcher.worker -- script args``
+  ``slurm``     ``srun -n N [--nodelist ...] --kill-on-bad-exit=1 --export=ALL,K=V python
+                -u -m shardwise.launcher.worker -- script args``
   ============  ===========================================================================
 
   With the MPI and SLURM backends the MPI launcher or srun is the process manager (it
@@ -46,7 +46,14 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from shardwise.launcher.lifeline import preexec_die_with
-from shardwise.launcher.planner import DEFAULT_HOSTFILE, LOCAL, LaunchPlan, max_restarts, rdzv_id, worker_args
+from shardwise.launcher.planner import (
+    DEFAULT_HOSTFILE,
+    LOCAL,
+    LaunchPlan,
+    agent_restarts,
+    rdzv_id,
+    worker_args,
+)
 from shardwise.utils.logging import logger
 
 __all__ = ["MVAPICH_HOSTFILE", "RunnerCommand", "build_commands", "check_backend", "run_commands"]
@@ -170,7 +177,7 @@ def build_commands(plan: LaunchPlan, cwd: str) -> list[RunnerCommand]:
             f"--rendezvous={plan.rendezvous}",
             f"--nnodes={plan.nnodes}",
             f"--rdzv_id={rdzv_id(options)}",
-            f"--max_restarts={max_restarts(options)}",
+            f"--max_restarts={agent_restarts(options, plan.rendezvous, plan.nnodes)}",
             *([f"--log_dir={options.each_rank_log}"] if options.each_rank_log else []),
             "--",
             *worker_args(options),
@@ -224,6 +231,10 @@ def build_commands(plan: LaunchPlan, cwd: str) -> list[RunnerCommand]:
             argv += ["--nodes", str(options.num_nodes)]
         if options.num_gpus > 0:
             argv += ["--gpus-per-node", str(per_node)]
+        if not any(a == "-K" or a.startswith(("--kill-on-bad-exit", "-K")) for a in extra):
+            # A failed rank ends the step at once (as the other runners stop every node), not
+            # when the others time out: the cluster's default KillOnBadExit=0 lets them run on.
+            argv.append("--kill-on-bad-exit=1")
         argv.append("--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items()))
         return [RunnerCommand("all ranks", (*argv, *_rank_program(plan)))]
     raise ValueError(f"unknown runner {runner!r}")  # plan_launch validated it already

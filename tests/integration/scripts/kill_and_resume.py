@@ -4,8 +4,10 @@ Usage (under the launcher): ``kill_and_resume.py CKPT_DIR STEPS KILL_AT MODE``. 
 attempt only (torch elastic's ``TORCHELASTIC_RESTART_COUNT`` 0 and no ``CKPT_DIR/attempted``
 marker from an earlier job-level attempt), at step ``KILL_AT``:
 
-* ``rank``: rank 1 SIGKILLs itself right after saving;
-* ``agent``: rank 1 SIGKILLs its node's agent (its parent) right after saving;
+* ``rank``: rank 1 SIGKILLs itself mid-step (after the backward of the step after ``KILL_AT``,
+  before its optimizer step), so the last published checkpoint is step ``KILL_AT``;
+* ``agent``: rank 1 SIGKILLs its node's agent (its parent: torchrun's agent, or the node daemon
+  of the srun/mpirun stand-ins) right after saving;
 * ``midsave``: rank 0 SIGKILLs itself inside the save, after the files are written and before
   the checkpoint is published (so ``latest`` still names the step before);
 * ``stop``: rank 1 SIGSTOPs itself (a hang: the others' next collective times out);
@@ -57,12 +59,12 @@ for step in range(engine.global_steps, steps):
     x, y = torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
     loss = torch.nn.functional.mse_loss(engine(x), y)
     engine.backward(loss)
+    if first_attempt and rank == 1 and mode == "rank" and engine.global_steps == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-step: gradients reduced, the optimizer step not taken
     engine.step()
     engine.save_checkpoint(ckpt)
     if first_attempt and rank == 1 and engine.global_steps == kill_at:
-        if mode == "rank":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif mode == "agent":
+        if mode == "agent":
             os.kill(os.getppid(), signal.SIGKILL)
         elif mode == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)

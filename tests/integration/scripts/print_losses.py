@@ -2,7 +2,8 @@
 
 Each rank draws its own batch from a seed of (step, rank), so any launch with the same world
 size sees the same data and must print the same losses bit for bit. Prints the node it ran on
-(``CLUSTER_BOX_NODE``, set by the cluster-in-a-box stand-ins) for each rank.
+(``CLUSTER_BOX_NODE``, set by the cluster-in-a-box stand-ins; ``local-node<CROSS_RANK>`` under
+``--launcher local``) for each rank.
 """
 
 import os
@@ -23,7 +24,8 @@ config = {
 }
 engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
 rank = engine.global_rank
-print(f"rank {rank} of {engine.world_size} on node {os.environ.get('CLUSTER_BOX_NODE', 'local')}", flush=True)
+node = os.environ.get("CLUSTER_BOX_NODE", f"local-node{os.environ.get('CROSS_RANK', '0')}")
+print(f"rank {rank} of {engine.world_size} on node {node}", flush=True)
 for step in range(steps):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x, y = torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)

@@ -1,11 +1,12 @@
 """Node-local checkpoints where one node's checkpoint directory is read-only (injected).
 
-Usage (under the launcher, one rank per node): ``read_only_node.py READONLY_NODE``. Every rank
-saves to ``~/ckpt`` (each "node" has its own home under the cluster-in-a-box stand-ins) with
-``use_node_local_storage``. The first save succeeds everywhere; for the second, the node named
-``READONLY_NODE`` has its directory turned read-only: every open for writing under it fails
-with EROFS, as on a file system remounted read-only. The script prints the error each rank
-got and what ``latest`` names afterwards.
+Usage (under the launcher, one rank per node): ``read_only_node.py READONLY_NODE_INDEX``. Every
+rank saves to its node-local ``ckpt`` directory with ``use_node_local_storage``: under the
+cluster-in-a-box stand-ins ``$CLUSTER_BOX_NODE_DIR/ckpt``, under ``--launcher local`` (every
+"node" on this machine) ``./local-node<CROSS_RANK>/ckpt``. The first save succeeds everywhere;
+for the second, node ``READONLY_NODE_INDEX`` (``CROSS_RANK``) has its directory turned
+read-only: every open for writing under it fails with EROFS, as on a file system remounted
+read-only. The script prints the error each rank got and what ``latest`` names afterwards.
 """
 
 import builtins
@@ -17,9 +18,10 @@ import torch
 
 import shardwise
 
-readonly_node = next(a for a in sys.argv[1:] if not a.startswith("--local_rank"))
-node = os.environ.get("CLUSTER_BOX_NODE", "local")
-ckpt = os.path.expanduser("~/ckpt")
+readonly_node = int(next(a for a in sys.argv[1:] if not a.startswith("--local_rank")))
+node_index = int(os.environ["CROSS_RANK"])  # the worker sets it under every runner
+node = os.environ.get("CLUSTER_BOX_NODE", f"local-node{node_index}")
+ckpt = os.path.join(os.environ.get("CLUSTER_BOX_NODE_DIR", os.path.abspath(node)), "ckpt")
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 8)
 config = {
@@ -40,7 +42,7 @@ def step() -> None:
 step()
 engine.save_checkpoint(ckpt, tag="one")
 step()
-if node == readonly_node:
+if node_index == readonly_node:
     real_open, real_os_open = builtins.open, os.open
 
     def _refuse(path: object) -> None:

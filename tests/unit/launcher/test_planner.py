@@ -141,6 +141,9 @@ def test_elastic_plan_uses_c10d_with_a_node_range() -> None:
     hosts = [next(a for a in n.argv if a.startswith("--rdzv-conf=")) for n in p.nodes]
     assert hosts == ["--rdzv-conf=is_host=true"] + ["--rdzv-conf=is_host=false"] * 2
     assert plan(opts(rdzv_backend="c10d"), pool=pool).nnodes == "3"
+    for runner in ("slurm", "openmpi"):  # srun/mpirun fix the world size: no silent non-elastic run
+        with pytest.raises(ValueError, match=f"--elastic_training cannot be honoured by --launcher {runner}"):
+            plan(opts(elastic_training=True, launcher=runner), pool=pool)
 
 
 @pytest.mark.parametrize(
@@ -314,6 +317,9 @@ def test_slurm_command_and_its_limits() -> None:
     assert cmd.argv[:5] == ("srun", "-n", "4", "--gpus-per-node", "2")
     export = next(a for a in cmd.argv if a.startswith("--export="))
     assert export.startswith("--export=ALL,") and "MASTER_ADDR=a" in export
+    assert cmd.argv.index("--kill-on-bad-exit=1") == cmd.argv.index(export) - 1  # a failed rank ends the step
+    (own,) = build_commands(plan(opts(launcher="slurm", launcher_args="-K0"), pool={"a": 1, "b": 1}), "/w")
+    assert "-K0" in own.argv and "--kill-on-bad-exit=1" not in own.argv  # the user's choice stands
     (sub,) = build_commands(
         plan(
             opts(launcher="slurm", include="b@c"),
