@@ -158,7 +158,9 @@ def run_cell(deepspeed: Any, args: argparse.Namespace, cell: str, rank: int, wor
     model = Net()
     # a native checkpoint (``latest``, shardwise's stage-0 export) loads without load_universal
     native_export = (universal / "latest").is_file() and not (universal / "latest_universal").is_file()
-    cfg = config(stage, dtype, world, universal=args.action == "resume" and not native_export, optimizer=optimizer)
+    cfg = config(
+        stage, dtype, world, universal=args.action == "resume" and not native_export, optimizer=optimizer
+    )
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
 
