@@ -75,13 +75,18 @@ def _master(optimizer: Mapping[str, Any], module: Mapping[str, torch.Tensor], na
     return master.detach().float().reshape(module[name].shape).contiguous()
 
 
-def _param_state(optimizer: Mapping[str, Any], name: str) -> dict[str, Any]:
+def _param_state(optimizer: Mapping[str, Any], name: str, shape: torch.Size) -> dict[str, Any]:
+    """``name``'s optimizer state as torch keeps it: element-wise tensors in the parameter's shape."""
     prefix = f"{keys.OPTIM}{name}/"
     state: dict[str, Any] = {}
     for key, value in optimizer.items():
         if key.startswith(prefix):
             sub = key[len(prefix) :]
-            state[sub] = _int_step(value) if sub == names.STEP else value
+            if sub == names.STEP:
+                value = _int_step(value)
+            elif torch.is_tensor(value) and value.dim() > 0 and value.numel() == math.prod(shape):
+                value = value.detach().reshape(shape).contiguous()
+            state[sub] = value
     return state
 
 
@@ -89,7 +94,7 @@ def _flat_group_state(
     optimizer: Mapping[str, Any], members: Sequence[str], module: Mapping[str, torch.Tensor]
 ) -> dict[str, Any]:
     """One fused group's state: element-wise tensors concatenated flat, the largest step."""
-    states = [_param_state(optimizer, n) for n in members]
+    states = [_param_state(optimizer, n, module[n].shape) for n in members]
     out: dict[str, Any] = {}
     for key in dict.fromkeys(k for s in states for k in s):
         values = [s.get(key) for s in states]
@@ -141,7 +146,7 @@ def stage0_optimizer_state(
         state, ds_groups, index = {}, [], 0
         for group, members in zip(groups, memberships):
             for name in members:
-                state[index] = _param_state(optimizer, name)
+                state[index] = _param_state(optimizer, name, module[name].shape)
                 index += 1
             ds_groups.append(_ds_group(group, list(range(index - len(members), index))))
         inner = {"state": state, "param_groups": ds_groups}
