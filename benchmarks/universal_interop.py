@@ -11,7 +11,9 @@ For every cell of {ZeRO stage 0-3} x {fp32, bf16} x {AdamW, Muon} x {save ranks 
   losses are compared with DeepSpeed's own continued run.
 * **shardwise writes, DeepSpeed resumes**: shardwise trains and saves;
   ``shardwise checkpoint to-universal`` converts; DeepSpeed resumes with ``load_universal``; its next
-  losses are compared with shardwise's own continued run.
+  losses are compared with shardwise's own continued run. Stage 0 is the exception: DeepSpeed 0.19.8
+  cannot resume a universal checkpoint at stage 0, so ``shardwise checkpoint to-deepspeed`` writes
+  DeepSpeed's native stage-0 layout and DeepSpeed loads it without ``load_universal``.
 
 Two losses are compared per cell: the first step after the resume (it checks the weights) and the
 second (it checks the optimizer state the first update used: exp_avg, exp_avg_sq, step). fp32 cells
@@ -282,7 +284,11 @@ def main() -> int:
                         gap = GAPS.get((writer, cell.stage, cell.dtype))
                         record = written.get(cell.key, {})
                         cell.converter = record.get("converter") or (
-                            "ds_to_universal" if writer == "deepspeed" else "shardwise to-universal"
+                            "ds_to_universal"
+                            if writer == "deepspeed"
+                            else "shardwise to-deepspeed (native stage 0)"
+                            if cell.stage == 0
+                            else "shardwise to-universal"
                         )
                         if gap is not None:
                             cell.status, cell.detail = "gap", gap

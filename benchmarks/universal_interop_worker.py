@@ -114,10 +114,18 @@ def error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}{where}"[:400]
 
 
-def convert(side: str, native: Path, universal: Path, tag: str) -> str | None:
-    """Rank 0: the writer side's own converter; returns its error line, or None."""
+def convert(side: str, native: Path, universal: Path, tag: str, stage: int) -> str | None:
+    """Rank 0: the writer side's own converter; returns its error line, or None.
+
+    shardwise's stage-0 cells are exported as DeepSpeed's native stage-0 layout instead
+    (``export_deepspeed_stage0``): DeepSpeed 0.19.8 cannot resume a universal checkpoint at stage 0.
+    """
     try:
-        if side == "deepspeed":
+        if side == "shardwise" and stage == 0:
+            from shardwise.checkpoint.deepspeed_export import export_deepspeed_stage0
+
+            export_deepspeed_stage0(native, universal)
+        elif side == "deepspeed":
             from deepspeed.checkpoint import ds_to_universal
 
             ds_to_universal.main(
@@ -148,7 +156,11 @@ def run_cell(deepspeed: Any, args: argparse.Namespace, cell: str, rank: int, wor
     native, universal = folder / "native", folder / "universal"
     torch.manual_seed(0 if args.action == "save" else 1)
     model = Net()
-    cfg = config(stage, dtype, world, universal=args.action == "resume", optimizer=optimizer)
+    # a native checkpoint (``latest``, shardwise's stage-0 export) loads without load_universal
+    native_export = (universal / "latest").is_file() and not (universal / "latest_universal").is_file()
+    cfg = config(
+        stage, dtype, world, universal=args.action == "resume" and not native_export, optimizer=optimizer
+    )
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
 
@@ -169,7 +181,7 @@ def run_cell(deepspeed: Any, args: argparse.Namespace, cell: str, rank: int, wor
         engine.save_checkpoint(str(native), tag=tag)
         torch.distributed.barrier()
         if rank == 0:
-            record["convert_error"] = convert(args.side, native, universal, tag)
+            record["convert_error"] = convert(args.side, native, universal, tag, stage)
         torch.distributed.barrier()
         start = args.steps
     else:

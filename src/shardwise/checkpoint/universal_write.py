@@ -261,6 +261,34 @@ def shardwise_to_universal(
         raise ValueError(
             f"{tag_dir} is a {kind} checkpoint; to-universal converts shardwise and native DeepSpeed checkpoints"
         )
+    full = read_full_checkpoint(tag_dir)
+    common = full["common"]
+    module, optimizer, frozen, summary = full["module"], full["optimizer"], full["frozen"], full["summary"]
+    return write_universal(
+        out_dir,
+        out_tag or str(common.get("tag") or tag_dir.name),
+        module=module,
+        optimizer=optimizer,
+        counters=common.get("counters", {}),
+        ds_config=common.get("ds_config") or {},
+        lr_scheduler=common.get("lr_scheduler"),
+        loss_scaler=common.get("loss_scaler"),
+        client_state=common.get("client_state"),
+        zero_stage=int(summary.get("zero_stage", 0)),
+        dp_world_size=int(summary.get("dp_world_size", 1)),
+        frozen=frozen,
+        buffer_names=full["buffer_names"],
+    )
+
+
+def read_full_checkpoint(tag_dir: Path) -> dict[str, Any]:
+    """A shardwise tag directory, whole: ``module``, ``optimizer`` (``full_state_dict`` form),
+    ``common``, ``summary``, ``frozen`` (name -> shape) and ``buffer_names``.
+
+    Raises:
+        CheckpointIntegrityError: the checkpoint is damaged.
+        ValueError: tensor-parallel shards, or no optimizer state.
+    """
     integrity.require_intact(tag_dir)
     summary = layout.read_summary(tag_dir)
     if int(summary.get("mp_world_size", 1)) > 1:
@@ -284,21 +312,14 @@ def shardwise_to_universal(
         n: tuple(module[n].shape) for n in summary.get("frozen", []) if n in module and n not in trainable
     }
     params = trainable | set(frozen) | set(summary.get("aliases", {}))
-    return write_universal(
-        out_dir,
-        out_tag or str(common.get("tag") or tag_dir.name),
-        module=module,
-        optimizer=optimizer,
-        counters=common.get("counters", {}),
-        ds_config=common.get("ds_config") or {},
-        lr_scheduler=common.get("lr_scheduler"),
-        loss_scaler=common.get("loss_scaler"),
-        client_state=common.get("client_state"),
-        zero_stage=int(summary.get("zero_stage", 0)),
-        dp_world_size=int(summary.get("dp_world_size", 1)),
-        frozen=frozen,
-        buffer_names=[n for n in module if n not in params],
-    )
+    return {
+        "module": module,
+        "optimizer": optimizer,
+        "common": common,
+        "summary": summary,
+        "frozen": frozen,
+        "buffer_names": [n for n in module if n not in params],
+    }
 
 
 def _deepspeed_to_universal(tag_dir: Path, out_dir: str | os.PathLike[str], out_tag: str) -> Path:

@@ -1,4 +1,4 @@
-"""``shardwise checkpoint info|verify|export|to-universal|from-universal``: inspect, verify, export, convert.
+"""``shardwise checkpoint info|verify|export|to-universal|to-deepspeed|from-universal``: inspect, verify, export, convert.
 
 ``info DIR`` lists the tags of a save directory (or one tag directory) with their layout,
 size and integrity (sizes and index; ``--verify`` for every checksum); ``verify DIR [--tag T]``
@@ -8,7 +8,9 @@ model weights of the latest (or ``--tag``) checkpoint, shardwise or DeepSpeed, a
 and world size, into one safetensors or ``torch.load`` file with memory near the largest
 tensor, and refuses a damaged checkpoint; ``to-universal DIR OUT`` writes DeepSpeed's universal layout
 (``latest_universal``, ``<tag>/zero/<param>/*.pt``) that DeepSpeed resumes with
-``"load_universal": true``, and ``from-universal DIR OUT`` turns one (``ds_to_universal``'s or
+``"load_universal": true`` (at stages 1-3), ``to-deepspeed DIR OUT`` writes DeepSpeed's native
+ZeRO-0 layout (``latest``, ``<tag>/mp_rank_00_model_states.pt``), which a DeepSpeed stage-0 run
+resumes without ``load_universal``, and ``from-universal DIR OUT`` turns one (``ds_to_universal``'s or
 ours) into a shardwise checkpoint. Errors are one line on stderr, never a traceback.
 """
 
@@ -48,12 +50,25 @@ def add_parser(subparsers: Any) -> None:
     export.add_argument("--exclude-frozen", action="store_true", help="leave out frozen parameters")
     export.set_defaults(func=_export)
     to_uni = sub.add_parser("to-universal", help="write DeepSpeed's universal checkpoint layout")
-    to_uni.add_argument("dir", metavar="DIR", help="a shardwise save directory (uses 'latest') or a tag directory")
+    to_uni.add_argument(
+        "dir", metavar="DIR", help="a shardwise save directory (uses 'latest') or a tag directory"
+    )
     to_uni.add_argument("out", metavar="OUT", help="output directory: OUT/<tag>/ and OUT/latest_universal")
     to_uni.add_argument("--tag", default=None, help="the tag to convert instead of 'latest'")
     to_uni.set_defaults(func=_to_universal)
+    to_ds = sub.add_parser("to-deepspeed", help="write DeepSpeed's native ZeRO-0 checkpoint layout")
+    to_ds.add_argument(
+        "dir", metavar="DIR", help="a shardwise save directory (uses 'latest') or a tag directory"
+    )
+    to_ds.add_argument(
+        "out", metavar="OUT", help="output directory: OUT/<tag>/mp_rank_00_model_states.pt and OUT/latest"
+    )
+    to_ds.add_argument("--tag", default=None, help="the tag to convert instead of 'latest'")
+    to_ds.set_defaults(func=_to_deepspeed)
     from_uni = sub.add_parser("from-universal", help="turn a universal checkpoint into a shardwise one")
-    from_uni.add_argument("dir", metavar="DIR", help="a directory with latest_universal, or a universal tag directory")
+    from_uni.add_argument(
+        "dir", metavar="DIR", help="a directory with latest_universal, or a universal tag directory"
+    )
     from_uni.add_argument("out", metavar="OUT", help="output save directory: OUT/<tag>/ and OUT/latest")
     from_uni.add_argument("--tag", default=None, help="the tag to convert instead of 'latest_universal'")
     from_uni.set_defaults(func=_from_universal)
@@ -149,7 +164,21 @@ def _to_universal(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     params = sum(1 for p in (out / "zero").iterdir() if p.is_dir())
-    print(f"wrote {out} ({params} parameters, {_size(sum(f.stat().st_size for f in out.rglob('*') if f.is_file()))})")
+    print(
+        f"wrote {out} ({params} parameters, {_size(sum(f.stat().st_size for f in out.rglob('*') if f.is_file()))})"
+    )
+    return 0
+
+
+def _to_deepspeed(args: argparse.Namespace) -> int:
+    from shardwise.checkpoint.deepspeed_export import export_deepspeed_stage0
+
+    try:
+        out = export_deepspeed_stage0(args.dir, args.out, tag=args.tag)
+    except _READ_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} (DeepSpeed ZeRO stage 0; resume it without load_universal)")
     return 0
 
 
