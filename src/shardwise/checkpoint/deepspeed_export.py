@@ -103,7 +103,7 @@ def _flat_group_state(
         elif all(
             torch.is_tensor(v) and v.numel() == math.prod(module[n].shape) for v, n in zip(values, members)
         ):
-            out[key] = torch.cat([v.detach().float().reshape(-1) for v in values])
+            out[key] = torch.cat([v.detach().float().reshape(-1) for v in values if v is not None])
         else:
             raise ValueError(
                 f"optimizer state {key!r} is not element-wise for every parameter of the group {list(members)}; "
