@@ -15,7 +15,8 @@
    their ``reshard_after_forward`` plan;
 4. :func:`_apply_fully_shard`: ``fully_shard`` each unit, then the root, with
    ``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32 or
-   communication_data_type, cast_forward_inputs=False)`` (inputs stay as given, as at stages 0-2) and ``CPUOffloadPolicy`` for ``offload_param``; parameters
+   communication_data_type, cast_forward_inputs=False)`` (inputs stay as given, as at
+   stages 0-2) and ``CPUOffloadPolicy`` for ``offload_param``; parameters
    built under ``zero.Init`` are materialised one unit at a time, straight into their shard;
 5. :func:`_configure_reduction`: reduction is a plain sum (FSDP2's divide factor 1): the
    average, the loss scale and clipping are one division in the optimizer step, as at
