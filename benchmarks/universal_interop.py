@@ -20,8 +20,8 @@ second (it checks the optimizer state the first update used: exp_avg, exp_avg_sq
 pass within ``1e-6`` (both sides run the same fp32 operations on the same values, so only the
 reduction order of a changed world size can differ); bf16 cells within ``1e-3`` relative (an fp32
 master one ulp apart, from another reduction order or Adam kernel, can round to the neighbouring
-bf16 value, which moves that weight by 2^-8 relative in the next forward; and shardwise's ZeRO-3
-bf16 forward rounds differently from its stages 0-2 on the very same weights, measured 7.6e-4).
+bf16 value, which moves that weight by 2^-8 relative in the next forward). shardwise's ZeRO-3
+bf16 forward is stage 2's bit for bit on the same weights (FSDP2 casts no forward inputs).
 
 Muon cells judge the first loss only (``UPDATE_DIFFERS``); the second is printed. The two Muon
 updates are not the same computation: both run the standard Newton-Schulz iteration in bf16, but

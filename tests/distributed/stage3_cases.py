@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from stage3_precision_cases import float_target
 from torch import nn
 from zero_reference import TINY, _micro_batch, batch, config, make_model
 
@@ -521,6 +522,7 @@ SCENARIOS = {
     "memory": memory,
     "overflow": overflow,
     "unused_and_averaging": unused_and_averaging,
+    "float_target": float_target,
 }
 
 

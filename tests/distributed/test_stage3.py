@@ -141,6 +141,7 @@ SCENARIOS = [
     {"kind": "external_parameter"},
     {"kind": "overflow"},
     {"kind": "unused_and_averaging"},
+    {"kind": "float_target", "steps": 2},
 ]
 CASES = GRID + PERSISTENT + OFFLOAD + STAGE12_OFFLOAD + CLIP + MEMORY + SCENARIOS
 
@@ -381,3 +382,13 @@ def test_frozen_unused_and_averaging_options(results):
 def test_swap_files_are_removed(results):
     """Every NVMe store deletes its files (explicit close, or when it is collected / at exit)."""
     assert results["leftover_swap_files"] == []
+
+
+def test_bf16_forward_keeps_fp32_inputs_like_stage_2(results):
+    """Stage 3 casts no forward inputs (FSDP2's ``cast_forward_inputs`` is off), like stage 2:
+    an fp32 target reaches the fp32 loss unrounded, so the losses are the same bits (same
+    weights, same bf16 kernels; the second loss also checks the first step's update)."""
+    for rank in results[_id({"kind": "float_target", "steps": 2})]:
+        assert rank["stage3_sharded"] > 0 and rank["stage3_persistent_sharded"] == 0
+        assert rank["stage3"] == rank["stage2"]
+        assert rank["stage3_persistent"] == rank["stage2"]

@@ -15,7 +15,8 @@
    their ``reshard_after_forward`` plan;
 4. :func:`_apply_fully_shard`: ``fully_shard`` each unit, then the root, with
    ``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32 or
-   communication_data_type)`` and ``CPUOffloadPolicy`` for ``offload_param``; parameters
+   communication_data_type, cast_forward_inputs=False)`` (inputs stay as given, as at
+   stages 0-2) and ``CPUOffloadPolicy`` for ``offload_param``; parameters
    built under ``zero.Init`` are materialised one unit at a time, straight into their shard;
 5. :func:`_configure_reduction`: reduction is a plain sum (FSDP2's divide factor 1): the
    average, the loss scale and clipping are one division in the optimizer step, as at
@@ -266,8 +267,14 @@ def _apply_fully_shard(
     compute = policy.compute_dtype
     model = record.module
     mesh = policy.mesh  # the topology's data-parallel mesh: nobody here makes groups of their own
+    # cast_forward_inputs=False: like stages 0-2 (and DeepSpeed's stage 3), the engine casts no
+    # inputs unless fp16.auto_cast asks (PrecisionPolicy.cast_forward_inputs). FSDP2's default
+    # would round every floating-point forward argument to bf16/fp16 -- an fp32 target passed to
+    # the loss inside forward() among them -- so the loss would differ from stage 2's.
     mp = MixedPrecisionPolicy(
-        param_dtype=None if compute == torch.float32 else compute, reduce_dtype=policy.reduce_dtype
+        param_dtype=None if compute == torch.float32 else compute,
+        reduce_dtype=policy.reduce_dtype,
+        cast_forward_inputs=False,
     )
     offload: OffloadPolicy = OffloadPolicy()
     if policy.param_offload is not None:

@@ -19,7 +19,7 @@ frozen policy the wrapping code reads (it never sees the config).
 | ``sub_group_size`` | the optimizer step runs over sub-groups of at most this many local-shard elements in turn (:func:`~shardwise.zero.optimizer_subset.step_in_sub_groups`; offload splits its own step) |
 | ``zero_quantized_weights`` / ``zero_quantized_gradients`` | ZeRO++ qwZ / qgZ: FSDP2's custom all-gather / reduce-scatter hooks move int8 blocks (:mod:`shardwise.comm.quantized_collectives`) |
 | ``zero_hpz_partition_size`` | > 1: units reshard after forward to groups of this size (FSDP2's ``reshard_after_forward=int``, ZeRO++ hpZ) |
-| mixed precision | bf16/fp16 compute (``MixedPrecisionPolicy.param_dtype``), fp32 sharded masters, fp32 reduction (or ``communication_data_type``) |
+| mixed precision | bf16/fp16 compute (``MixedPrecisionPolicy.param_dtype``), fp32 sharded masters, fp32 reduction (or ``communication_data_type``), forward inputs not cast (as at stages 0-2) |
 | ``stage3_gather_16bit_weights_on_model_save`` | ``engine.save_16bit_model`` gathers full weights one tensor at a time only when true (else it saves a sharded checkpoint and says how to export it) |
 | ``offload_param`` / ``offload_optimizer`` / ``aio`` | see :mod:`shardwise.zero.offload` |
 
