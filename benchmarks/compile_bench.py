@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from rank_processes import free_port, last_error_line, wait_ranks
+from rank_processes import run_json_ranks
 
 WORKER = Path(__file__).resolve().parent / "compile_worker.py"
 MODELS = {
@@ -37,21 +34,8 @@ MODELS = {
 
 def run_stage(spec: dict, timeout: float) -> list[dict]:
     """Both ranks of one stage; their JSON results (RuntimeError with the first error otherwise)."""
-    port, procs = free_port(), []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, str(WORKER), "--spec", json.dumps(spec)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    wait_ranks(procs, time.monotonic() + timeout, grace=10.0, poll=0.2)
-    results = []
-    for proc in procs:
-        out, err = proc.communicate()
-        lines = [line for line in out.decode().splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"stage {spec['stage']}: {last_error_line(err.decode() + out.decode())}")
-        results.append(json.loads(lines[-1]))
-    return results
+    cmd = [sys.executable, str(WORKER), "--spec", json.dumps(spec)]
+    return run_json_ranks(cmd, 2, timeout, f"stage {spec['stage']}")
 
 
 def main() -> None:

@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from rank_processes import free_port, last_error_line, wait_ranks
+from rank_processes import run_json_ranks
 
 WORKER = Path(__file__).resolve().parent / "moe_worker.py"
 FULL = {"hidden": 256, "ffn": 1024, "experts": 8, "ep": 2, "k": 2, "batch": 8, "seq": 128, "layers": 2,
@@ -35,21 +32,8 @@ QUICK = {**FULL, "hidden": 64, "ffn": 256, "batch": 4, "seq": 32, "steps": 4, "w
 
 def run_peer(peer: str, python: str, spec: dict, timeout: float) -> list[dict]:
     """Both ranks of one peer; their JSON results (RuntimeError with the first error otherwise)."""
-    port, procs = free_port(), []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-        cmd = [python, str(WORKER), "--peer", peer, "--spec", json.dumps(spec)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    wait_ranks(procs, time.monotonic() + timeout, grace=10.0, poll=0.2)
-    results = []
-    for proc in procs:
-        out, err = proc.communicate()
-        lines = [line for line in out.decode().splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"{peer}: {last_error_line(err.decode() + out.decode())}")
-        results.append(json.loads(lines[-1]))
-    return results
+    cmd = [python, str(WORKER), "--peer", peer, "--spec", json.dumps(spec)]
+    return run_json_ranks(cmd, 2, timeout, peer, DS_ACCELERATOR="cpu")
 
 
 def main() -> None:

@@ -6,9 +6,12 @@ still running at the deadline is killed)."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import time
+from typing import Any
 
 
 def free_port() -> int:
@@ -44,3 +47,24 @@ def wait_ranks(procs: list[subprocess.Popen[bytes]], deadline: float, grace: flo
             p.kill()
             p.wait()
     return timed_out
+
+
+def run_json_ranks(cmd: list[str], world: int, timeout: float, what: str, **env: str) -> list[dict[str, Any]]:
+    """Run ``cmd`` as ``world`` local ranks (gloo rendezvous on a free port, ``OMP_NUM_THREADS=1``,
+    extra ``env``); each rank prints its result as a JSON line last. Returns the ranks' results, or
+    raises RuntimeError naming ``what`` with the first failing rank's error line."""
+    port, procs = free_port(), []
+    for rank in range(world):
+        rank_env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                        OMP_NUM_THREADS="1", **env)  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    wait_ranks(procs, time.monotonic() + timeout, grace=10.0, poll=0.2)
+    results = []
+    for proc in procs:
+        out, err = proc.communicate()
+        lines = [line for line in out.decode().splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"{what}: {last_error_line(err.decode() + out.decode())}")
+        results.append(json.loads(lines[-1]))
+    return results
