@@ -20,6 +20,8 @@ import argparse
 import json
 import pickle
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # What reading a damaged or foreign checkpoint can raise; reported as one line, exit 1.
@@ -139,56 +141,51 @@ def _verify(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from shardwise.checkpoint.export import export_checkpoint
 
-    try:
-        out = export_checkpoint(
+    return _convert(
+        lambda: export_checkpoint(
             args.dir,
             args.out,
             tag=args.tag,
             dtype=None if args.dtype == "keep" else args.dtype,
             fmt=args.fmt,
             exclude_frozen_parameters=args.exclude_frozen,
-        )
+        ),
+        lambda out: _size(out.stat().st_size),
+    )
+
+
+def _convert(convert: Callable[[], Path], describe: Callable[[Path], str] = lambda out: "") -> int:
+    """Run one converter: ``wrote OUT (what)`` and 0, or the reading error on stderr and 1."""
+    try:
+        out = convert()
     except _READ_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"wrote {out} ({_size(out.stat().st_size)})")
+    what = describe(out)
+    print(f"wrote {out}" + (f" ({what})" if what else ""))
     return 0
 
 
 def _to_universal(args: argparse.Namespace) -> int:
     from shardwise.checkpoint.universal_write import shardwise_to_universal
 
-    try:
-        out = shardwise_to_universal(args.dir, args.out, tag=args.tag)
-    except _READ_ERRORS as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    params = sum(1 for p in (out / "zero").iterdir() if p.is_dir())
-    print(
-        f"wrote {out} ({params} parameters, {_size(sum(f.stat().st_size for f in out.rglob('*') if f.is_file()))})"
-    )
-    return 0
+    def describe(out: Path) -> str:
+        params = sum(1 for p in (out / "zero").iterdir() if p.is_dir())
+        return f"{params} parameters, {_size(sum(f.stat().st_size for f in out.rglob('*') if f.is_file()))}"
+
+    return _convert(lambda: shardwise_to_universal(args.dir, args.out, tag=args.tag), describe)
 
 
 def _to_deepspeed(args: argparse.Namespace) -> int:
     from shardwise.checkpoint.deepspeed_export import export_deepspeed_stage0
 
-    try:
-        out = export_deepspeed_stage0(args.dir, args.out, tag=args.tag)
-    except _READ_ERRORS as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    print(f"wrote {out} (DeepSpeed ZeRO stage 0; resume it without load_universal)")
-    return 0
+    return _convert(
+        lambda: export_deepspeed_stage0(args.dir, args.out, tag=args.tag),
+        lambda out: "DeepSpeed ZeRO stage 0; resume it without load_universal",
+    )
 
 
 def _from_universal(args: argparse.Namespace) -> int:
     from shardwise.checkpoint.from_universal import universal_to_shardwise
 
-    try:
-        out = universal_to_shardwise(args.dir, args.out, tag=args.tag)
-    except _READ_ERRORS as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
-    return 0
+    return _convert(lambda: universal_to_shardwise(args.dir, args.out, tag=args.tag))
