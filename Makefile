@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo check-configs test test-drills test-numerics test-interop lint bench bench-setup deepspeed-suite clean
+.PHONY: setup demo check-configs test test-gpu gpu-deps test-drills test-numerics test-interop lint bench bench-setup deepspeed-suite clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,34 @@ test: $(STAMP)
 ## waits out timeouts or restarts (up to ~90 s), so outside `make test`
 test-drills: $(STAMP)
 	$(BIN)/python -m pytest -q -m drill tests
+
+## test-gpu: the `cuda` tests (tests/gpu: ZeRO 0-3, fp16/bf16, offload, activation checkpointing, checkpoints,
+## sparse attention, compression, data efficiency on one GPU with nccl). It runs with PYTHON_GPU's own torch
+## (a CUDA build) and shardwise from src/, without the CPU venv: e.g. `make test-gpu PYTHON_GPU=python3` on a
+## GPU machine (that interpreter needs pytest, pydantic, hjson, tqdm, numpy, xxhash; `make gpu-deps` puts the
+## pure-Python ones for CPython GPU_PYVER in .gpu-deps/, which test-gpu adds to PYTHONPATH when present).
+## Extra pytest flags through PYTEST_ADDOPTS (e.g. -rA, --junitxml=gpu.xml). Fails at once if no GPU is visible.
+PYTHON_GPU ?= $(BIN)/python
+GPU_PYVER ?= 3.12
+test-gpu:
+	@$(PYTHON_GPU) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || { \
+		echo "make test-gpu: no CUDA GPU is visible to $(PYTHON_GPU) (torch.cuda.is_available() is False)." >&2; \
+		echo "  fix: run it on a machine with an NVIDIA GPU and a CUDA build of torch, e.g." >&2; \
+		echo "  make test-gpu PYTHON_GPU=python3; without a GPU, SHARDWISE_GPU_TESTS_ON=cpu pytest -m cuda tests/gpu" >&2; \
+		echo "  runs the same tests' logic on the CPU with gloo" >&2; exit 1; }
+	OMP_NUM_THREADS=1 PYTHONPATH=src$(if $(wildcard .gpu-deps),:.gpu-deps)$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(PYTHON_GPU) -m pytest -q -m cuda -p no:cacheprovider tests/gpu
+
+## gpu-deps: shardwise's and pytest's pure-Python dependencies (and pydantic-core, numpy, xxhash wheels) for
+## CPython GPU_PYVER in .gpu-deps/, for a GPU machine without network whose python has torch but not these
+## (numpy is expected beside that torch; GPU_DEPS_EXTRA=numpy adds it)
+GPU_DEPS_EXTRA ?=
+gpu-deps: $(STAMP)
+	rm -rf .gpu-deps
+	$(BIN)/pip install --quiet --target .gpu-deps --no-deps --only-binary=:all: --python-version $(GPU_PYVER) \
+		--implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		pytest pluggy iniconfig packaging pygments pydantic pydantic-core annotated-types typing-extensions \
+		typing-inspection hjson tqdm xxhash $(GPU_DEPS_EXTRA)
 
 test-numerics: $(STAMP)
 	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -m numeric tests

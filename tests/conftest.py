@@ -68,6 +68,28 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = _outside_message(paths)
 
 
+def _gpu_tests_runnable() -> bool:
+    """A GPU is visible, or ``SHARDWISE_GPU_TESTS_ON=cpu`` asks for the GPU tests' logic on the CPU."""
+    import os
+
+    if os.environ.get("SHARDWISE_GPU_TESTS_ON") == "cpu":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    """``cuda``-marked tests are deselected (not skipped) where they cannot run: a CPU run reports
+    them as deselected and spends nothing on them."""
+    gpu = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not gpu or _gpu_tests_runnable():
+        return
+    chosen = set(map(id, gpu))
+    items[:] = [item for item in items if id(item) not in chosen]
+    config.hook.pytest_deselected(items=gpu)
+
+
 def pytest_collection_finish(session):
     """Module-level reads at import time count too."""
     paths = WATCHER.take()

@@ -41,7 +41,7 @@ def _train(engine: Any, rank: int, case: dict[str, Any]) -> tuple[dict[Any, floa
     for step in range(case["steps"]):
         for micro in range(case["gas"]):
             x, y = _micro_batch(case, step, micro, rank)
-            loss = engine(x, y)
+            loss = engine(x.to(engine.device), y.to(engine.device))
             losses[(step, micro, rank)] = loss.item()
             engine.backward(loss)
             engine.step()
@@ -60,7 +60,7 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     losses, norms = _train(engine, rank, case)
     out = {
         "losses": losses,
-        "params": optimizer.full_fp32_parameters(),
+        "params": [p.cpu() for p in optimizer.full_fp32_parameters()],
         "steps": engine.global_steps,
         "skipped": engine.skipped_steps,
         "norms": norms,

@@ -96,6 +96,8 @@ def reference_run(
     reduce_every_micro: bool = False,
     clip: float = 0.0,
     engine_norms: list[float] | None = None,
+    device: str | torch.device = "cpu",
+    opt_device: str | torch.device | None = None,
 ) -> dict[str, Any]:
     """Losses per (step, micro, rank), gradient norms per step and final fp32 master parameters.
 
@@ -104,6 +106,11 @@ def reference_run(
     ``engine_norms`` (one per step) the clipping multiplier is computed from those instead
     of the reference's own norms (see the module docstring).
 
+    ``device`` runs the model there (the GPU tests: the same kernels as the engine on the same
+    GPU); ``opt_device`` (default: ``device``) holds the fp32 masters and runs AdamW there, as
+    optimizer offload does (gradients copied to it, the updated masters copied back). Results
+    come back on the CPU.
+
     ``reduce_every_micro`` sums over ranks after every micro batch and accumulates those
     sums (ZeRO-2's order); otherwise each rank accumulates its micro batches and the
     per-rank sums are added (stages 0/1). Both are the same mean, rounded differently.
@@ -111,7 +118,18 @@ def reference_run(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks use 1 thread: reductions split the same way
     try:
-        return _reference(precision, gas, micro_batch, world, steps, reduce_every_micro, clip, engine_norms)
+        return _reference(
+            precision,
+            gas,
+            micro_batch,
+            world,
+            steps,
+            reduce_every_micro,
+            clip,
+            engine_norms,
+            torch.device(device),
+            torch.device(opt_device if opt_device is not None else device),
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -125,12 +143,15 @@ def _reference(
     reduce_every_micro: bool,
     clip_to: float,
     engine_norms: list[float] | None,
+    device: torch.device,
+    opt_device: torch.device,
 ) -> dict[str, Any]:
     dtype = DTYPES[precision]
     model = make_model()
     params = list(model.parameters())
     model.to(dtype)  # like the engine: masters start from the 16-bit values
-    masters = [p.detach().float().clone() for p in params]
+    model.to(device)
+    masters = [p.detach().float().to(opt_device, copy=True) for p in params]
     opt = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
     scale = 2.0**8 if precision == "fp16" else 1.0
     losses: dict[tuple[int, int, int], float] = {}
@@ -140,11 +161,11 @@ def _reference(
         for rank in range(world):
             for micro in range(gas):
                 x, y = batch(step, micro, rank, micro_batch)
-                loss = model(x, y)
+                loss = model(x.to(device), y.to(device))
                 losses[(step, micro, rank)] = loss.item()
                 scaled = (loss / gas if gas > 1 else loss).float() * scale
                 scaled.backward()
-                grads[(micro, rank)] = [p.grad.float() for p in params]
+                grads[(micro, rank)] = [p.grad.float().to(opt_device) for p in params]
                 for p in params:
                     p.grad = None
         total = [torch.zeros_like(m) for m in masters]
@@ -184,7 +205,7 @@ def _reference(
     largest = max(m.numel() for m in masters)
     return {
         "losses": losses,
-        "params": [m.clone() for m in masters],
+        "params": [m.cpu().clone() for m in masters],
         "norms": norms,
         "largest_tensor": largest,
     }
@@ -241,7 +262,7 @@ def rank_train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     for step in range(case["steps"]):
         for micro in range(case["gas"]):
             x, y = _micro_batch(case, step, micro, rank)
-            loss = engine(x, y)
+            loss = engine(x.to(engine.device), y.to(engine.device))
             losses[(step, micro, rank)] = loss.item()
             engine.backward(loss)
             engine.step()
@@ -281,5 +302,5 @@ def _full_masters(engine: Any) -> list[torch.Tensor]:
             a, b = flat.param_view(index)
             by_param[id(p)] = full[a:b].view_as(p).clone()
     for p in engine.module.parameters():
-        out.append(by_param[id(p)])
+        out.append(by_param[id(p)].cpu())
     return out

@@ -1,0 +1,124 @@
+"""What the GPU tests (``tests/gpu``, marker ``cuda``, ``make test-gpu``) share.
+
+Both sides of the harness live here:
+
+- the test side: :func:`run_cases` spawns ONE rank (world size 1) with backend ``nccl``, so the rank
+  pins ``cuda:0`` and shardwise places the model there (``initialization._device``); every case runs
+  in that one process (a CUDA context costs seconds per process), each under :func:`guarded` so one
+  failing case reports its traceback and the others still run;
+- the rank side: :func:`device` (the rank's device), :func:`deterministic` (TF32 off, the math
+  attention kernel, deterministic algorithms) and :func:`to_cpu`.
+
+``SHARDWISE_GPU_TESTS_ON=cpu`` (development on a machine without a GPU, opt-in only) makes the
+``cuda`` tests collect and run the same cases with backend gloo on the CPU; tests/conftest.py
+deselects ``cuda`` tests wherever neither a GPU nor that opt-in exists, so `make test` never runs
+them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+# the CPU suites' per-rank case modules (zero_reference, stage3_cases, ...) are reused, not copied
+_DISTRIBUTED = str(Path(__file__).resolve().parents[1] / "distributed")
+if _DISTRIBUTED not in sys.path:
+    sys.path.insert(0, _DISTRIBUTED)
+
+#: ``cuda`` (default) or ``cpu`` (development only: gloo on the CPU)
+ON = os.environ.get("SHARDWISE_GPU_TESTS_ON", "cuda")
+#: cuBLAS is deterministic only with a fixed workspace configuration (set before its first use)
+RANK_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def backend() -> str:
+    """``nccl`` on the GPU; ``gloo`` under ``SHARDWISE_GPU_TESTS_ON=cpu``."""
+    if ON not in ("cuda", "cpu"):
+        raise ValueError(
+            f"SHARDWISE_GPU_TESTS_ON={ON!r}: expected 'cuda' (the default) or 'cpu' (run the GPU tests' "
+            "logic on the CPU with gloo, for development without a GPU)"
+        )
+    return "gloo" if ON == "cpu" else "nccl"
+
+
+def case_id(case: dict[str, Any]) -> str:
+    """A stable name for a case dict (its sorted items)."""
+    return repr(sorted(case.items()))
+
+
+def run_cases(
+    fn: Callable[..., Any], cases: Sequence[dict[str, Any]], timeout: float = 420.0
+) -> dict[str, Any]:
+    """Run ``fn(rank, 1, case)`` for every case in one spawned rank; ``{case_id: result}``.
+
+    Ranks are ``spawn`` processes (not forked from the harness's forkserver), so no CUDA state of any
+    other process can reach them."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SHARDWISE_HARNESS_START", "spawn")
+        from shardwise.testing import run_distributed_cases
+
+        out = run_distributed_cases(
+            guarded, list(cases), world_size=1, args=(fn,), timeout=timeout, backend=backend(), env=RANK_ENV
+        )
+    return {case_id(case): ranks[0] for case, ranks in zip(cases, out)}
+
+
+def guarded(rank: int, world: int, case: dict[str, Any], fn: Callable[..., Any]) -> Any:
+    """Run one case; an exception becomes ``{"error": traceback}`` so the next cases still run."""
+    try:
+        deterministic()
+        return fn(rank, world, case)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def result_of(results: dict[str, Any], case: dict[str, Any]) -> Any:
+    """The case's result, failing the test with the rank's traceback if it raised."""
+    out = results[case_id(case)]
+    if isinstance(out, dict) and "error" in out:
+        pytest.fail(f"the case raised on the rank:\n{out['error']}", pytrace=False)
+    return out
+
+
+# ----------------------------------------------------------------------------------- rank side
+def device() -> torch.device:
+    """The rank's device: ``cuda:<current>`` under nccl, else the CPU (as shardwise places models)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def deterministic() -> None:
+    """Same kernels, same bits: TF32 off, attention through the math kernel (the fused CUDA
+    kernels' backward may accumulate with atomics), deterministic algorithms where torch has them."""
+    torch.set_num_threads(1)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_math_sdp(True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def to_cpu(value: Any) -> Any:
+    """Tensors (in dicts, lists, tuples) copied to the CPU, so the parent never touches CUDA."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
