@@ -110,6 +110,7 @@ def _train(case: dict[str, Any], mode: str | None, rank: int, world: int, mpu: A
         for step in range(STEPS):
             for micro in range(case["gas"]):
                 x, y = batch(step, micro, data_rank, 2)
+                x, y = x.to(engine.device), y.to(engine.device)  # (the GPU tests run these cases too)
                 with checkpointing.SavedActivationMeter(exclude=engine.module.parameters()) as meter:
                     loss = engine(x, y)
                     peaks.append(meter.peak_bytes)
@@ -127,6 +128,8 @@ def _train(case: dict[str, Any], mode: str | None, rank: int, world: int, mpu: A
         "timers": timers,
         "logged": [m for m in handler.messages if m.startswith("activation checkpointing")],
         "rng_after": torch.rand(1).item(),
+        # the dropout masks' generator on a GPU (the CPU's again on the CPU: then equal by the line above)
+        "device_rng_after": torch.rand(1, device=engine.device).item(),
     }
 
 
@@ -141,6 +144,7 @@ def engine_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         "losses_equal": plain["losses"] == ckpt["losses"],
         "params_equal": all(torch.equal(a, b) for a, b in zip(plain["params"], ckpt["params"], strict=True)),
         "rng_equal": plain["rng_after"] == ckpt["rng_after"],
+        "device_rng_equal": plain["device_rng_after"] == ckpt["device_rng_after"],
         "calls": (plain["calls"], ckpt["calls"]),
         "peaks": (plain["peak"], ckpt["peak"]),
         "timers": ckpt["timers"],

@@ -84,7 +84,7 @@ def train(engine: Any, batches: RepeatingLoader, steps: int) -> list[float]:
         total = 0.0
         for _ in range(gas):
             x, y = next(batches)
-            loss = engine(x, y)
+            loss = engine(x.to(engine.device), y.to(engine.device))  # (a no-op on the CPU)
             engine.backward(loss)
             engine.step()
             total += loss.item()

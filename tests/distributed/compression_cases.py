@@ -70,6 +70,7 @@ def run(rank: int, world: int, tmp: str, stage: int, bf16: bool = False) -> dict
     engine, *_ = shardwise.initialize(
         model=model, model_parameters=model.parameters(), config=config(stage, bf16)
     )
+    x, y = x.to(engine.device), y.to(engine.device)  # (the GPU tests run these cases too)
     losses = []
     for _ in range(12):
         loss = engine(x, y)
@@ -126,6 +127,7 @@ def run_stage3(rank: int, world: int, tmp: str, under_init: bool) -> dict:
     else:
         model = TinyBert()
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=quant_config())
+    x, y = x.to(engine.device), y.to(engine.device)  # (the GPU tests run these cases too)
     losses = []
     for _ in range(12):
         loss = engine(x, y)

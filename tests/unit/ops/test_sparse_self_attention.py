@@ -60,7 +60,7 @@ def element_mask(layout: torch.Tensor, block: int, causal: bool) -> torch.Tensor
 
 def dense_reference(q, k, v, mask, key_bias=None, pair_bias=None):
     """Plain dense attention with the element mask as -inf and the biases added."""
-    bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     if key_bias is not None:
         bias = bias + key_bias[:, None, None, :]
     if pair_bias is not None:
@@ -76,7 +76,8 @@ def _inputs(dtype=torch.float32, batch=2, seq=SEQ):
 
 
 def _grads(out, tensors):
-    return torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum(), tensors)
+    weights = torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape)
+    return torch.autograd.grad((out * weights).sum(), tensors)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
