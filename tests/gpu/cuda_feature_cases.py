@@ -181,7 +181,32 @@ def curriculum_resume(rank: int, world: int, case: dict[str, Any]) -> dict[str, 
     return out
 
 
+def cpu_tensor_collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """shardwise.comm's collectives on CPU tensors (the checkpoint's sizes, digests and byte payloads)
+    work on an NCCL group: staged through the GPU, the result back in the CPU tensor, sync and async."""
+    import torch.distributed as dist
+
+    from shardwise import comm
+
+    summed = torch.tensor([3.0, 5.0])
+    comm.all_reduce(summed, op="sum")
+    averaged = torch.tensor([4.0, 8.0])
+    comm.all_reduce(averaged, op="avg", async_op=True).wait()
+    sent = torch.arange(6, dtype=torch.uint8)
+    comm.broadcast(sent, src=0)
+    gathered = torch.zeros(4 * world, dtype=torch.int64)
+    comm.all_gather_flat(gathered, torch.arange(4, dtype=torch.int64) + 10 * rank)
+    return {
+        "backend": str(dist.get_backend()),
+        "summed": (summed.device.type, summed.tolist()),
+        "averaged": (averaged.device.type, averaged.tolist()),
+        "sent": (sent.device.type, sent.tolist()),
+        "gathered": (gathered.device.type, gathered.tolist()),
+    }
+
+
 SCENARIOS = {
+    "cpu_tensor_collectives": cpu_tensor_collectives,
     "activation_checkpointing": activation_checkpointing,
     "rng_tracker_fork": rng_tracker_fork,
     "checkpoint_resume": checkpoint_resume,

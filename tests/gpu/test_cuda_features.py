@@ -68,7 +68,8 @@ DATA = [
     {"kind": "curriculum_seqlen", "stage": 3},
     {"kind": "curriculum_resume", "stage": 2, "ltd": True, "index": None},
 ]
-CASES = AC + TRACKER + RESUME + SPARSE + COMPRESSION + DATA
+COLLECTIVES = [{"kind": "cpu_tensor_collectives"}]
+CASES = COLLECTIVES + AC + TRACKER + RESUME + SPARSE + COMPRESSION + DATA
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,15 @@ def results(tmp_path_factory):
     return {cuda_support.case_id(c): out[cuda_support.case_id(r)] for c, r in zip(CASES, cases)} | {
         "paths": {cuda_support.case_id(c): r for c, r in zip(CASES, cases)}
     }
+
+
+def test_cpu_tensors_pass_through_nccl_collectives(results):
+    out = cuda_support.result_of(results, COLLECTIVES[0])
+    assert out["backend"] == cuda_support.backend()
+    assert out["summed"] == ("cpu", [3.0, 5.0])  # world size 1
+    assert out["averaged"] == ("cpu", [4.0, 8.0])
+    assert out["sent"] == ("cpu", [0, 1, 2, 3, 4, 5])
+    assert out["gathered"] == ("cpu", [10 * 0 + i for i in range(4)])
 
 
 def _on_device(out):

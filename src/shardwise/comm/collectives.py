@@ -291,6 +291,34 @@ def _record(op: str, tensor: torch.Tensor, world: int) -> PendingComm | None:
     return _COMMS.start(op, tensor.numel() * tensor.element_size(), world, tensor.is_cuda)
 
 
+def _nccl_staging(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor | None:
+    """NCCL moves GPU memory only: a CPU tensor given to an NCCL group (the bookkeeping collectives:
+    sizes, digests, byte payloads) travels through a copy on this rank's GPU. None where no copy is
+    needed (gloo, or a tensor already on the GPU), so CPU groups run exactly as before."""
+    if (
+        tensor.device.type != "cpu"
+        or "nccl" not in str(dist.get_backend(group))
+        or not torch.cuda.is_available()
+    ):
+        return None
+    return tensor.to(torch.device("cuda", torch.cuda.current_device()))
+
+
+def _copy_back(
+    finish: Callable[[], object] | None, staged: torch.Tensor | None, tensor: torch.Tensor
+) -> Callable[[], object] | None:
+    """``finish``, then (when staged through the GPU) the result copied into the caller's CPU tensor."""
+    if staged is None:
+        return finish
+
+    def done() -> None:
+        if finish is not None:
+            finish()
+        tensor.copy_(staged)
+
+    return done
+
+
 def _run(
     work: dist.Work | None,
     async_op: bool,
@@ -331,9 +359,11 @@ def all_reduce(
         raise ValueError(f"all_reduce(op='avg') needs a floating-point tensor, got {tensor.dtype}; use 'sum'")
     world, _ = _group_size_and_rank(group)
     record = _record("all_reduce", tensor, world) if _COMMS.enabled else None
-    work = dist.all_reduce(tensor, op=_OPS[name], group=group, async_op=async_op)
-    finish = (lambda: tensor.div_(world)) if name == "avg" and world > 1 else None
-    return _run(work, async_op, finish, record)
+    staged = _nccl_staging(tensor, group)
+    target = tensor if staged is None else staged
+    work = dist.all_reduce(target, op=_OPS[name], group=group, async_op=async_op)
+    finish = (lambda: target.div_(world)) if name == "avg" and world > 1 else None
+    return _run(work, async_op, _copy_back(finish, staged, tensor), record)
 
 
 def reduce_scatter_flat(
@@ -444,6 +474,11 @@ def all_gather_flat(
     """
     world, rank = _group_size_and_rank(group)
     _check_flat_pair("all_gather_flat", output, input_shard, world)
+    staged = _nccl_staging(output, group)
+    if staged is not None:  # CPU tensors on an NCCL group: gather on the GPU, copy the result back
+        all_gather_flat(staged, input_shard.to(staged.device), group, algorithm=algorithm)
+        output.copy_(staged)
+        return _run(None, async_op, None)
     out, shard = output.view(-1), input_shard.view(-1)
     record = _record("all_gather_into_tensor", shard, world) if _COMMS.enabled else None
     chosen = _resolve(algorithm, "all_gather", group, out, False, world)
@@ -474,8 +509,9 @@ def broadcast(
     """Copy ``tensor`` from the rank with global rank ``src`` to every rank of ``group``."""
     world, _ = _group_size_and_rank(group)
     record = _record("broadcast", tensor, world) if _COMMS.enabled else None
-    work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
-    return _run(work, async_op, None, record)
+    staged = _nccl_staging(tensor, group)
+    work = dist.broadcast(tensor if staged is None else staged, src=src, group=group, async_op=async_op)
+    return _run(work, async_op, _copy_back(None, staged, tensor), record)
 
 
 def _shares_memory(tensor: torch.Tensor) -> bool:
