@@ -41,7 +41,8 @@ test-drills: $(STAMP)
 ## (a CUDA build) and shardwise from src/, without the CPU venv: e.g. `make test-gpu PYTHON_GPU=python3` on a
 ## GPU machine (that interpreter needs pytest, pydantic, hjson, tqdm, numpy, xxhash; `make gpu-deps` puts the
 ## pure-Python ones for CPython GPU_PYVER in .gpu-deps/, which test-gpu adds to PYTHONPATH when present).
-## Extra pytest flags through PYTEST_ADDOPTS (e.g. -rA, --junitxml=gpu.xml). Fails at once if no GPU is visible.
+## Extra pytest flags through PYTEST_ADDOPTS (e.g. -rA, --junitxml=gpu.xml); SHARDWISE_GPU_REPORT=FILE appends each
+## test's measured differences and peak memory to FILE as JSON lines. Fails at once if no GPU is visible.
 PYTHON_GPU ?= $(BIN)/python
 GPU_PYVER ?= 3.12
 test-gpu:

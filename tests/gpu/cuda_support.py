@@ -91,6 +91,18 @@ def guarded(rank: int, world: int, case: dict[str, Any], fn: Callable[..., Any])
         return {"error": traceback.format_exc()}
 
 
+def record(test: str, **measured: Any) -> None:
+    """Append one JSON line (the test, what it measured) to ``$SHARDWISE_GPU_REPORT`` when set, so a
+    single GPU run leaves its numbers (differences from the references, peak memory) behind."""
+    path = os.environ.get("SHARDWISE_GPU_REPORT")
+    if not path:
+        return
+    import json
+
+    with open(path, "a") as out:
+        out.write(json.dumps({"test": test, "on": ON, **measured}, default=str) + "\n")
+
+
 def result_of(results: dict[str, Any], case: dict[str, Any]) -> Any:
     """The case's result, failing the test with the rank's traceback if it raised."""
     out = results[case_id(case)]

@@ -157,6 +157,7 @@ def test_a_gpu_checkpoint_loads_on_the_cpu(results):
 def test_sparse_attention_matches_dense_and_the_cpu(results):
     out = cuda_support.result_of(results, SPARSE[0])
     _on_device(out)
+    cuda_support.record("sparse_attention", **{name: out[name] for name in SPARSE[0]["configs"]})
     for name in SPARSE[0]["configs"]:
         assert out[name]["output_device"] == cuda_support.ON, name
         assert out[name]["vs_dense"] <= 1e-5, (name, out[name])

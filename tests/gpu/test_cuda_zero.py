@@ -113,6 +113,15 @@ def test_matches_the_single_process_reference_on_the_device(results, case):
     out = cuda_support.result_of(results, case)
     assert out["device"].startswith(cuda_support.ON)
     ours, ref = out["engine"], out["reference"]
+    cuda_support.record(
+        f"zero_parity[{_parity_id(case)}]",
+        bitwise=all(torch.equal(a, b) for a, b in zip(ours["params"], ref["params"]))
+        and ours["losses"] == ref["losses"],
+        max_param_diff=max(float((a - b).abs().max()) for a, b in zip(ours["params"], ref["params"])),
+        max_loss_rel_diff=max(
+            abs(v - ref["losses"][k]) / abs(ref["losses"][k]) for k, v in ours["losses"].items()
+        ),
+    )
     assert ours["steps"] == cuda_zero_cases.STEPS and ours["skipped"] == 0
     assert ours["losses"].keys() == ref["losses"].keys()
     for key, value in ours["losses"].items():
@@ -141,4 +150,5 @@ def test_optimizer_offload_holds_less_device_memory(results, case):
         pytest.skip("SHARDWISE_GPU_TESTS_ON=cpu: torch.cuda memory statistics need a GPU")
     state_bytes = 8 * out["numel"]  # AdamW: exp_avg and exp_avg_sq, fp32
     saved = out["peaks"]["none"] - out["peaks"]["cpu"]
+    cuda_support.record(f"offload_memory[stage{case['stage']}]", peaks=out["peaks"], state_bytes=state_bytes)
     assert saved >= state_bytes, (out["peaks"], state_bytes)
