@@ -205,7 +205,26 @@ def cpu_tensor_collectives(rank: int, world: int, case: dict[str, Any]) -> dict[
     }
 
 
+def rng_restore_on_another_layout(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """checkpoint.rng: a state saved where more GPUs were visible (here: a fake list of two, the
+    saving rank on GPU 1) restores the saving rank's generator into this rank's GPU."""
+    from shardwise.checkpoint import rng
+
+    dev = device()
+    if dev.type != "cuda":
+        return {"device": str(dev)}
+    torch.rand(1, device=dev)  # the CUDA generator is in use
+    state = rng.capture()
+    expected = torch.rand(4, device=dev).tolist()
+    torch.cuda.manual_seed(12345)
+    other = torch.cuda.get_rng_state()
+    moved = {**state, "cuda": [other, state["cuda"][state["cuda_device"]]], "cuda_device": 1}
+    rng.restore(moved)
+    return {"device": str(dev), "equal": torch.rand(4, device=dev).tolist() == expected}
+
+
 SCENARIOS = {
+    "rng_restore_on_another_layout": rng_restore_on_another_layout,
     "cpu_tensor_collectives": cpu_tensor_collectives,
     "activation_checkpointing": activation_checkpointing,
     "rng_tracker_fork": rng_tracker_fork,

@@ -69,7 +69,8 @@ DATA = [
     {"kind": "curriculum_resume", "stage": 2, "ltd": True, "index": None},
 ]
 COLLECTIVES = [{"kind": "cpu_tensor_collectives"}]
-CASES = COLLECTIVES + AC + TRACKER + RESUME + SPARSE + COMPRESSION + DATA
+RNG_LAYOUT = [{"kind": "rng_restore_on_another_layout"}]
+CASES = COLLECTIVES + RNG_LAYOUT + AC + TRACKER + RESUME + SPARSE + COMPRESSION + DATA
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +97,13 @@ def test_cpu_tensors_pass_through_nccl_collectives(results):
     assert out["averaged"] == ("cpu", [4.0, 8.0])
     assert out["sent"] == ("cpu", [0, 1, 2, 3, 4, 5])
     assert out["gathered"] == ("cpu", [10 * 0 + i for i in range(4)])
+
+
+def test_checkpoint_rng_restores_the_saving_ranks_gpu_generator(results):
+    out = cuda_support.result_of(results, RNG_LAYOUT[0])
+    if not out["device"].startswith("cuda"):
+        pytest.skip("SHARDWISE_GPU_TESTS_ON=cpu: there is no CUDA generator to restore")
+    assert out["equal"]
 
 
 def _on_device(out):

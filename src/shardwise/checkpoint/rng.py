@@ -31,6 +31,7 @@ def capture() -> dict[str, Any]:
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.current_device()  # the GPU this rank draws from
     return state
 
 
@@ -52,7 +53,10 @@ def restore(state: dict[str, Any]) -> None:
         if len(saved) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(saved)
         else:
-            torch.cuda.set_rng_state(saved[0])
+            # another GPU layout (e.g. one visible GPU per process now): this rank's generator continues
+            # from the one its saving rank drew from, not from GPU 0's
+            index = int(state.get("cuda_device", 0))
+            torch.cuda.set_rng_state(saved[index] if index < len(saved) else saved[0])
 
 
 def reseed(seed: int) -> None:
