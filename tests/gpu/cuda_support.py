@@ -54,7 +54,7 @@ def case_id(case: dict[str, Any]) -> str:
 
 
 def run_cases(
-    fn: Callable[..., Any], cases: Sequence[dict[str, Any]], timeout: float = 420.0
+    fn: Callable[..., Any], cases: Sequence[dict[str, Any]], timeout: float = 200.0
 ) -> dict[str, Any]:
     """Run ``fn(rank, 1, case)`` for every case in one spawned rank; ``{case_id: result}``.
 
