@@ -75,6 +75,9 @@ def default_allowed() -> list[str]:
     corpus = os.environ.get("SHARDWISE_CORPUS")  # the one outside copy a person may name on purpose
     if corpus:
         roots.append(corpus)
+    report = os.environ.get("SHARDWISE_GPU_REPORT")  # the GPU tests' measurements (tests/gpu/cuda_support.py)
+    if report:
+        roots.append(report)
     return roots
 
 
