@@ -34,8 +34,13 @@ if _DISTRIBUTED not in sys.path:
 
 #: ``cuda`` (default) or ``cpu`` (development only: gloo on the CPU)
 ON = os.environ.get("SHARDWISE_GPU_TESTS_ON", "cuda")
-#: cuBLAS is deterministic only with a fixed workspace configuration (set before its first use)
-RANK_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+#: cuBLAS is deterministic only with a fixed workspace configuration (set before its first use). And
+#: torch's cuBLASLt path for ``addmm`` with a bias (nn.Linear) asks the heuristic for an algorithm given
+#: each pointer's alignment (up to 256 bytes): the engine's parameters are views into flat buffers (a
+#: 64-byte-aligned bf16 weight), the reference's are separate allocations (512-byte aligned), so the two
+#: could get different algorithms, i.e. different summation orders. Without the Lt path both use cuBLAS's
+#: gemm, whose kernels need only 16-byte alignment, which both layouts have.
+RANK_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "DISABLE_ADDMM_CUDA_LT": "1"}
 
 
 def backend() -> str:
