@@ -160,7 +160,7 @@ def compression(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
             equal[f"{bits}-{'sym' if symmetric else 'asym'}"] = (torch.equal(ours, cpu), levels)
     out["quantizer_equal_to_cpu"] = equal
     out["device"] = str(dev)
-    return out
+    return to_cpu(out)
 
 
 def curriculum_seqlen(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
@@ -169,7 +169,7 @@ def curriculum_seqlen(rank: int, world: int, case: dict[str, Any]) -> dict[str, 
 
     out = data_efficiency_cases.model_receives_the_scheduled_seqlen(rank, world, case)
     out["device"] = str(device())
-    return out
+    return to_cpu(out)
 
 
 def curriculum_resume(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
@@ -178,7 +178,7 @@ def curriculum_resume(rank: int, world: int, case: dict[str, Any]) -> dict[str, 
 
     out = data_efficiency_cases.resume_mid_curriculum(rank, world, case)
     out["device"] = str(device())
-    return out
+    return to_cpu(out)
 
 
 def cpu_tensor_collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:

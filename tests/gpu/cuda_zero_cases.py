@@ -90,7 +90,7 @@ def fp16_overflow(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]
                 "param_device": next(engine.module.parameters()).device.type,
             }
         )
-    return {"record": record}
+    return {"record": to_cpu(record)}
 
 
 def memory(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
