@@ -80,6 +80,17 @@ OFFLOAD = [
         "gas": 1,
         "zero": {"offload_optimizer": {"device": "nvme", "nvme_path": NVME}},
     },
+    {
+        "kind": "parity",
+        "stage": 3,
+        "precision": "bf16",
+        "gas": 1,
+        "zero": {
+            "offload_param": {"device": "nvme", "nvme_path": NVME, "buffer_count": 2},
+            "offload_optimizer": {"device": "nvme", "nvme_path": NVME},
+            "stage3_param_persistence_threshold": 100,
+        },
+    },
 ]
 OVERFLOW = [{"kind": "fp16_overflow", "stage": stage} for stage in (0, 2, 3)]
 MEMORY = [{"kind": "memory", "stage": stage} for stage in (2, 3)]
