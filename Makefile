@@ -44,6 +44,19 @@ test-drills: $(STAMP)
 ## Extra pytest flags through PYTEST_ADDOPTS (e.g. -rA, --junitxml=gpu.xml); SHARDWISE_GPU_REPORT=FILE appends each
 ## test's measured differences and peak memory to FILE as JSON lines. Fails at once if no GPU is visible.
 PYTHON_GPU ?= $(BIN)/python
+define GPU_PREFLIGHT
+import importlib, sys, torch
+missing = []
+for name in ("pytest", "pydantic", "hjson", "tqdm", "numpy", "xxhash"):
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        missing.append(name)
+if missing:
+    sys.exit("make test-gpu: %s lacks %s; fix: make gpu-deps (GPU_DEPS_EXTRA=numpy if numpy is missing) where pip works, then bring .gpu-deps/ along" % (sys.executable, ", ".join(missing)))
+print("make test-gpu: torch %s, CUDA %s, %s, python %s" % (torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), sys.version.split()[0]))
+endef
+export GPU_PREFLIGHT
 GPU_PYVER ?= 3.12
 test-gpu:
 	@$(PYTHON_GPU) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || { \
@@ -51,6 +64,7 @@ test-gpu:
 		echo "  fix: run it on a machine with an NVIDIA GPU and a CUDA build of torch, e.g." >&2; \
 		echo "  make test-gpu PYTHON_GPU=python3; without a GPU, SHARDWISE_GPU_TESTS_ON=cpu pytest -m cuda tests/gpu" >&2; \
 		echo "  runs the same tests' logic on the CPU with gloo" >&2; exit 1; }
+	@PYTHONPATH=src$(if $(wildcard .gpu-deps),:.gpu-deps)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON_GPU) -c "$$GPU_PREFLIGHT"
 	OMP_NUM_THREADS=1 PYTHONPATH=src$(if $(wildcard .gpu-deps),:.gpu-deps)$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(PYTHON_GPU) -m pytest -q -m cuda -p no:cacheprovider tests/gpu
 
@@ -60,10 +74,11 @@ test-gpu:
 GPU_DEPS_EXTRA ?=
 gpu-deps: $(STAMP)
 	rm -rf .gpu-deps
-	$(BIN)/pip install --quiet --target .gpu-deps --no-deps --only-binary=:all: --python-version $(GPU_PYVER) \
+	$(BIN)/pip install --quiet --target .gpu-deps --no-deps --no-compile --only-binary=:all: --python-version $(GPU_PYVER) \
 		--implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
 		pytest pluggy iniconfig packaging pygments pydantic pydantic-core annotated-types typing-extensions \
 		typing-inspection hjson tqdm xxhash $(GPU_DEPS_EXTRA)
+	find .gpu-deps -type d \( -name tests -o -name __pycache__ \) -prune -exec rm -rf {} +
 
 test-numerics: $(STAMP)
 	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -m numeric tests
