@@ -223,7 +223,27 @@ def rng_restore_on_another_layout(rank: int, world: int, case: dict[str, Any]) -
     return {"device": str(dev), "equal": torch.rand(4, device=dev).tolist() == expected}
 
 
+def grad_fold(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """The step divisor folded into torch's fused Adam/AdamW (``grad_scale``) equals the separate
+    ``_foreach_div_`` bit for bit on the device too, subnormal and huge gradients included, for
+    power-of-two and other fp32 divisors (test_grad_fold's cases, run on the device)."""
+    unit_zero_tests = str(Path(__file__).resolve().parents[1] / "unit" / "zero")
+    if unit_zero_tests not in sys.path:
+        sys.path.insert(0, unit_zero_tests)
+    import test_grad_fold as unit
+
+    dev = str(device())
+    out: dict[str, Any] = {"device": dev}
+    for kind in (torch.optim.AdamW, torch.optim.Adam):
+        for divisor in unit.DIVISORS:
+            folded = unit._run(kind, True, divisor, device=dev, fused=True)
+            divided = unit._run(kind, False, divisor, device=dev, fused=True)
+            out[f"{kind.__name__}/{divisor!r}"] = all(torch.equal(a, b) for a, b in zip(folded, divided))
+    return out
+
+
 SCENARIOS = {
+    "grad_fold": grad_fold,
     "rng_restore_on_another_layout": rng_restore_on_another_layout,
     "cpu_tensor_collectives": cpu_tensor_collectives,
     "activation_checkpointing": activation_checkpointing,

@@ -70,7 +70,8 @@ DATA = [
 ]
 COLLECTIVES = [{"kind": "cpu_tensor_collectives"}]
 RNG_LAYOUT = [{"kind": "rng_restore_on_another_layout"}]
-CASES = COLLECTIVES + RNG_LAYOUT + AC + TRACKER + RESUME + SPARSE + COMPRESSION + DATA
+GRAD_FOLD = [{"kind": "grad_fold"}]
+CASES = COLLECTIVES + RNG_LAYOUT + GRAD_FOLD + AC + TRACKER + RESUME + SPARSE + COMPRESSION + DATA
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,14 @@ def test_checkpoint_rng_restores_the_saving_ranks_gpu_generator(results):
     if not out["device"].startswith("cuda"):
         pytest.skip("SHARDWISE_GPU_TESTS_ON=cpu: there is no CUDA generator to restore")
     assert out["equal"]
+
+
+def test_folded_divisor_is_bitwise_the_separate_division(results):
+    out = cuda_support.result_of(results, GRAD_FOLD[0])
+    _on_device(out)
+    unequal = [name for name, equal in out.items() if name != "device" and not equal]
+    cuda_support.record("grad_fold", unequal=unequal)
+    assert len(out) == 1 + 2 * 7 and not unequal
 
 
 def _on_device(out):

@@ -31,14 +31,15 @@ def _grads(seed: int, sizes: list[int]) -> list[torch.Tensor]:
 
 
 def _run(
-    kind: type[torch.optim.Optimizer], fold: bool, divisor: float, **kwargs: object
+    kind: type[torch.optim.Optimizer], fold: bool, divisor: float, device: str = "cpu", **kwargs: object
 ) -> list[torch.Tensor]:
+    """(``device``: the GPU tests run this on CUDA, tests/gpu/cuda_feature_cases.py.)"""
     sizes = [1003, 64, 4099]  # not multiples of any vector width: the kernels' tails run too
     gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(n, generator=gen) for n in sizes]
+    params = [torch.randn(n, generator=gen).to(device) for n in sizes]
     opt = kind(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **kwargs)
     for step in range(3):
-        grads = _grads(step + 1, sizes)
+        grads = [g.to(device) for g in _grads(step + 1, sizes)]
         for p, g in zip(params, grads):
             p.grad = g
         if fold:
