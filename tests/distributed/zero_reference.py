@@ -98,6 +98,7 @@ def reference_run(
     engine_norms: list[float] | None = None,
     device: str | torch.device = "cpu",
     opt_device: str | torch.device | None = None,
+    align_like: list[int] | None = None,
 ) -> dict[str, Any]:
     """Losses per (step, micro, rank), gradient norms per step and final fp32 master parameters.
 
@@ -109,7 +110,9 @@ def reference_run(
     ``device`` runs the model there (the GPU tests: the same kernels as the engine on the same
     GPU); ``opt_device`` (default: ``device``) holds the fp32 masters and runs AdamW there, as
     optimizer offload does (gradients copied to it, the updated masters copied back). Results
-    come back on the CPU.
+    come back on the CPU. ``align_like`` (the engine's parameters' addresses modulo 256 bytes, in
+    ``parameters()`` order) puts each reference parameter at the same alignment: cuBLAS may pick its
+    algorithm by the operands' alignment, and the engine's parameters are views into flat buffers.
 
     ``reduce_every_micro`` sums over ranks after every micro batch and accumulates those
     sums (ZeRO-2's order); otherwise each rank accumulates its micro batches and the
@@ -129,6 +132,7 @@ def reference_run(
             engine_norms,
             torch.device(device),
             torch.device(opt_device if opt_device is not None else device),
+            align_like,
         )
     finally:
         torch.set_num_threads(threads)
@@ -145,12 +149,15 @@ def _reference(
     engine_norms: list[float] | None,
     device: torch.device,
     opt_device: torch.device,
+    align_like: list[int] | None,
 ) -> dict[str, Any]:
     dtype = DTYPES[precision]
     model = make_model()
     params = list(model.parameters())
     model.to(dtype)  # like the engine: masters start from the 16-bit values
     model.to(device)
+    if align_like is not None:
+        _align(params, align_like)
     masters = [p.detach().float().to(opt_device, copy=True) for p in params]
     opt = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
     scale = 2.0**8 if precision == "fp16" else 1.0
@@ -209,6 +216,19 @@ def _reference(
         "norms": norms,
         "largest_tensor": largest,
     }
+
+
+def _align(params: list[torch.Tensor], offsets: list[int]) -> None:
+    """Move each parameter's data to an address with the given remainder modulo 256 bytes."""
+    assert len(params) == len(offsets), (len(params), len(offsets))
+    for p, offset in zip(params, offsets):
+        size = p.element_size()
+        buffer = torch.empty(p.numel() + 256 // size, dtype=p.dtype, device=p.device)
+        start = ((offset - buffer.data_ptr()) % 256) // size
+        view = buffer[start : start + p.numel()].view_as(p)
+        view.copy_(p.detach())
+        p.data = view
+        assert p.data_ptr() % 256 == offset, (p.data_ptr() % 256, offset)
 
 
 def norm_error_bound(norm: float, largest_tensor: int, tensors: int, world: int) -> float:
@@ -275,6 +295,7 @@ def rank_train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         "skipped": engine.skipped_steps,
         "state_bytes": engine.optimizer.model_state_bytes(),
         "norms": norms,
+        "param_alignment": [p.data_ptr() % 256 for p in engine.module.parameters()],
     }
 
 

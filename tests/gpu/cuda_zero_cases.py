@@ -48,11 +48,14 @@ def parity(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         reduce_every_micro=case["stage"] >= 2,
         device=dev,
         opt_device="cpu" if offloaded else dev,
+        # stages 0-2: each reference parameter at its engine twin's alignment (flat-buffer views)
+        align_like=ours.get("param_alignment") if case["stage"] < 3 else None,
     )
     return {
         "device": str(dev),
         "engine": {k: to_cpu(ours[k]) for k in ("losses", "params", "steps", "skipped")},
         "reference": {k: to_cpu(ref[k]) for k in ("losses", "params")},
+        "alignment": sorted(set(ours.get("param_alignment", []))),
     }
 
 

@@ -129,6 +129,7 @@ def test_matches_the_single_process_reference_on_the_device(results, case):
         bitwise=all(torch.equal(a, b) for a, b in zip(ours["params"], ref["params"]))
         and ours["losses"] == ref["losses"],
         max_param_diff=max(float((a - b).abs().max()) for a, b in zip(ours["params"], ref["params"])),
+        engine_param_alignment_mod_256=out["alignment"],
         max_loss_rel_diff=max(
             abs(v - ref["losses"][k]) / abs(ref["losses"][k]) for k, v in ours["losses"].items()
         ),
