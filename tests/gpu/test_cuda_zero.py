@@ -54,7 +54,11 @@ OFFLOAD = [
         "stage": 2,
         "precision": "fp32",
         "gas": 2,
-        "zero": {"offload_optimizer": {"device": "nvme", "nvme_path": NVME}, "sub_group_size": 2000},
+        # pinned NVMe staging buffers are freed and refilled between steps (resize_)
+        "zero": {
+            "offload_optimizer": {"device": "nvme", "nvme_path": NVME, "pin_memory": True},
+            "sub_group_size": 2000,
+        },
     },
     {
         "kind": "parity",
@@ -86,8 +90,8 @@ OFFLOAD = [
         "precision": "bf16",
         "gas": 1,
         "zero": {
-            "offload_param": {"device": "nvme", "nvme_path": NVME, "buffer_count": 2},
-            "offload_optimizer": {"device": "nvme", "nvme_path": NVME},
+            "offload_param": {"device": "nvme", "nvme_path": NVME, "buffer_count": 2, "pin_memory": True},
+            "offload_optimizer": {"device": "nvme", "nvme_path": NVME, "pin_memory": True},
             "stage3_param_persistence_threshold": 100,
         },
     },

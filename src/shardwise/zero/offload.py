@@ -217,8 +217,9 @@ class OffloadStore:
 
     # ------------------------------------------------------------------ buffers
     def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        buf = torch.empty(like.shape, dtype=like.dtype, device="cpu")
-        return buf.pin_memory() if self.spec.pin else buf
+        # pinned at allocation: ``Tensor.pin_memory()`` returns a storage that cannot be resized, and
+        # NVMe staging buffers are freed and refilled with ``resize_`` between steps
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.spec.pin)
 
     @property
     def is_nvme(self) -> bool:
@@ -349,8 +350,7 @@ class OffloadStore:
         return handles
 
     def _host_buffer_of(self, slot: _Slot) -> torch.Tensor:
-        buf = torch.empty(slot.shape, dtype=slot.dtype, device="cpu")
-        return buf.pin_memory() if self.spec.pin else buf
+        return torch.empty(slot.shape, dtype=slot.dtype, device="cpu", pin_memory=self.spec.pin)
 
     def _save_state(self, optimizer: torch.optim.Optimizer, indices: Sequence[int]) -> list[IoHandle]:
         assert self._file is not None
