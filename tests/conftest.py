@@ -68,26 +68,30 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = _outside_message(paths)
 
 
-def _gpu_tests_runnable() -> bool:
-    """A GPU is visible, or ``SHARDWISE_GPU_TESTS_ON=cpu`` asks for the GPU tests' logic on the CPU."""
+def _cuda_tests_that_cannot_run(gpu: list[pytest.Item]) -> list[pytest.Item]:
+    """All of ``gpu`` where torch sees no GPU; under ``SHARDWISE_GPU_TESTS_ON=cpu`` (the GPU tests'
+    logic on the CPU with gloo, for development) only those marked ``cuda(needs_device=True)``."""
     import os
 
-    if os.environ.get("SHARDWISE_GPU_TESTS_ON") == "cpu":
-        return True
     import torch
 
-    return torch.cuda.is_available()
+    if torch.cuda.is_available():
+        return []
+    if os.environ.get("SHARDWISE_GPU_TESTS_ON") == "cpu":
+        return [item for item in gpu if any(m.kwargs.get("needs_device") for m in item.iter_markers("cuda"))]
+    return gpu
 
 
 def pytest_collection_modifyitems(config, items):
     """``cuda``-marked tests are deselected (not skipped) where they cannot run: a CPU run reports
     them as deselected and spends nothing on them."""
     gpu = [item for item in items if item.get_closest_marker("cuda") is not None]
-    if not gpu or _gpu_tests_runnable():
+    dropped = _cuda_tests_that_cannot_run(gpu) if gpu else []
+    if not dropped:
         return
-    chosen = set(map(id, gpu))
+    chosen = set(map(id, dropped))
     items[:] = [item for item in items if id(item) not in chosen]
-    config.hook.pytest_deselected(items=gpu)
+    config.hook.pytest_deselected(items=dropped)
 
 
 def pytest_collection_finish(session):

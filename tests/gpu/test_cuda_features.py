@@ -100,11 +100,10 @@ def test_cpu_tensors_pass_through_nccl_collectives(results):
     assert out["gathered"] == ("cpu", [10 * 0 + i for i in range(4)])
 
 
+@pytest.mark.cuda(needs_device=True)  # a CUDA generator: not run under SHARDWISE_GPU_TESTS_ON=cpu
 def test_checkpoint_rng_restores_the_saving_ranks_gpu_generator(results):
     out = cuda_support.result_of(results, RNG_LAYOUT[0])
-    if not out["device"].startswith("cuda"):
-        pytest.skip("SHARDWISE_GPU_TESTS_ON=cpu: there is no CUDA generator to restore")
-    assert out["equal"]
+    assert out["device"].startswith("cuda") and out["equal"]
 
 
 def test_folded_divisor_is_bitwise_the_separate_division(results):

@@ -159,11 +159,13 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(results, case):
     assert {r["param_device"] for r in rec} == {cuda_support.ON}
 
 
+@pytest.mark.cuda(
+    needs_device=True
+)  # torch.cuda's memory statistics: not run under SHARDWISE_GPU_TESTS_ON=cpu
 @pytest.mark.parametrize("case", MEMORY, ids=lambda c: f"stage{c['stage']}")
 def test_optimizer_offload_holds_less_device_memory(results, case):
     out = cuda_support.result_of(results, case)
-    if out["device"] != "cuda":
-        pytest.skip("SHARDWISE_GPU_TESTS_ON=cpu: torch.cuda memory statistics need a GPU")
+    assert out["device"] == "cuda"
     state_bytes = 8 * out["numel"]  # AdamW: exp_avg and exp_avg_sq, fp32
     saved = out["peaks"]["none"] - out["peaks"]["cpu"]
     cuda_support.record(f"offload_memory[stage{case['stage']}]", peaks=out["peaks"], state_bytes=state_bytes)
