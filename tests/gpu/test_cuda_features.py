@@ -125,8 +125,11 @@ def test_checkpointed_training_equals_plain_bit_for_bit(results, case):
     assert out["losses_equal"] and out["params_equal"]
     assert out["rng_equal"] and out["device_rng_equal"]  # the recompute's draws were replayed, then undone
     plain_calls, ckpt_calls = out["calls"]
-    assert ckpt_calls == 2 * plain_calls  # every block ran again in backward
-    assert out["peaks"][1] < out["peaks"][0]  # fewer saved activations
+    assert ckpt_calls == 2 * plain_calls > 0  # every block ran again in backward
+    plain_peak, ckpt_peak = out["peaks"]
+    assert ckpt_peak < plain_peak / 2  # only the block inputs are kept (as on the CPU)
+    if case.get("section", {}).get("profile"):
+        assert out["timers"]["act_ckpt_forward"] > 0 and out["timers"]["act_ckpt_recompute"] > 0
 
 
 def test_rng_tracker_fork_is_replayed_in_the_recompute(results):
