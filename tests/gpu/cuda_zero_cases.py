@@ -59,6 +59,25 @@ def parity(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def zero_init(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """A TinyGPT built under ``zero.Init``, loaded with the reference weights through
+    ``GatheredParameters``, trains at stage 3 like the reference on this device
+    (stage3_cases.init_then_train)."""
+    import stage3_cases
+
+    dev = device()
+    train_case = {"stage": 3, "precision": case["precision"], "gas": 1, "micro_batch": MICRO, "steps": STEPS}
+    ours = stage3_cases.init_then_train(rank, world, train_case)
+    ref = reference_run(case["precision"], 1, MICRO, world, STEPS, reduce_every_micro=True, device=dev)
+    return {
+        "device": str(dev),
+        "tied": ours["tied"],
+        "engine": {"losses": ours["losses"], "params": to_cpu(ours["params"]), "steps": STEPS, "skipped": 0},
+        "reference": {k: to_cpu(ref[k]) for k in ("losses", "params")},
+        "alignment": [],
+    }
+
+
 def _full_params(engine: Any) -> torch.Tensor:
     out = []
     for p in engine.module.parameters():
@@ -132,7 +151,7 @@ def memory(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     return {"device": dev.type, "peaks": peaks, "numel": numel}
 
 
-SCENARIOS = {"parity": parity, "fp16_overflow": fp16_overflow, "memory": memory}
+SCENARIOS = {"parity": parity, "zero_init": zero_init, "fp16_overflow": fp16_overflow, "memory": memory}
 
 
 def run_case(rank: int, world: int, case: dict[str, Any]) -> Any:

@@ -96,9 +96,10 @@ OFFLOAD = [
         },
     },
 ]
+ZERO_INIT = [{"kind": "zero_init", "precision": "bf16"}]
 OVERFLOW = [{"kind": "fp16_overflow", "stage": stage} for stage in (0, 2, 3)]
 MEMORY = [{"kind": "memory", "stage": stage} for stage in (2, 3)]
-CASES = PARITY + OFFLOAD + OVERFLOW + MEMORY
+CASES = PARITY + OFFLOAD + ZERO_INIT + OVERFLOW + MEMORY
 
 
 def _with_path(value, path):
@@ -118,16 +119,19 @@ def results(tmp_path_factory):
 
 
 def _parity_id(case):
+    if case["kind"] == "zero_init":
+        return f"stage3-{case['precision']}-zero.Init"
     zero = case.get("zero", {})
     where = "-".join(f"{k}={v['device']}" for k, v in zero.items() if isinstance(v, dict))
     return f"stage{case['stage']}-{case['precision']}-gas{case['gas']}" + (f"-{where}" if where else "")
 
 
-@pytest.mark.parametrize("case", PARITY + OFFLOAD, ids=_parity_id)
+@pytest.mark.parametrize("case", PARITY + OFFLOAD + ZERO_INIT, ids=_parity_id)
 def test_matches_the_single_process_reference_on_the_device(results, case):
     out = cuda_support.result_of(results, case)
     assert out["device"].startswith(cuda_support.ON)
     ours, ref = out["engine"], out["reference"]
+    assert out.get("tied", True)  # zero.Init keeps the lm_head tied to the embedding
     cuda_support.record(
         f"zero_parity[{_parity_id(case)}]",
         bitwise=all(torch.equal(a, b) for a, b in zip(ours["params"], ref["params"]))
