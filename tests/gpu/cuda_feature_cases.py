@@ -196,7 +196,15 @@ def cpu_tensor_collectives(rank: int, world: int, case: dict[str, Any]) -> dict[
     comm.broadcast(sent, src=0)
     gathered = torch.zeros(4 * world, dtype=torch.int64)
     comm.all_gather_flat(gathered, torch.arange(4, dtype=torch.int64) + 10 * rank)
+    # the stage-2 reducer's reduce-scatter over uneven ranges, on the device (NCCL: an all-reduce of a
+    # scratch copy; the rest of the buffer keeps its partial values)
+    dev = device()
+    ranged = torch.arange(10, dtype=torch.float32, device=dev)
+    comm.reduce_scatter_ranges(ranged, [(3, 7)], async_op=True).wait()
+    into = torch.zeros(4, device=dev)
+    comm.reduce_scatter_ranges(ranged, [(3, 7)], out=into)
     return {
+        "ranged": (ranged.device.type, ranged.tolist(), into.tolist()),
         "backend": str(dist.get_backend()),
         "summed": (summed.device.type, summed.tolist()),
         "averaged": (averaged.device.type, averaged.tolist()),

@@ -441,15 +441,30 @@ def reduce_scatter_ranges(
 ) -> CommHandle | None:
     """Sum ``buffer`` across ``group`` where each rank keeps only its own range ``owned[rank]``.
 
-    :func:`shardwise.comm.exchange.reduce_owned` (see there: ranges may be uneven, cut across
-    shards, or empty), timed for the comms logger as ``reduce_scatter_tensor`` of
-    ``buffer.numel() / group size`` elements.
+    :func:`shardwise.comm.exchange.reduce_owned` on CPU tensors over gloo (see there: ranges may
+    be uneven, cut across shards, or empty), timed for the comms logger as ``reduce_scatter_tensor``
+    of ``buffer.numel() / group size`` elements. Elsewhere (NCCL, GPU tensors) an all-reduce of a
+    scratch copy: NCCL matches point-to-point messages by order, not tag, and runs each pair's sends
+    and receives on one stream, so two ranks' exchanges of more than NCCL's buffers would each wait
+    for the other's receives; the ranges may be uneven, which ``reduce_scatter_tensor`` cannot take.
     """
-    world, _ = _group_size_and_rank(group)
+    world, rank = _group_size_and_rank(group)
     nbytes = buffer.numel() // world * buffer.element_size()
     record = _COMMS.start("reduce_scatter_tensor", nbytes, world, buffer.is_cuda) if _COMMS.enabled else None
-    handle = exchange.reduce_owned(buffer, owned, group, True, out=out)
-    return _run(handle, async_op, None, record)  # type: ignore[arg-type]
+    if buffer.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
+        handle = exchange.reduce_owned(buffer, owned, group, True, out=out)
+        return _run(handle, async_op, None, record)  # type: ignore[arg-type]
+    exchange.check_ranges(buffer, owned, world)
+    lo, hi = owned[rank]
+    if out is not None and (out.numel() != hi - lo or out.dtype != buffer.dtype):
+        raise ValueError(f"out must hold this rank's range: {hi - lo} elements of {buffer.dtype}")
+    scratch = buffer.clone()  # the rest of ``buffer`` keeps this rank's partial values
+    work = dist.all_reduce(scratch, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+    def finish() -> None:
+        (buffer[lo:hi] if out is None else out.view(-1)).copy_(scratch[lo:hi])
+
+    return _run(work, async_op, finish, record)
 
 
 def all_gather_flat(

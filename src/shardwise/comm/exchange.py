@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["PIECE_BYTES", "gather_owned", "reduce_owned"]
+__all__ = ["PIECE_BYTES", "check_ranges", "gather_owned", "reduce_owned"]
 
 PIECE_BYTES = 2 * 2**20
 """Largest message: 1-4 MiB measured fastest (see the module docstring)."""
@@ -77,7 +77,8 @@ def _pieces(lo: int, hi: int, element_size: int) -> list[tuple[int, int]]:
     return [(start, min(hi, start + step)) for start in range(lo, hi, step)]
 
 
-def _check(buffer: torch.Tensor, owned: Sequence[tuple[int, int]], world: int) -> None:
+def check_ranges(buffer: torch.Tensor, owned: Sequence[tuple[int, int]], world: int) -> None:
+    """``buffer`` is contiguous and 1-D, and ``owned`` gives one range inside it per rank."""
     if buffer.dim() != 1 or not buffer.is_contiguous():
         raise ValueError("exchange collectives need a contiguous 1-D buffer (a slice of a flat buffer)")
     if len(owned) != world:
@@ -133,7 +134,7 @@ def reduce_owned(
     sent to their owners.
     """
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    _check(buffer, owned, world)
+    check_ranges(buffer, owned, world)
     lo, hi = owned[me]
     if out is not None:
         if out.numel() != hi - lo or out.dtype != buffer.dtype:
@@ -189,7 +190,7 @@ def gather_owned(
         async_op: return a handle; read ``buffer`` only after ``wait()``.
     """
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    _check(buffer, owned, world)
+    check_ranges(buffer, owned, world)
     base = _next_tag_block(group)
     size = buffer.element_size()
     works = []
