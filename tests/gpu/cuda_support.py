@@ -75,16 +75,16 @@ def run_cases(
     return {case_id(case): ranks[0] for case, ranks in zip(cases, out)}
 
 
-def run_on_cpu(fn: Callable[..., Any], case: dict[str, Any], timeout: float = 240.0) -> Any:
-    """``fn(0, 1, case)`` in one spawned CPU rank (gloo), e.g. to load what a GPU run saved."""
+def run_on_cpu(fn: Callable[..., Any], cases: Sequence[dict[str, Any]], timeout: float = 240.0) -> list[Any]:
+    """``fn(0, 1, case)`` for each case in one spawned CPU rank (gloo), e.g. to load what a GPU run saved."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SHARDWISE_HARNESS_START", "spawn")
         from shardwise.testing import run_distributed_cases
 
         out = run_distributed_cases(
-            guarded, [case], world_size=1, args=(fn,), timeout=timeout, backend="gloo"
+            guarded, list(cases), world_size=1, args=(fn,), timeout=timeout, backend="gloo"
         )
-    return out[0][0]
+    return [ranks[0] for ranks in out]
 
 
 def guarded(rank: int, world: int, case: dict[str, Any], fn: Callable[..., Any]) -> Any:

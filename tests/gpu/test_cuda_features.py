@@ -45,7 +45,7 @@ TRACKER = [{"kind": "rng_tracker_fork"}]
 RESUME = [
     {"kind": "checkpoint_resume", "stage": 0, "precision": "fp16", "extra": {}},
     {"kind": "checkpoint_resume", "stage": 2, "precision": "fp32", "extra": {}, "cpu_view": True},
-    {"kind": "checkpoint_resume", "stage": 3, "precision": "bf16", "extra": {}},
+    {"kind": "checkpoint_resume", "stage": 3, "precision": "bf16", "extra": {}, "cpu_view": True},
     {
         "kind": "checkpoint_resume",
         "stage": 2,
@@ -155,18 +155,32 @@ def test_resume_equals_an_uninterrupted_run(results, case):
     assert out["counters"][0] == 4 and out["counters"][2] == 0
 
 
-def test_a_gpu_checkpoint_loads_on_the_cpu(results):
-    case = RESUME[1]
-    saved = cuda_support.result_of(results, case)
-    on_cpu = cuda_support.run_on_cpu(
-        cuda_feature_cases.load_on_cpu, results["paths"][cuda_support.case_id(case)]
+CPU_VIEW = [case for case in RESUME if case.get("cpu_view")]
+
+
+@pytest.fixture(scope="module")
+def loaded_on_cpu(results):
+    """The GPU-saved checkpoints of ``CPU_VIEW`` loaded by one CPU (gloo) rank."""
+    paths = [results["paths"][cuda_support.case_id(case)] for case in CPU_VIEW]
+    return dict(
+        zip(
+            map(cuda_support.case_id, CPU_VIEW),
+            cuda_support.run_on_cpu(cuda_feature_cases.load_on_cpu, paths),
+        )
     )
+
+
+@pytest.mark.parametrize("case", CPU_VIEW, ids=lambda c: f"stage{c['stage']}-{c['precision']}")
+def test_a_gpu_checkpoint_loads_on_the_cpu(results, loaded_on_cpu, case):
+    saved = cuda_support.result_of(results, case)
+    on_cpu = loaded_on_cpu[cuda_support.case_id(case)]
     if "error" in on_cpu:
         pytest.fail(on_cpu["error"], pytrace=False)
     assert on_cpu["device"] == "cpu"
     assert saved["loaded_params"].keys() == on_cpu["loaded_params"].keys()
     for name, value in saved["loaded_params"].items():
         assert torch.equal(value, on_cpu["loaded_params"][name]), name
+    assert saved["loaded_state"].keys() == on_cpu["loaded_state"].keys()
     for key, value in saved["loaded_state"].items():
         if key == "optim/param_groups":
             continue
