@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _train(engine, batches, steps: int) -> float:
     loss = torch.tensor(0.0)
     for _ in range(steps):
-        x, y = next(batches)
+        x, y = (t.to(engine.device) for t in next(batches))
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
