@@ -33,6 +33,10 @@ if ls .whl/ds/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ds-site .whl/ds/*.whl && DS_PATH=/tmp/ds-site
 fi
 export TORCH_EXTENSIONS_DIR=/tmp/torch-ext MAX_JOBS=${MAX_JOBS:-12}
+# DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST as numbers and fails on the image's arch suffixes
+# ("9.0a"): build (and later load, which checks the same flags) for the GPU's plain capability
+echo "TORCH_CUDA_ARCH_LIST was '${TORCH_CUDA_ARCH_LIST:-}'" >>"$OUT/env.txt"
+TORCH_CUDA_ARCH_LIST=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())") && export TORCH_CUDA_ARCH_LIST
 log "wheels installed (deepspeed: ${DS_PATH:-none})"
 
 DS_BUILD_PID=""

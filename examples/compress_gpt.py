@@ -46,7 +46,8 @@ def _train(engine, batches, steps: int) -> float:
 @torch.no_grad()
 def _eval(model: torch.nn.Module, data: ProgressionDataset) -> float:
     model.eval()
-    x, y = data.data[:256, :-1], data.data[:256, 1:]
+    device = next(model.parameters()).device
+    x, y = data.data[:256, :-1].to(device), data.data[:256, 1:].to(device)
     loss = model(x, y).item()
     model.train()
     return loss
