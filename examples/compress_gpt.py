@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _train(engine, batches, steps: int) -> float:
     loss = torch.tensor(0.0)
     for _ in range(steps):
-        x, y = next(batches)
+        x, y = (t.to(engine.device) for t in next(batches))
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -46,7 +46,8 @@ def _train(engine, batches, steps: int) -> float:
 @torch.no_grad()
 def _eval(model: torch.nn.Module, data: ProgressionDataset) -> float:
     model.eval()
-    x, y = data.data[:256, :-1], data.data[:256, 1:]
+    device = next(model.parameters()).device
+    x, y = data.data[:256, :-1].to(device), data.data[:256, 1:].to(device)
     loss = model(x, y).item()
     model.train()
     return loss

@@ -72,6 +72,7 @@ def main() -> None:
     # the engine's log lines go through tqdm.write, so they do not tear the bar
     with logging_redirect_tqdm(loggers=[get_logger()]):
         for x, y in batches:
+            x, y = x.to(engine.device), y.to(engine.device)  # as DeepSpeed scripts do: the engine moves no inputs
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()

@@ -77,7 +77,7 @@ def run(technique: str, steps: int, data: ProgressionDataset, held_out: Progress
     batches = deepspeed.RepeatingLoader(loader)
     tokens = layer_tokens = 0
     while engine.global_steps < steps:
-        x, y = next(batches)
+        x, y = (t.to(engine.device) for t in next(batches))
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -93,9 +93,9 @@ def run(technique: str, steps: int, data: ProgressionDataset, held_out: Progress
         layer_tokens = hook.state_dict()["consumed_layer_tokens"] // engine.dp_world_size
     engine.eval()
     with torch.no_grad():
-        x, y = held_out.data[:, :-1], held_out.data[:, 1:]
+        x, y = held_out.data[:, :-1].to(engine.device), held_out.data[:, 1:].to(engine.device)
         eval_loss = engine(x, y).item()
-    totals = torch.tensor([tokens, layer_tokens], dtype=torch.float64)
+    totals = torch.tensor([tokens, layer_tokens], dtype=torch.float64, device=engine.device)
     if engine.dp_world_size > 1:
         deepspeed.comm.all_reduce(totals)
     return {

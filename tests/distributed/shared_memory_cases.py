@@ -17,6 +17,7 @@ from zero_reference import config, make_model, train_step
 import shardwise
 from shardwise.comm import shared_memory as shm
 from shardwise.comm import shm_barrier
+from shardwise.comm.fsdp_internals import unit_param_groups
 from shardwise.comm.fsdp_shared_hooks import SharedAllGather, SharedReduceScatter
 from shardwise.comm.host_transport import PeerBuffer
 
@@ -244,7 +245,7 @@ def _transport(strategy: Any) -> dict[str, Any]:
     hooks = [
         (group._all_gather_comm, group._reduce_scatter_comm)
         for module in strategy.record.fsdp_modules()
-        for group in module._get_fsdp_state()._fsdp_param_groups
+        for group in unit_param_groups(module)
     ]
     return {
         "shared_params": [isinstance(g, SharedAllGather) for g, _ in hooks],

@@ -47,11 +47,10 @@ def _internals_case(rank: int, world: int, case: dict[str, Any]) -> bool:
     assert fi.unit_padded_shard_numel(unit) == [2 * 5 + 2], (
         f"unit_padded_shard_numel {fi.unit_padded_shard_numel(unit)}"
     )
+    assert len(fi.unit_param_groups(unit)) == 1, "unit_param_groups"
     assert fi.unit_shard_groups(unit) == [world_group], "unit_shard_groups"
     fi.set_unshard_async(unit)
-    assert [g.unshard_async_op for g in unit._get_fsdp_state()._fsdp_param_groups] == [True], (
-        "set_unshard_async"
-    )
+    assert [g.unshard_async_op for g in fi.unit_param_groups(unit)] == [True], "set_unshard_async"
 
     assert fi.is_fully_shard_class(type(unit)) and not fi.is_fully_shard_class(nn.Linear), (
         "is_fully_shard_class"

@@ -35,12 +35,14 @@ __all__ = [
     "local_tensor",
     "set_unshard_async",
     "unit_padded_shard_numel",
+    "unit_param_groups",
     "unit_shard_groups",
     "unit_sharded_params",
 ]
 
 CHECKED_AGAINST = "2.13.0"
-"""The torch version every private access in this module was read against."""
+"""The torch version every private access in this module was read against (each access also
+works on torch 2.11.0, checked; where 2.11 differs the access says so and detects it)."""
 
 # fully_shard swaps a module's class for a dynamically made subclass defined in this module.
 _FULLY_SHARD_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"  # private path, torch 2.13.0
@@ -74,10 +76,24 @@ def dtensor_group(tensor: Any) -> ProcessGroup:
 
 
 # ----------------------------------------------------------------------------------- FSDP2
-def _param_groups(module: nn.Module) -> list[Any]:
-    """Private: ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` (torch 2.13.0)."""
+def unit_param_groups(module: nn.Module) -> list[Any]:
+    """The FSDP parameter groups (``FSDPParamGroup``) of one ``fully_shard`` unit, [] when it has none.
+
+    Private: ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` (a list, torch 2.13.0), or on
+    older torch (2.11.0, checked) the single optional ``FSDPState._fsdp_param_group``. Detected by
+    attribute, not by version string.
+    """
     state = module._get_fsdp_state()  # type: ignore[operator]
-    return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    raise RuntimeError(
+        f"shardwise reads FSDP2's parameter groups from FSDPState._fsdp_param_groups (torch {CHECKED_AGAINST}) "
+        f"or FSDPState._fsdp_param_group (torch 2.11.0); torch {torch.__version__} has neither. "
+        "Fix: use torch 2.11 to 2.13, or update shardwise.comm.fsdp_internals for this torch."
+    )
 
 
 def unit_sharded_params(module: nn.Module) -> list[nn.Parameter]:
@@ -85,7 +101,7 @@ def unit_sharded_params(module: nn.Module) -> list[nn.Parameter]:
 
     Private: ``FSDPParamGroup.fsdp_params`` and ``FSDPParam.sharded_param`` (torch 2.13.0).
     """
-    return [fp.sharded_param for group in _param_groups(module) for fp in group.fsdp_params]
+    return [fp.sharded_param for group in unit_param_groups(module) for fp in group.fsdp_params]
 
 
 def unit_padded_shard_numel(module: nn.Module) -> list[int]:
@@ -93,7 +109,10 @@ def unit_padded_shard_numel(module: nn.Module) -> list[int]:
 
     Private: ``FSDPParam.padded_sharded_param_size`` (torch 2.13.0).
     """
-    return [sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params) for group in _param_groups(module)]
+    return [
+        sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+        for group in unit_param_groups(module)
+    ]
 
 
 def unit_shard_groups(module: nn.Module) -> list[ProcessGroup]:
@@ -101,7 +120,7 @@ def unit_shard_groups(module: nn.Module) -> list[ProcessGroup]:
 
     Private: ``FSDPParamGroup.mesh_info.shard_process_group`` (torch 2.13.0).
     """
-    return [group.mesh_info.shard_process_group for group in _param_groups(module)]
+    return [group.mesh_info.shard_process_group for group in unit_param_groups(module)]
 
 
 def set_unshard_async(module: nn.Module) -> None:

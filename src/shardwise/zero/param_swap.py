@@ -44,6 +44,23 @@ def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def storage_exchange_available() -> bool:
+    """Whether this torch can exchange two storages' memory in place
+    (``UntypedStorage._swap_data_ptr_``, private: present in torch 2.13.0, absent in 2.11.0)."""
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def require_storage_exchange() -> None:
+    """Raise a clear error when NVMe parameter offload cannot run on this torch."""
+    if not storage_exchange_available():
+        raise RuntimeError(
+            f"zero_optimization.offload_param.device='nvme' (stage 3) needs torch's in-place storage "
+            f"exchange (torch.UntypedStorage._swap_data_ptr_), which torch {torch.__version__} lacks "
+            "(checked: absent in 2.11.0, present in 2.13.0). Fix: use torch 2.13, or set "
+            "offload_param.device to 'cpu' or 'none'."
+        )
+
+
 def _exchange_memory(storage: torch.UntypedStorage, replacement: torch.Tensor) -> None:
     """Give ``storage`` the memory of ``replacement`` (same size) in place; ``replacement``
     takes the old memory, released when it is dropped. Views of ``storage`` follow."""
@@ -79,6 +96,7 @@ class ParamSwapper:
 
     def __init__(self, spec: OffloadSpec, rank: int, params: Sequence[nn.Parameter] = ()) -> None:
         assert spec.nvme_path is not None, "nvme parameter offload needs nvme_path (validated by the config)"
+        require_storage_exchange()
         self.spec = spec
         aio = dataclasses.replace(spec.aio, block_size=max(spec.aio.block_size, spec.buffer_size))
         self._directory = swap_directory(spec.nvme_path, "param", rank)
