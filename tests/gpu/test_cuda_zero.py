@@ -26,6 +26,8 @@ import cuda_zero_cases
 import pytest
 import torch
 
+from shardwise.zero.param_swap import storage_exchange_available
+
 pytestmark = pytest.mark.cuda
 
 NVME = "<nvme_path>"
@@ -84,6 +86,9 @@ OFFLOAD = [
         "gas": 1,
         "zero": {"offload_optimizer": {"device": "nvme", "nvme_path": NVME}},
     },
+]
+# NVMe parameter offload needs torch.UntypedStorage._swap_data_ptr_ (torch 2.13; absent in 2.11)
+NVME_PARAM = [
     {
         "kind": "parity",
         "stage": 3,
@@ -99,7 +104,7 @@ OFFLOAD = [
 ZERO_INIT = [{"kind": "zero_init", "precision": "bf16"}]
 OVERFLOW = [{"kind": "fp16_overflow", "stage": stage} for stage in (0, 2, 3)]
 MEMORY = [{"kind": "memory", "stage": stage} for stage in (2, 3)]
-CASES = PARITY + OFFLOAD + ZERO_INIT + OVERFLOW + MEMORY
+CASES = PARITY + OFFLOAD + NVME_PARAM + ZERO_INIT + OVERFLOW + MEMORY
 
 
 def _with_path(value, path):
@@ -128,7 +133,22 @@ def _parity_id(case):
 
 @pytest.mark.parametrize("case", PARITY + OFFLOAD + ZERO_INIT, ids=_parity_id)
 def test_matches_the_single_process_reference_on_the_device(results, case):
-    out = cuda_support.result_of(results, case)
+    _assert_parity(case, cuda_support.result_of(results, case))
+
+
+@pytest.mark.parametrize("case", NVME_PARAM, ids=_parity_id)
+def test_nvme_parameter_offload_matches_the_reference_or_names_the_torch_it_needs(results, case):
+    """torch 2.13 trains like the reference; torch 2.11 (no UntypedStorage._swap_data_ptr_) is
+    refused at initialize with an error naming the version and the fix."""
+    if storage_exchange_available():
+        _assert_parity(case, cuda_support.result_of(results, case))
+        return
+    out = results[cuda_support.case_id(case)]
+    assert "error" in out, "initialize should refuse NVMe parameter offload on this torch"
+    assert "_swap_data_ptr_" in out["error"] and "torch 2.13" in out["error"], out["error"]
+
+
+def _assert_parity(case, out):
     assert out["device"].startswith(cuda_support.ON)
     ours, ref = out["engine"], out["reference"]
     assert out.get("tied", True)  # zero.Init keeps the lm_head tied to the embedding
