@@ -97,15 +97,17 @@ def guarded(rank: int, world: int, case: dict[str, Any], fn: Callable[..., Any])
 
 
 def record(test: str, **measured: Any) -> None:
-    """Append one JSON line (the test, what it measured) to ``$SHARDWISE_GPU_REPORT`` when set, so a
-    single GPU run leaves its numbers (differences from the references, peak memory) behind."""
-    path = os.environ.get("SHARDWISE_GPU_REPORT")
-    if not path:
-        return
+    """What a test measured (differences from the references, peak memory), so a single GPU run leaves
+    its numbers behind: printed as one ``GPU-REPORT {json}`` line (pytest shows it with ``-rA``) and
+    appended to ``$SHARDWISE_GPU_REPORT`` when that is set."""
     import json
 
-    with open(path, "a") as out:
-        out.write(json.dumps({"test": test, "on": ON, **measured}, default=str) + "\n")
+    line = json.dumps({"test": test, "on": ON, **measured}, default=str)
+    print("GPU-REPORT", line)
+    path = os.environ.get("SHARDWISE_GPU_REPORT")
+    if path:
+        with open(path, "a") as out:
+            out.write(line + "\n")
 
 
 def result_of(results: dict[str, Any], case: dict[str, Any]) -> Any:
