@@ -90,7 +90,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     log "largest-size probe ${LARGEST} (${LARGEST_MODE:-z3off})"
     python3 benchmarks/gpu_bench.py --modes --largest $LARGEST --largest-mode "${LARGEST_MODE:-z3off}" \
       --frameworks ${LARGEST_FRAMEWORKS:-shardwise deepspeed} --deepspeed-path "$DS_PATH" $TORCH_ADAM \
-      --log-dir /tmp/gb-logs --out "$OUT/largest.json" --warmup 1 --steps 3 ${BENCH_ARGS:-} --case-timeout "${LARGEST_TIMEOUT:-120}" 2>&1 | tee -a "$OUT/bench.log"
+      --log-dir /tmp/gb-logs --out "$OUT/largest.json" --warmup 1 --steps 3 ${BENCH_ARGS:-} --case-timeout "${LARGEST_TIMEOUT:-120}" --micro-batch "${LARGEST_MICRO_BATCH:-2}" 2>&1 | tee -a "$OUT/bench.log"
   fi
 fi
 tar czf "$OUT/logs.tgz" -C /tmp gb-logs 2>/dev/null
