@@ -37,6 +37,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.checkpoint import dcp_io, integrity_ranks, keys, layout, publish, rng
+from shardwise.checkpoint.deepspeed_moe import moe_layers
 from shardwise.checkpoint.tp_whole import tp_slices
 from shardwise.checkpoint.training_state import (
     LoadResult,
@@ -499,4 +500,5 @@ def _summary(
         "exclude_frozen_parameters": exclude_frozen,
         "fp32_masters_saved": any(k.startswith(keys.MASTER) or f"/{keys.MASTER}" in k for k in items),
         "optimizer": None if state.optimizer is None else state.optimizer.optimizer_name,
+        "moe_layers": [record.as_json() for record in moe_layers(state.module)],  # for to-deepspeed's files
     }

@@ -175,6 +175,7 @@ def export_deepspeed_stage0(
     *,
     tag: str | None = None,
     out_tag: str | None = None,
+    ep_size: int | None = None,
 ) -> Path:
     """Write a shardwise checkpoint (any stage, any world size) as DeepSpeed's native stage-0 one.
 
@@ -186,6 +187,9 @@ def export_deepspeed_stage0(
         out_dir: where ``<tag>/mp_rank_00_model_states.pt`` and ``latest`` are written.
         tag: the tag to convert instead of ``latest``.
         out_tag: the output tag (default: the converted tag's name).
+        ep_size: with ``deepspeed.moe`` layers, the expert-parallel size of the DeepSpeed run that
+            resumes (one optimizer file per expert-parallel rank; default: the saved run's); the
+            experts go to DeepSpeed's per-expert files (:mod:`~shardwise.checkpoint.deepspeed_moe_export`).
 
     Raises:
         CheckpointIntegrityError: the checkpoint is damaged (checked before anything is written).
@@ -195,6 +199,7 @@ def export_deepspeed_stage0(
     Example:
         >>> # export_deepspeed_stage0("ckpts", "ds_ckpts")
     """
+    from shardwise.checkpoint.deepspeed_moe_export import moe_stage0_files, saved_moe_layers
     from shardwise.checkpoint.universal_write import _model_states, read_full_checkpoint
 
     tag_dir = layout.resolve(checkpoint, tag)
@@ -217,6 +222,18 @@ def export_deepspeed_stage0(
         full["buffer_names"],
     )
     states.pop(names.UNIVERSAL_INFO, None)
+    out_tag = layout.check_tag(out_tag or str(common.get("tag") or tag_dir.name))
+    root = Path(out_dir)
+    moe = saved_moe_layers(full["summary"], module)
+    if moe:
+        target = ep_size or max(r.ep_size for r in moe)
+        staging = layout.prepare_staging(root, out_tag)
+        moe_stage0_files(full, states, moe, target, staging)
+        final = layout.publish(root, out_tag)
+        layout.write_latest(root, out_tag)
+        return final
+    if ep_size not in (None, 1):
+        raise ValueError(f"ep_size={ep_size}: {tag_dir} has no MoE layers; fix: leave ep_size out")
     states.update(
         optimizer=stage0_optimizer_state(
             module, full["optimizer"], ds_config=ds_config, loss_scaler=common.get("loss_scaler")
@@ -226,8 +243,6 @@ def export_deepspeed_stage0(
         shared_params=None,
     )
     states["module"] = collections.OrderedDict(states["module"])
-    out_tag = layout.check_tag(out_tag or str(common.get("tag") or tag_dir.name))
-    root = Path(out_dir)
     staging = layout.prepare_staging(root, out_tag)
     torch.save(states, staging / MODEL_STATES_FILE)
     final = layout.publish(root, out_tag)

@@ -1,0 +1,168 @@
+"""``to-deepspeed`` for a model with ``deepspeed.moe`` layers: DeepSpeed's per-expert files at ZeRO stage 0.
+
+DeepSpeed saves such a model (stage 0) as (:mod:`~shardwise.checkpoint.deepspeed_moe`):
+
+* ``mp_rank_00_model_states.pt``: the non-expert weights, ``num_experts`` (one count per MoE layer),
+  ``ds_autoep_layers`` (None) and the usual counters, scheduler and config;
+* ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt``: each expert's weights by global index;
+* ``expp_rank_{R}_mp_rank_00_optim_states.pt``: ``{"optimizer": ...}``, the torch optimizer state
+  of expert-parallel rank ``R``, whose parameters are the dense ones and its own experts
+  ``R * L .. R * L + L - 1`` (``L = num_experts / ep_size``) under their local names.
+
+DeepSpeed builds that optimizer from ``configure_moe_param_groups``: each client group keeps its
+dense parameters, and its expert parameters follow in a group of their own (``"name":
+"ep_size_<N>"``, ``"moe": True``), in module order, cut at DeepSpeed's 178956971-element cap. The
+optimizer files are written for the expert-parallel size the DeepSpeed run will use
+(``ep_size``: one file per expert-parallel rank); the weight files do not depend on it.
+
+Only fp32 training is written (DeepSpeed's 16-bit wrappers around MoE groups keep their masters
+per expert-parallel rank in another layout) and only ``deepspeed.moe.layer.MoE`` layers (AutoEP
+layers' optimizer order is DeepSpeed's AutoEP module's); both are refused by name.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint import keys
+from shardwise.checkpoint.deepspeed_moe import (
+    MOE_EXPERTS,
+    MoELayerRecord,
+    autoep_metadata,
+    expert_ckpt_name,
+    optim_ckpt_name,
+    records_from_json,
+    split_experts,
+)
+
+MAX_MOE_GROUP_NUMEL = 178956971  # DeepSpeed's default cap on one expert group's elements
+_GLOBAL = re.compile(rf"^(?P<layer>.*?){re.escape(MOE_EXPERTS)}(?P<index>\d+)\.(?P<rest>.+)$")
+
+
+def saved_moe_layers(summary: Mapping[str, Any], module: Mapping[str, torch.Tensor]) -> list[MoELayerRecord]:
+    """The MoE layers of a shardwise checkpoint: its summary's record, else (older saves) the
+    ``deepspeed.moe`` layers its tensor names show (expert-parallel size unknown: 1)."""
+    if summary.get("moe_layers") is not None:
+        return records_from_json(summary["moe_layers"])
+    counts: dict[str, set[int]] = {}
+    for name in module:
+        match = _GLOBAL.match(name)
+        if match:
+            counts.setdefault(match.group("layer").rstrip("."), set()).add(int(match.group("index")))
+    return [MoELayerRecord(i, path, "moe", len(found), 1) for i, (path, found) in enumerate(counts.items())]
+
+
+def _expert_template(names: Sequence[str], layers: Sequence[MoELayerRecord]) -> dict[str, list[str]]:
+    """Per MoE layer, the names of one expert's tensors after ``<index>.`` (in saved order)."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        match = _GLOBAL.match(name)
+        if match:
+            rests = out.setdefault(match.group("layer"), [])
+            if match.group("rest") not in rests:
+                rests.append(match.group("rest"))
+    wanted = {r.expert_prefix[: -len(MOE_EXPERTS)] for r in layers}
+    return {layer: rests for layer, rests in out.items() if layer in wanted}
+
+
+def _rank_groups(
+    groups: Sequence[Mapping[str, Any]],
+    param_order: Sequence[str],
+    layers: Sequence[MoELayerRecord],
+    ep_size: int,
+    ep_rank: int,
+    shapes: Mapping[str, torch.Size],
+) -> list[tuple[Mapping[str, Any], list[tuple[str, str]], bool]]:
+    """DeepSpeed's optimizer groups on expert-parallel rank ``ep_rank``: per saved group, its dense
+    parameters, then (appended after all of them) its expert parameters as ``(local, global)``
+    names, in module order, cut at the element cap. Returns ``(saved group, members, is_moe)``."""
+    template = _expert_template(param_order, layers)
+    local_count = {r.expert_prefix[: -len(MOE_EXPERTS)]: r.num_experts // ep_size for r in layers}
+    out: list[tuple[Mapping[str, Any], list[tuple[str, str]], bool]] = []
+    added: list[tuple[Mapping[str, Any], list[tuple[str, str]], bool]] = []
+    for group in groups:
+        members = set(group[keys.PARAM_NAMES])
+        dense = [(n, n) for n in param_order if n in members and not _GLOBAL.match(n)]
+        expert_layers = [lay for lay in template if any(_GLOBAL.match(n) and n.startswith(lay) for n in members)]
+        experts: list[tuple[str, str]] = []
+        for lay in expert_layers:
+            count = local_count[lay]
+            for local in range(count):
+                for rest in template[lay]:
+                    global_name = f"{lay}{MOE_EXPERTS}{ep_rank * count + local}.{rest}"
+                    experts.append((f"{lay}{MOE_EXPERTS}{local}.{rest}", global_name))
+        out.append((group, dense, False))
+        run: list[tuple[str, str]] = []
+        size = 0
+        for local, global_name in experts:
+            numel = math.prod(shapes[global_name])
+            if run and size + numel > MAX_MOE_GROUP_NUMEL:
+                added.append((group, run, True))
+                run, size = [], 0
+            run.append((local, global_name))
+            size += numel
+        if run:
+            added.append((group, run, True))
+    return out + added
+
+
+def moe_stage0_files(
+    full: Mapping[str, Any], states: dict[str, Any], layers: Sequence[MoELayerRecord], ep_size: int,
+    staging: Path,
+) -> None:
+    """Write DeepSpeed's stage-0 MoE files of ``full`` (``read_full_checkpoint``'s dict) into
+    ``staging``; ``states`` is the main file's dict without ``module`` and ``optimizer`` yet.
+
+    Raises:
+        ValueError: AutoEP layers, 16-bit weights, an expert count ``ep_size`` does not divide.
+    """
+    from shardwise.checkpoint.deepspeed_export import MODEL_STATES_FILE, _ds_group, _param_state
+
+    if any(r.kind != "moe" for r in layers):
+        raise ValueError("to-deepspeed with AutoEP layers: DeepSpeed's AutoEP optimizer layout is not written; "
+                         "fix: convert with `shardwise checkpoint to-universal` (DeepSpeed loads it with "
+                         "checkpoint.load_universal)")
+    for record in layers:
+        if record.num_experts % ep_size:
+            raise ValueError(f"--ep-size {ep_size}: the MoE layer {record.module_path!r} has {record.num_experts} "
+                             "experts; rule: ep_size divides every layer's expert count; fix: choose a divisor")
+    module, optimizer = full["module"], full["optimizer"]
+    if {t.dtype for t in module.values()} & {torch.bfloat16, torch.float16}:
+        raise ValueError("to-deepspeed of a 16-bit MoE checkpoint: DeepSpeed's 16-bit optimizer wrappers around "
+                         "expert groups are not written; fix: convert with `shardwise checkpoint to-universal`")
+    main, files = split_experts(module, layers)
+    params = [n for n in module if n not in set(full["buffer_names"])]
+    shapes = {n: module[n].shape for n in params}
+    per_rank = []
+    for ep_rank in range(ep_size):
+        state: dict[int, Any] = {}
+        ds_groups = []
+        for group, members, is_moe in _rank_groups(optimizer[keys.PARAM_GROUPS], params, layers, ep_size,
+                                                   ep_rank, shapes):
+            first = len(state)
+            for _, global_name in members:
+                state[len(state)] = _param_state(optimizer, global_name, shapes[global_name])
+            extra = {"name": f"ep_size_{ep_size}", "moe": True} if is_moe else {}
+            ds_groups.append({**_ds_group(group, list(range(first, len(state)))), **extra})
+        per_rank.append({"state": state, "param_groups": ds_groups})
+    for (layer_id, expert), tensors in files.items():
+        torch.save(tensors, Path(expert_ckpt_name(staging.parent, layer_id, expert, staging.name)))
+    for ep_rank, inner in enumerate(per_rank):
+        torch.save({"optimizer": inner}, Path(optim_ckpt_name(staging.parent, staging.name, ep_rank)))
+    states.update(
+        module=collections.OrderedDict(main),
+        optimizer=per_rank[0],
+        num_experts=[r.num_experts for r in layers],
+        ds_autoep_layers=autoep_metadata(layers, ep_size),
+        param_shapes=None,
+        frozen_param_shapes=None,
+        shared_params=None,
+    )
+    torch.save(states, staging / MODEL_STATES_FILE)
