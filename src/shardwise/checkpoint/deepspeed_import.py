@@ -31,8 +31,11 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint import keys
+from shardwise.checkpoint.deepspeed_moe import MOE_EXPERTS
+from shardwise.checkpoint.deepspeed_moe_import import DeepSpeedMoEFiles
 from shardwise.checkpoint.module_state import copy_whole_state
 from shardwise.checkpoint.training_state import LoadResult, TrainingState, param_names, restore_parts
+from shardwise.moe.naming import global_expert_names, held_elsewhere
 from shardwise.utils.logging import logger
 
 
@@ -116,6 +119,9 @@ class DeepSpeedCheckpoint:
         if not self.model_file.is_file():
             raise FileNotFoundError(f"{tag_dir}: expected mp_rank_00_model_states.pt (model-parallel rank 0)")
         self.model = load_file(self.model_file)
+        self.moe = DeepSpeedMoEFiles.open(self.tag_dir, self.model, load_file)
+        if self.moe is not None:  # experts in their own files: one whole module state from here on
+            self.model = {**self.model, "module": self.moe.merged_module(self.model["module"])}
         if int(self.model.get("mp_world_size", 1) or 1) > 1:
             raise ValueError(
                 f"{tag_dir} is a tensor-parallel DeepSpeed checkpoint; only mp size 1 is imported"
@@ -325,6 +331,10 @@ class DeepSpeedCheckpoint:
         inner state is flat too) or per parameter (``fp32_groups``: the unfused wrapper, which
         DeepSpeed uses for Muon).
         """
+        if self.moe is not None and self.moe.optim_files:
+            trainable = set(trainable_names)
+            module = self.model["module"]
+            return self.moe.stage0_optimizer([n for n in module if n in trainable and MOE_EXPERTS not in n], module)
         saved = self.model.get("optimizer")
         wrapper = saved if isinstance(saved, dict) and "optimizer_state_dict" in saved else None
         inner = wrapper["optimizer_state_dict"] if wrapper is not None else saved
@@ -513,7 +523,7 @@ def load_deepspeed_checkpoint(
     )
     copy_whole_state(
         state.module,
-        ckpt.module_state_dict(),
+        _local_experts(state.module, ckpt.module_state_dict()),
         strict=load_module_strict,
         source=f"the DeepSpeed checkpoint {path}",
         fix="Load with load_module_strict=False to load the matching entries only.",
@@ -559,6 +569,22 @@ def load_deepspeed_checkpoint(
         excluded.add("lr_scheduler")
     client_state = {k: v for k, v in ckpt.model.items() if k not in excluded}
     return LoadResult(ckpt.model_file, client_state, counters)
+
+
+def _local_experts(module: torch.nn.Module, whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A whole state (experts by global index) as ``module`` names it under expert parallelism:
+    this rank's experts under their local names, the other ranks' left out."""
+    renames = global_expert_names(module)
+    if not renames:
+        return whole
+    foreign = held_elsewhere(module)
+    out = {k: v for k, v in whole.items() if not foreign(k)}
+    for global_name in renames.values():
+        out.pop(global_name, None)
+    for local, global_name in renames.items():
+        if global_name in whole:
+            out[local] = whole[global_name]
+    return out
 
 
 def _imported_loss_scaler(scaler: Any, saved: Any) -> dict[str, Any] | None:

@@ -1,0 +1,110 @@
+"""Reading a DeepSpeed checkpoint of a model with MoE layers: its per-expert files and, at ZeRO
+stage 0, its per-expert-parallel-rank optimizer files (layout: :mod:`~shardwise.checkpoint.deepspeed_moe`).
+
+The importer (:class:`~shardwise.checkpoint.deepspeed_import.DeepSpeedCheckpoint`) merges the expert
+files into the main file's module state under shardwise's names (experts by global index, AutoEP's
+stacked), so every later step reads one whole state dict. The stage-0 optimizer state of expert-parallel
+rank ``R`` names its parameters by position: DeepSpeed's groups hold the dense parameters, then the
+rank's own experts (local indices ``0 .. L-1`` = global ``R * L ..``) in module order;
+:func:`moe_stage0_optimizer` names them back and joins the ranks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint import keys
+from shardwise.checkpoint.deepspeed_moe import (
+    MOE_EXPERTS,
+    MoELayerRecord,
+    expert_files,
+    layers_from_deepspeed,
+    merge_expert_files,
+)
+
+_OPTIM_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
+class DeepSpeedMoEFiles:
+    """A DeepSpeed tag directory's MoE files: the layers, their experts and the optimizer files."""
+
+    def __init__(self, tag_dir: Path, model_states: Mapping[str, Any], load: Any) -> None:
+        self.tag_dir, self._load = Path(tag_dir), load
+        self.files = {where: load(path) for where, path in sorted(expert_files(self.tag_dir).items())}
+        self.layers: list[MoELayerRecord] = layers_from_deepspeed(model_states, self.files)
+        optim = {int(m.group(1)): p for p in self.tag_dir.glob("expp_rank_*_optim_states.pt")
+                 if (m := _OPTIM_FILE.match(p.name))}
+        self.optim_files = [optim[r] for r in sorted(optim)]
+
+    @classmethod
+    def open(cls, tag_dir: Path, model_states: Mapping[str, Any], load: Any) -> DeepSpeedMoEFiles | None:
+        """The MoE files of ``tag_dir``, or None when the checkpoint has no MoE layers."""
+        if not isinstance(model_states.get("num_experts"), list) or not expert_files(Path(tag_dir)):
+            return None
+        return cls(tag_dir, model_states, load)
+
+    def merged_module(self, module: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The main file's module state with every expert added (shardwise's names)."""
+        out = dict(module)
+        merge_expert_files(out, self.files, self.layers)
+        return out
+
+    def _rank_names(self, dense: Sequence[str], ep_rank: int, ep_size: int) -> list[str]:
+        """Expert parameter names of ``ep_rank``, global, in module order."""
+        names = []
+        for record in self.layers:
+            if record.kind != "moe":
+                raise ValueError(f"{self.tag_dir}: the stage-0 optimizer of AutoEP layers is not imported; "
+                                 "fix: convert with DeepSpeed's ds_to_universal and load_universal")
+            local = record.num_experts // ep_size
+            for expert in range(ep_rank * local, (ep_rank + 1) * local):
+                names += [k for k in self.files[(record.layer_id, expert)] if MOE_EXPERTS in k]
+        return names
+
+    def stage0_optimizer(self, dense: Sequence[str], module: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
+        """The torch optimizer state of every expert-parallel rank, by parameter name
+        (``full_state_dict`` form, the fp32 ``module`` weights as masters); ``dense`` are the trainable
+        non-expert names in module order.
+
+        Raises:
+            ValueError: a rank's groups do not hold its dense and expert parameters.
+        """
+        if not self.optim_files:
+            return None
+        ep_size = len(self.optim_files)
+        out: dict[str, Any] = {}
+        groups: list[dict[str, Any]] = []
+        for ep_rank, path in enumerate(self.optim_files):
+            inner = self._load(path)["optimizer"]
+            pools = {False: list(dense), True: self._rank_names(dense, ep_rank, ep_size)}
+            for g, group in enumerate(inner["param_groups"]):
+                pool = pools[bool(group.get("moe"))]
+                if len(group["params"]) > len(pool):
+                    raise ValueError(f"{path}: group {g} holds {len(group['params'])} parameters, more than the "
+                                     f"{len(pool)} {'expert' if group.get('moe') else 'dense'} ones left")
+                members, pool[:] = pool[: len(group["params"])], pool[len(group["params"]):]
+                for index, name in zip(group["params"], members):
+                    for key, value in inner["state"].get(index, {}).items():
+                        out[f"{keys.OPTIM}{name}/{key}"] = value
+                hyper = {k: v for k, v in group.items() if k not in ("params", "name", "moe")}
+                # an expert group joins the first group with its hyperparameters: shardwise's engine
+                # keeps a client's group whole (its reducer tells expert parameters apart by themselves)
+                home = next((h for h in groups if _hyper(h) == hyper), None)
+                if home is None:
+                    groups.append({**hyper, keys.PARAM_NAMES: list(members)})
+                else:
+                    home[keys.PARAM_NAMES] += [n for n in members if n not in home[keys.PARAM_NAMES]]
+        out[keys.PARAM_GROUPS] = groups
+        for group in groups:  # fp32 at stage 0: the weights are the masters
+            for name in group[keys.PARAM_NAMES]:
+                out[f"{keys.MASTER}{name}"] = module[name].detach().float()
+        return out
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != keys.PARAM_NAMES}
