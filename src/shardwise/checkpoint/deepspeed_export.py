@@ -39,6 +39,7 @@ import torch
 
 from shardwise.checkpoint import keys, layout
 from shardwise.checkpoint import universal_names as names
+from shardwise.checkpoint.deepspeed_moe_export import moe_stage0_files, saved_moe_layers
 
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"  # the 16-bit wrappers' inner optimizer state
@@ -199,7 +200,6 @@ def export_deepspeed_stage0(
     Example:
         >>> # export_deepspeed_stage0("ckpts", "ds_ckpts")
     """
-    from shardwise.checkpoint.deepspeed_moe_export import moe_stage0_files, saved_moe_layers
     from shardwise.checkpoint.universal_write import _model_states, read_full_checkpoint
 
     tag_dir = layout.resolve(checkpoint, tag)
@@ -228,7 +228,8 @@ def export_deepspeed_stage0(
     if moe:
         target = ep_size or max(r.ep_size for r in moe)
         staging = layout.prepare_staging(root, out_tag)
-        moe_stage0_files(full, states, moe, target, staging)
+        moe_stage0_files(full, states, moe, target, staging, param_state=_param_state, ds_group=_ds_group,
+                         model_states_file=MODEL_STATES_FILE)
         final = layout.publish(root, out_tag)
         layout.write_latest(root, out_tag)
         return final

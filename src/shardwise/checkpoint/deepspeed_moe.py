@@ -267,9 +267,7 @@ def check_autoep_metadata(entries: object) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------- DeepSpeed's static loader
 def _torch_load(path: str, map_location: Any = None) -> Any:
-    from shardwise.checkpoint.deepspeed_import import load_file
-
-    return load_file(Path(path))
+    return torch.load(path, map_location="cpu", weights_only=True)  # an expert file holds tensors only
 
 
 def load_moe_state_dict(checkpoint_path: str | os.PathLike[str], tag: object, state_dict: MutableMapping[str, Any],

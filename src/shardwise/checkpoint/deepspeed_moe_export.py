@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,12 +101,12 @@ def _rank_groups(
         out.append((group, dense, False))
         run: list[tuple[str, str]] = []
         size = 0
-        for local, global_name in experts:
+        for local_name, global_name in experts:
             numel = math.prod(shapes[global_name])
             if run and size + numel > MAX_MOE_GROUP_NUMEL:
                 added.append((group, run, True))
                 run, size = [], 0
-            run.append((local, global_name))
+            run.append((local_name, global_name))
             size += numel
         if run:
             added.append((group, run, True))
@@ -115,16 +115,17 @@ def _rank_groups(
 
 def moe_stage0_files(
     full: Mapping[str, Any], states: dict[str, Any], layers: Sequence[MoELayerRecord], ep_size: int,
-    staging: Path,
+    staging: Path, *, param_state: Callable[..., dict[str, Any]], ds_group: Callable[..., dict[str, Any]],
+    model_states_file: str,
 ) -> None:
     """Write DeepSpeed's stage-0 MoE files of ``full`` (``read_full_checkpoint``'s dict) into
     ``staging``; ``states`` is the main file's dict without ``module`` and ``optimizer`` yet.
+    ``param_state`` and ``ds_group`` are the stage-0 exporter's (one parameter's torch optimizer
+    state, one DeepSpeed param group), ``model_states_file`` its main file's name.
 
     Raises:
         ValueError: AutoEP layers, 16-bit weights, an expert count ``ep_size`` does not divide.
     """
-    from shardwise.checkpoint.deepspeed_export import MODEL_STATES_FILE, _ds_group, _param_state
-
     if any(r.kind != "moe" for r in layers):
         raise ValueError("to-deepspeed with AutoEP layers: DeepSpeed's AutoEP optimizer layout is not written; "
                          "fix: convert with `shardwise checkpoint to-universal` (DeepSpeed loads it with "
@@ -148,9 +149,9 @@ def moe_stage0_files(
                                                    ep_rank, shapes):
             first = len(state)
             for _, global_name in members:
-                state[len(state)] = _param_state(optimizer, global_name, shapes[global_name])
+                state[len(state)] = param_state(optimizer, global_name, shapes[global_name])
             extra = {"name": f"ep_size_{ep_size}", "moe": True} if is_moe else {}
-            ds_groups.append({**_ds_group(group, list(range(first, len(state)))), **extra})
+            ds_groups.append({**ds_group(group, list(range(first, len(state)))), **extra})
         per_rank.append({"state": state, "param_groups": ds_groups})
     for (layer_id, expert), tensors in files.items():
         torch.save(tensors, Path(expert_ckpt_name(staging.parent, layer_id, expert, staging.name)))
@@ -165,4 +166,4 @@ def moe_stage0_files(
         frozen_param_shapes=None,
         shared_params=None,
     )
-    torch.save(states, staging / MODEL_STATES_FILE)
+    torch.save(states, staging / model_states_file)

@@ -1,0 +1,49 @@
+"""A MoE checkpoint in DeepSpeed's own file layout, on 2 gloo ranks: a shardwise EP=2 save written by
+``to-deepspeed`` as DeepSpeed's per-expert files (``layer_L_expert_E_...``, one ``expp_rank_R`` optimizer
+file per expert-parallel rank) and read back by shardwise's DeepSpeed importer at EP=2 and EP=1 gives
+every weight and Adam moment bitwise. (Real DeepSpeed 0.19.8 loading these files, and shardwise
+loading DeepSpeed's: ``benchmarks/moe_checkpoint_interop.py``.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from moe_cases import EXPERTS, LAYERS, deepspeed_format_round_trip
+
+from shardwise.checkpoint import keys
+from shardwise.checkpoint.deepspeed_import import load_file
+from shardwise.checkpoint.universal_write import read_full_checkpoint
+from shardwise.testing import run_distributed_cases
+
+pytestmark = pytest.mark.distributed
+
+
+def test_deepspeed_moe_files_round_trip_at_both_expert_parallel_sizes(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    cases = [{"action": "save", "ep": 2, "root": root}] + [{"action": "load", "ep": ep, "root": root} for ep in (2, 1)]
+    run_distributed_cases(deepspeed_format_round_trip, cases, world_size=2, timeout=300)
+
+    for ep in (2, 1):  # DeepSpeed's layout on disk
+        tag = tmp_path / f"ds_ep{ep}" / "t2"
+        names = sorted(p.name for p in tag.iterdir())
+        experts = [f"layer_{lay}_expert_{e}_mp_rank_00_model_states.pt" for lay in range(LAYERS) for e in range(EXPERTS)]
+        optim = [f"expp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(ep)]
+        assert names == sorted([*experts, *optim, "mp_rank_00_model_states.pt"])
+        main = load_file(tag / "mp_rank_00_model_states.pt")
+        assert main["num_experts"] == [EXPERTS] * LAYERS
+        assert not any("deepspeed_experts" in k for k in main["module"])
+        assert len(load_file(tag / optim[-1])["optimizer"]["param_groups"]) == 2  # dense, then the experts
+
+    want = read_full_checkpoint(tmp_path / "shardwise" / "t2")
+    expert_tensors = [k for k in want["module"] if "deepspeed_experts" in k]
+    assert len(expert_tensors) == LAYERS * EXPERTS * 4  # every rank's experts
+    for ep in (2, 1):
+        got = read_full_checkpoint(tmp_path / f"back_ep{ep}" / "t2")
+        for name, tensor in want["module"].items():
+            assert torch.equal(got["module"][name], tensor), (ep, name)
+        moments = [k for k in want["optimizer"] if k.startswith(keys.OPTIM) and k.endswith(("/exp_avg", "/exp_avg_sq"))]
+        assert len(moments) == 2 * len(want["module"])  # one pair per tensor (the model has no buffers)
+        for key in moments:
+            assert torch.equal(got["optimizer"][key], want["optimizer"][key]), (ep, key)
