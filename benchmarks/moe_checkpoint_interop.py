@@ -3,7 +3,8 @@
 1. shardwise trains the tiny MoE GPT of ``tests/distributed/moe_cases.py`` at EP=2 on 2 gloo ranks
    (ZeRO 0, fp32, Adam), saves, and ``to-deepspeed`` writes the checkpoint for EP=2 and for EP=1;
    DeepSpeed loads each (2 ranks at EP=2, 1 rank at EP=1): every weight and Adam moment is compared
-   bitwise with shardwise's saved ones.
+   bitwise with shardwise's saved ones; and DeepSpeed loads shardwise's own save directory (the
+   DeepSpeed MoE files ``save_checkpoint`` writes next to its own) with ``load_module_only=True``.
 2. DeepSpeed trains the same model at EP=2 and saves; shardwise loads it at EP=2 and at EP=1 and
    saves again: every weight and moment is compared bitwise with what DeepSpeed held.
 
@@ -76,6 +77,11 @@ def main() -> None:
             seen, differ = compare([root / f"d{ep}.{r}" for r in range(ep)], root / "shardwise" / "t2")
             print(f"shardwise EP=2 -> to-deepspeed -> DeepSpeed EP={ep}: {seen} tensors, {differ} differ")
             bad += differ
+        run_deepspeed(args.ds_python, 2, ["--dir", f"{tmp}/shardwise", "--ep", "2", "--module-only", "--dump", f"{tmp}/m"])
+        seen, differ = compare([root / f"m.{r}" for r in range(2)], root / "shardwise" / "t2")
+        print(f"shardwise EP=2 save_checkpoint (its DeepSpeed MoE files) -> DeepSpeed EP=2, load_module_only: "
+              f"{seen} weights, {differ} differ")
+        bad += differ
         run_deepspeed(args.ds_python, 2, ["--dir", f"{tmp}/from_ds", "--ep", "2", "--save", "--dump", f"{tmp}/s"])
         for ep in (2, 1):
             run_distributed_cases(deepspeed_format_round_trip,

@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--tag", default="t2")
     parser.add_argument("--ep", type=int, required=True)
     parser.add_argument("--save", action="store_true", help="train 3 steps and save instead of loading")
+    parser.add_argument("--module-only", action="store_true", help="load with load_module_only=True")
     parser.add_argument("--dump", help="write this rank's weights and Adam moments by global name here")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -110,7 +111,7 @@ def main() -> None:
             engine.step()
         engine.save_checkpoint(args.dir, tag=args.tag)
     else:
-        engine.load_checkpoint(args.dir, tag=args.tag)
+        engine.load_checkpoint(args.dir, tag=args.tag, load_module_only=args.module_only)
     if args.dump:
         torch.save(_by_global_name(engine), f"{args.dump}.{rank}")
     state = engine.optimizer.state_dict()

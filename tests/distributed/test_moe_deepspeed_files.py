@@ -1,7 +1,7 @@
 """A MoE checkpoint in DeepSpeed's own file layout, on 2 gloo ranks: a shardwise EP=2 save written by
 ``to-deepspeed`` as DeepSpeed's per-expert files (``layer_L_expert_E_...``, one ``expp_rank_R`` optimizer
 file per expert-parallel rank) and read back by shardwise's DeepSpeed importer at EP=2 and EP=1 gives
-every weight and Adam moment bitwise. (Real DeepSpeed 0.19.8 loading these files, and shardwise
+every weight and Adam moment bitwise; the save itself holds DeepSpeed's MoE model files too. (Real DeepSpeed 0.19.8 loading these files, and shardwise
 loading DeepSpeed's: ``benchmarks/moe_checkpoint_interop.py``.)"""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from moe_cases import EXPERTS, LAYERS, deepspeed_format_round_trip
 
 from shardwise.checkpoint import keys
 from shardwise.checkpoint.deepspeed_import import load_file
+from shardwise.checkpoint.integrity import verify_tag
 from shardwise.checkpoint.universal_write import read_full_checkpoint
 from shardwise.testing import run_distributed_cases
 
@@ -36,9 +37,24 @@ def test_deepspeed_moe_files_round_trip_at_both_expert_parallel_sizes(tmp_path: 
         assert not any("deepspeed_experts" in k for k in main["module"])
         assert len(load_file(tag / optim[-1])["optimizer"]["param_groups"]) == 2  # dense, then the experts
 
-    want = read_full_checkpoint(tmp_path / "shardwise" / "t2")
+    # engine.save_checkpoint wrote DeepSpeed's MoE model files next to its own, checksummed with them
+    saved = tmp_path / "shardwise" / "t2"
+    assert verify_tag(saved).status == "ok"
+    main = load_file(saved / "mp_rank_00_model_states.pt")
+    assert main["num_experts"] == [EXPERTS] * LAYERS and main["ds_autoep_layers"] is None
+    got_experts: dict[str, torch.Tensor] = {}
+    for lay in range(LAYERS):
+        for e in range(EXPERTS):
+            got_experts.update(load_file(saved / f"layer_{lay}_expert_{e}_mp_rank_00_model_states.pt"))
+
+    want = read_full_checkpoint(saved)
     expert_tensors = [k for k in want["module"] if "deepspeed_experts" in k]
     assert len(expert_tensors) == LAYERS * EXPERTS * 4  # every rank's experts
+    assert sorted(got_experts) == sorted(expert_tensors)
+    for name in expert_tensors:
+        assert torch.equal(got_experts[name], want["module"][name]), name
+    for name, tensor in main["module"].items():
+        assert torch.equal(tensor, want["module"][name]), name
     for ep in (2, 1):
         got = read_full_checkpoint(tmp_path / f"back_ep{ep}" / "t2")
         for name, tensor in want["module"].items():

@@ -131,10 +131,14 @@ def _is_moe_expert_key(record: MoELayerRecord, key: str) -> bool:
     return key.startswith(head) and "expert" in key[len(head):] and not key.endswith(MOE_GATE)
 
 
-def split_experts(state: Mapping[str, torch.Tensor], layers: Sequence[MoELayerRecord]
+def split_experts(state: Mapping[str, torch.Tensor], layers: Sequence[MoELayerRecord],
+                  first_expert: Mapping[int, int] | None = None,
                   ) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int], dict[str, torch.Tensor]]]:
     """A whole module state (expert tensors by global index, AutoEP's stacked) as DeepSpeed files it:
     ``(main, {(layer_id, expert_id): expert file})``; ``main`` keeps every other entry, in order.
+
+    ``first_expert`` (``layer_id -> global index``) splits one expert-parallel rank's state instead:
+    an AutoEP layer's stacked weights then hold that rank's experts from that index on.
 
     Raises:
         ValueError: an expert tensor of a ``MoE`` layer without a global index, or an AutoEP weight
@@ -155,11 +159,13 @@ def split_experts(state: Mapping[str, torch.Tensor], layers: Sequence[MoELayerRe
         for weight in AUTOEP_WEIGHTS:
             key = f"{prefix}{weight}"
             stacked = main.pop(key)
-            if stacked.shape[0] != record.num_experts:
+            first = 0 if first_expert is None else first_expert[record.layer_id]
+            if first_expert is None and stacked.shape[0] != record.num_experts:
                 raise ValueError(f"{key!r} has {stacked.shape[0]} experts along dimension 0, the layer "
                                  f"{record.num_experts}: the checkpoint holds only one rank's experts")
-            for expert in range(record.num_experts):
-                files.setdefault((record.layer_id, expert), {})[f"{key}.{expert}"] = stacked[expert].detach().clone()
+            for row in range(stacked.shape[0]):
+                expert = first + row
+                files.setdefault((record.layer_id, expert), {})[f"{key}.{expert}"] = stacked[row].detach().clone()
     return main, files
 
 
@@ -217,13 +223,15 @@ def layers_from_deepspeed(model_states: Mapping[str, Any], files: Mapping[tuple[
 
 
 # ---------------------------------------------------------------------- AutoEP metadata
-def autoep_metadata(layers: Sequence[MoELayerRecord], ep_size: int, ep_rank: int = 0) -> list[dict[str, Any]] | None:
+def autoep_metadata(layers: Sequence[MoELayerRecord], ep_size: int | None = None,
+                    ep_rank: int = 0) -> list[dict[str, Any]] | None:
     """``ds_autoep_layers`` of the AutoEP layers as expert-parallel rank ``ep_rank`` of ``ep_size``
-    writes it (None without AutoEP layers, as DeepSpeed writes)."""
+    (default: each layer's own) writes it (None without AutoEP layers, as DeepSpeed writes)."""
     out = []
     for record in layers:
         if record.kind != "autoep":
             continue
+        ep_size = ep_size or record.ep_size
         local = record.num_experts // ep_size
         out.append({
             "moe_layer_id": record.layer_id, "module_path": record.module_path, "num_experts": record.num_experts,

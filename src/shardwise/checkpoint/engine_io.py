@@ -109,6 +109,7 @@ def build_checkpointer(section: CheckpointConfig) -> Checkpointer:
             use_node_local_storage=section.use_node_local_storage,
             load_universal=section.load_universal,
             async_save=section.async_save,
+            deepspeed_moe_files=section.deepspeed_moe_files,
         )
     )
 
