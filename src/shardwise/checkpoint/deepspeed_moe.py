@@ -198,6 +198,31 @@ def merge_expert_files(main: MutableMapping[str, Any], files: Mapping[tuple[int,
             main[key] = torch.stack(rows)
 
 
+def add_router_aliases(main: dict[str, torch.Tensor], module: nn.Module) -> None:
+    """Copy each AutoEP layer's router entries under DeepSpeed's second name of its router
+    (``<layer>.<alias>.<rest>``; ``checkpoint_router_alias``), as DeepSpeed's state dict holds them."""
+    for path, sub in module.named_modules():
+        alias = getattr(sub, "checkpoint_router_alias", None) if isinstance(sub, AutoEPMoELayer) else None
+        if alias:
+            head = f"{path}." if path else ""
+            for key in [k for k in main if k.startswith(f"{head}router.")]:
+                main.setdefault(f"{head}{alias}.{key[len(head) + len('router.'):]}", main[key])
+
+
+def drop_router_aliases(main: dict[str, Any], layers: Sequence[MoELayerRecord]) -> None:
+    """Remove DeepSpeed's second copies of AutoEP routers: ``<layer>.<name>.<rest>`` equal to
+    ``<layer>.router.<rest>`` (shardwise's layer registers its router once)."""
+    for record in layers:
+        if record.kind != "autoep":
+            continue
+        head = f"{record.module_path}." if record.module_path else ""
+        routers = {k[len(head) + len("router."):]: v for k, v in main.items() if k.startswith(f"{head}router.")}
+        for key in list(main):
+            name, _, rest = key[len(head):].partition(".") if key.startswith(head) else ("router", "", "")
+            if name not in ("router", "experts") and rest in routers and torch.equal(main[key], routers[rest]):
+                del main[key]
+
+
 def layers_from_deepspeed(model_states: Mapping[str, Any], files: Mapping[tuple[int, int], Mapping[str, Any]]
                           ) -> list[MoELayerRecord]:
     """The MoE layers of a DeepSpeed checkpoint, from its main file's ``num_experts`` and

@@ -22,10 +22,12 @@ from shardwise.checkpoint import keys
 from shardwise.checkpoint.deepspeed_moe import (
     MOE_EXPERTS,
     MoELayerRecord,
+    drop_router_aliases,
     expert_files,
     layers_from_deepspeed,
     merge_expert_files,
 )
+from shardwise.utils.logging import logger
 
 _OPTIM_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
@@ -52,15 +54,13 @@ class DeepSpeedMoEFiles:
         """The main file's module state with every expert added (shardwise's names)."""
         out = dict(module)
         merge_expert_files(out, self.files, self.layers)
+        drop_router_aliases(out, self.layers)
         return out
 
     def _rank_names(self, dense: Sequence[str], ep_rank: int, ep_size: int) -> list[str]:
         """Expert parameter names of ``ep_rank``, global, in module order."""
         names = []
         for record in self.layers:
-            if record.kind != "moe":
-                raise ValueError(f"{self.tag_dir}: the stage-0 optimizer of AutoEP layers is not imported; "
-                                 "fix: convert with DeepSpeed's ds_to_universal and load_universal")
             local = record.num_experts // ep_size
             for expert in range(ep_rank * local, (ep_rank + 1) * local):
                 names += [k for k in self.files[(record.layer_id, expert)] if MOE_EXPERTS in k]
@@ -76,11 +76,20 @@ class DeepSpeedMoEFiles:
         """
         if not self.optim_files:
             return None
+        if any(r.kind != "moe" for r in self.layers):
+            logger.warning("%s: the stage-0 optimizer state of AutoEP layers is not imported (DeepSpeed's AutoEP "
+                           "optimizer order); only the weights are imported. To keep it, convert with DeepSpeed's "
+                           "ds_to_universal and load with checkpoint.load_universal", self.tag_dir)
+            return None
         ep_size = len(self.optim_files)
         out: dict[str, Any] = {}
         groups: list[dict[str, Any]] = []
         for ep_rank, path in enumerate(self.optim_files):
             inner = self._load(path)["optimizer"]
+            if not isinstance(inner, dict) or "param_groups" not in inner:
+                logger.warning("%s: a 16-bit optimizer wrapper around expert groups is not imported; only the "
+                               "weights are imported", path)
+                return None
             pools = {False: list(dense), True: self._rank_names(dense, ep_rank, ep_size)}
             for g, group in enumerate(inner["param_groups"]):
                 pool = pools[bool(group.get("moe"))]

@@ -27,6 +27,7 @@ from shardwise import comm
 from shardwise.checkpoint import universal_names as names
 from shardwise.checkpoint.deepspeed_moe import (
     MoELayerRecord,
+    add_router_aliases,
     autoep_metadata,
     expert_ckpt_name,
     moe_layers,
@@ -77,6 +78,7 @@ def side_files(
     renames = global_expert_names(module)
     state = {renames.get(k, k): v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
     main, experts = split_experts(state, layers, _first_experts(module, layers))
+    add_router_aliases(main, module)
     out: dict[str, dict[str, Any]] = {}
     if groups.get_expert_data_parallel_rank() == 0:
         for (layer_id, expert), tensors in experts.items():
