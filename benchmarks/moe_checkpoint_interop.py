@@ -7,13 +7,17 @@
    DeepSpeed MoE files ``save_checkpoint`` writes next to its own) with ``load_module_only=True``.
 2. DeepSpeed trains the same model at EP=2 and saves; shardwise loads it at EP=2 and at EP=1 and
    saves again: every weight and moment is compared bitwise with what DeepSpeed held.
+3. With ``--ds-tests`` (a DeepSpeed checkout's tests/): DeepSpeed's AutoEP test model saved by
+   shardwise's engine and loaded by DeepSpeed (module only), and the reverse (weights; DeepSpeed's AutoEP
+   stage-0 optimizer state is not imported).
 
-    python benchmarks/moe_checkpoint_interop.py --ds-python /work/venv-ds/bin/python
+    python benchmarks/moe_checkpoint_interop.py --ds-python /work/venv-ds/bin/python [--ds-tests /path/DeepSpeed/tests]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -67,6 +71,7 @@ def main() -> None:
     """Both directions; prints one line per check and exits 1 when a tensor differs."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ds-python", required=True, help="an interpreter with DeepSpeed 0.19.8")
+    parser.add_argument("--ds-tests", help="a DeepSpeed checkout's tests/ directory: adds the AutoEP exchange")
     args = parser.parse_args()
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,7 +94,37 @@ def main() -> None:
             seen, differ = compare([root / f"s.{r}" for r in range(2)], root / f"back_ep{ep}" / "t2")
             print(f"DeepSpeed EP=2 -> shardwise EP={ep}: {seen} tensors, {differ} differ")
             bad += differ
+        if args.ds_tests:
+            bad += autoep_exchange(args.ds_python, args.ds_tests, root)
     sys.exit(1 if bad else 0)
+
+
+def autoep_exchange(ds_python: str, ds_tests: str, root: Path) -> int:
+    """DeepSpeed's AutoEP test model (mixtral preset, bf16, EP=1) saved by one side, loaded by the other;
+    returns the number of parameters that differ."""
+    site = root / "site"
+    subprocess.run([sys.executable, "-m", "shardwise.cli.main", "compat", "install-deepspeed", "--target", str(site)],
+                   check=True, capture_output=True)
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    sides = {"shardwise": (sys.executable, f"{site}{os.pathsep}{ds_tests}"), "DeepSpeed": (ds_python, ds_tests)}
+    bad = 0
+    for writer, reader, module_only in (("shardwise", "DeepSpeed", True), ("DeepSpeed", "shardwise", False)):
+        directory = root / f"autoep_{writer}"
+        for who, action in ((writer, "save"), (reader, "load")):
+            python, path = sides[who]
+            extra = ["--module-only"] if module_only and action == "load" else []
+            out = subprocess.run([python, str(HERE / "moe_autoep_checkpoint_worker.py"), action, str(directory), *extra],
+                                 env=dict(env, PYTHONPATH=path, MASTER_PORT=str(free_port())), capture_output=True,
+                                 text=True, timeout=600)
+            if out.returncode:
+                raise RuntimeError(f"{who} {action}: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+        record = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RECORD "))[len("RECORD "):])
+        how = "load_module_only" if module_only else "full load"
+        print(f"AutoEP (DeepSpeed's test model, bf16): {writer} save_checkpoint -> {reader} {how}: "
+              f"{record['params']} parameters, {len(record['differ'])} differ")
+        bad += len(record["differ"])
+    return bad
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from shardwise.checkpoint import keys
 from shardwise.checkpoint.deepspeed_import import load_file
 from shardwise.checkpoint.integrity import verify_tag
 from shardwise.checkpoint.universal_write import read_full_checkpoint
+from shardwise.compat.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from shardwise.testing import run_distributed_cases
 
 pytestmark = pytest.mark.distributed
@@ -51,6 +52,9 @@ def test_deepspeed_moe_files_round_trip_at_both_expert_parallel_sizes(tmp_path: 
     expert_tensors = [k for k in want["module"] if "deepspeed_experts" in k]
     assert len(expert_tensors) == LAYERS * EXPERTS * 4  # every rank's experts
     assert sorted(got_experts) == sorted(expert_tensors)
+    # zero_to_fp32 / `shardwise checkpoint export` of it hold every rank's experts too
+    exported = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "shardwise"))
+    assert sorted(exported) == sorted(want["module"])
     for name in expert_tensors:
         assert torch.equal(got_experts[name], want["module"][name]), name
     for name, tensor in main["module"].items():

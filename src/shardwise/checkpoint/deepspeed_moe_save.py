@@ -33,7 +33,6 @@ from shardwise.checkpoint.deepspeed_moe import (
     moe_layers,
     split_experts,
 )
-from shardwise.checkpoint.tp_whole import tp_slices
 from shardwise.comm import groups
 from shardwise.moe.naming import global_expert_names
 from shardwise.utils.logging import logger
@@ -72,7 +71,7 @@ def side_files(
     if zero_stage == 3:
         _say_once("ZeRO stage 3 (use `shardwise checkpoint to-deepspeed` or to-universal)")
         return {}
-    if mp_world_size > 1 or tp_slices(module):
+    if mp_world_size > 1:  # (AutoEP's own cuts of the stacked expert weights are not tensor parallelism)
         _say_once("tensor or model parallelism")
         return {}
     renames = global_expert_names(module)

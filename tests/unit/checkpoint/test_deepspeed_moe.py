@@ -14,6 +14,7 @@ from shardwise.checkpoint.deepspeed_moe import (
     MoELayerRecord,
     autoep_metadata,
     check_autoep_metadata,
+    drop_router_aliases,
     expert_ckpt_name,
     load_moe_state_dict,
     merge_expert_files,
@@ -93,3 +94,13 @@ def test_load_moe_state_dict_reads_this_ranks_experts_under_local_names(tmp_path
     with pytest.raises(FileNotFoundError, match="expert_1"):
         Path(expert_ckpt_name(tmp_path, 0, 1, "t")).unlink()
         load_moe_state_dict(tmp_path, "t", {}, old_moe_load=False, model=model)
+
+
+def test_router_aliases_are_added_for_deepspeed_and_dropped_on_the_way_back() -> None:
+    state, layers = _whole_state()
+    main, _ = split_experts(state, layers)
+    main["l1.gate.gate.weight"] = main["l1.router.gate.weight"].clone()  # DeepSpeed's second name
+    main["l1.shared_gate.weight"] = torch.zeros(1, 3)  # not a copy of a router tensor: kept
+    drop_router_aliases(main, layers)
+    assert sorted(main) == ["embed.weight", "l0.deepspeed_moe.gate.wg.weight", "l1.router.gate.weight",
+                            "l1.shared_gate.weight"]
