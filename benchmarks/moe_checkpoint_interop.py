@@ -49,7 +49,7 @@ def run_deepspeed(python: str, world: int, args: list[str]) -> None:
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     for proc in procs:
         out, _ = proc.communicate(timeout=600)
-        if proc.returncode:
+        if proc.returncode and b"RECORD " not in out:  # (a crash at exit, after the record, is DeepSpeed's)
             raise RuntimeError(out.decode(errors="replace")[-3000:])
 
 

@@ -124,6 +124,8 @@ def main() -> None:
     print("RECORD " + json.dumps({"rank": rank, "weights": weights, "moments": moments, "steps": steps,
                                   "groups": [len(g["params"]) for g in state["param_groups"]],
                                   "next_loss": loss.item()}), flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
