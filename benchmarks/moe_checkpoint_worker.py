@@ -1,7 +1,7 @@
 """DeepSpeed's side of ``moe_checkpoint_interop.py``: one rank of real DeepSpeed (``DS_ACCELERATOR=cpu``)
 loading (``--load``) or writing (``--save``) a stage-0 MoE checkpoint of the tiny MoE GPT of
 ``tests/distributed/moe_cases.py`` (the same module tree, DeepSpeed's ``MoE``), printing one JSON line
-per rank: the module's tensors' and the optimizer state's checksums and the next step's loss.
+per rank (the next step's loss); ``--dump`` writes its weights and Adam moments by global name.
 Never imported by shardwise; run by the driver with a DeepSpeed interpreter."""
 
 from __future__ import annotations
@@ -75,12 +75,18 @@ def _by_global_name(engine) -> dict[str, torch.Tensor]:  # type: ignore[no-untyp
                 return f"{head}{ep_rank * module.num_local_experts + int(local)}.{rest}"
         return name
 
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     out = {}
+    zero = engine.zero_optimization_stage() > 0
     for name, param in engine.module.named_parameters():
-        out[global_name(name)] = param.detach().clone()
-        for key, value in engine.optimizer.state.get(param, {}).items():
-            if key != "step":
-                out[f"{global_name(name)}/{key}"] = value.detach().clone()
+        out[global_name(name)] = (safe_get_full_fp32_param(param) if zero else param).detach().clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            try:
+                value = safe_get_full_optimizer_state(param, key) if zero else engine.optimizer.state[param][key]
+            except ValueError:  # DeepSpeed 0.19.8 cannot give it (reported as a smaller count)
+                continue
+            out[f"{global_name(name)}/{key}"] = value.detach().clone()
     return out
 
 
@@ -93,6 +99,7 @@ def main() -> None:
     parser.add_argument("--tag", default="t2")
     parser.add_argument("--ep", type=int, required=True)
     parser.add_argument("--save", action="store_true", help="train 3 steps and save instead of loading")
+    parser.add_argument("--stage", type=int, default=0, help="ZeRO stage")
     parser.add_argument("--module-only", action="store_true", help="load with load_module_only=True")
     parser.add_argument("--dump", help="write this rank's weights and Adam moments by global name here")
     args = parser.parse_args()
@@ -100,7 +107,7 @@ def main() -> None:
     rank = torch.distributed.get_rank()
     model = build(args.ep, seed=99)
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 0}}
+              "zero_optimization": {"stage": args.stage}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     data = batches(rank, 4)
     if args.save:
@@ -114,16 +121,9 @@ def main() -> None:
         engine.load_checkpoint(args.dir, tag=args.tag, load_module_only=args.module_only)
     if args.dump:
         torch.save(_by_global_name(engine), f"{args.dump}.{rank}")
-    state = engine.optimizer.state_dict()
-    moments = {str(i): float(sum(v.double().abs().sum() for k, v in s.items() if k != "step"))
-               for i, s in state["state"].items()}
-    weights = {n: p.detach().double().sum().item() for n, p in engine.module.named_parameters()}
-    steps = sorted({int(s["step"]) for s in state["state"].values()})
     torch.manual_seed(11)
     loss, _ = engine(data[3])
-    print("RECORD " + json.dumps({"rank": rank, "weights": weights, "moments": moments, "steps": steps,
-                                  "groups": [len(g["params"]) for g in state["param_groups"]],
-                                  "next_loss": loss.item()}), flush=True)
+    print("RECORD " + json.dumps({"rank": rank, "next_loss": loss.item()}), flush=True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

@@ -184,8 +184,13 @@ class DeepSpeedCheckpoint:
     def _assemble(
         self, per_rank: Sequence[Sequence[torch.Tensor]], group: int, shapes: Mapping[str, Any]
     ) -> dict[str, torch.Tensor]:
-        """Cut per-rank flat tensors of one group into full parameters."""
+        """Cut per-rank flat tensors of one group into full parameters (an expert group's under
+        global names, from its expert-parallel ranks' partitions)."""
         out: dict[str, torch.Tensor] = {}
+        counts = self.optim_states()[0].get("partition_count") if self.optim_files else None
+        if self.moe is not None and self.stage in (1, 2) and self._is_expert_group(group) and counts:
+            mappings = [state.get("param_slice_mappings") for state in self.optim_states()]
+            return self.moe.assemble_expert_group(per_rank, group, shapes, mappings, int(counts[group]), _fragment)
         if self.stage == 3:
             offsets = [0] * len(per_rank)
             for name, shape in shapes.items():
@@ -287,16 +292,30 @@ class DeepSpeedCheckpoint:
                 ]
                 for name, tensor in self._assemble(per_rank, g, shapes).items():
                     out[f"optim/{name}/{key}"] = tensor
+            names = list(shapes)
+            if self.moe is not None and self._is_expert_group(g):  # every expert-parallel rank's experts
+                ep_size = len(self.moe.expert_group_ranks(self.world_size, int(self.optim_states()[0]["partition_count"][g])))
+                names = [self.moe.global_name(n, r, ep_size) for r in range(ep_size) for n in shapes]
             for key, value in state0.items():
                 if key in elementwise:
                     continue
                 whole = self._whole_param_state(inners, g, key) if torch.is_tensor(value) else None
-                for name in shapes:
+                for name in names:
                     out[f"optim/{name}/{key}"] = value if whole is None else whole[name]
-            hyper = {k: v for k, v in inners[0]["param_groups"][g].items() if k != "params"}
-            groups.append({**hyper, keys.PARAM_NAMES: list(shapes)})
+            hyper = {k: v for k, v in inners[0]["param_groups"][g].items() if k not in ("params", "name", "moe")}
+            home = next((h for h in groups if {k: v for k, v in h.items() if k != keys.PARAM_NAMES} == hyper), None)
+            if self.moe is not None and home is not None:  # DeepSpeed's expert group joins its client group
+                home[keys.PARAM_NAMES] += names
+            else:
+                groups.append({**hyper, keys.PARAM_NAMES: names})
         out[keys.PARAM_GROUPS] = groups
         return out
+
+    def _is_expert_group(self, group: int) -> bool:
+        """Whether DeepSpeed marked optimizer group ``group`` as an expert group (``"moe": True``)."""
+        inner = self.optim_states()[0].get("base_optimizer_state") if self.optim_files else None
+        groups = inner.get("param_groups", []) if isinstance(inner, dict) else []
+        return group < len(groups) and bool(groups[group].get("moe"))
 
     def _whole_param_state(self, inners: list[Any], group: int, key: str) -> dict[str, torch.Tensor] | None:
         """DeepSpeed's ZeRO-1/2 Muon momentum: per rank, the whole parameters its partition touches.

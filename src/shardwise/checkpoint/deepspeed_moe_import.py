@@ -115,5 +115,45 @@ class DeepSpeedMoEFiles:
         return out
 
 
+    # ------------------------------------------------------------------ ZeRO 1-2 expert groups
+    def global_name(self, local_name: str, ep_rank: int, ep_size: int) -> str:
+        """A rank's local expert tensor name as its global one (other names unchanged)."""
+        for record in self.layers:
+            head = record.expert_prefix
+            if record.kind == "moe" and local_name.startswith(head):
+                index, _, rest = local_name[len(head):].partition(".")
+                return f"{head}{ep_rank * (record.num_experts // ep_size) + int(index)}.{rest}"
+        return local_name
+
+    def expert_group_ranks(self, world_size: int, partition_count: int) -> list[list[int]]:
+        """Per expert-parallel rank ``R``, the ranks that partition its expert groups, in order:
+        DeepSpeed's layout puts expert-parallel ranks side by side (``R, R + ep, R + 2 ep, ...``)."""
+        ep_size = world_size // partition_count
+        return [[r + ep_size * i for i in range(partition_count)] for r in range(ep_size)]
+
+    def assemble_expert_group(self, per_rank: Sequence[Sequence[torch.Tensor]], group: int,
+                              shapes: Mapping[str, Any], mappings: Sequence[Any], partition_count: int,
+                              fragment: Any) -> dict[str, torch.Tensor]:
+        """One ZeRO-1/2 expert group's flat partitions as whole tensors under global names: each
+        expert-parallel rank's group is partitioned over its expert-data-parallel ranks only."""
+        import math
+
+        out: dict[str, torch.Tensor] = {}
+        owners = self.expert_group_ranks(len(per_rank), partition_count)
+        for ep_rank, ranks in enumerate(owners):
+            pieces: dict[str, list[torch.Tensor]] = {name: [] for name in shapes}
+            for r in ranks:
+                for name, address in mappings[r][group].items():
+                    start, numel = fragment(address)
+                    pieces.setdefault(name, []).append(per_rank[r][group].reshape(-1)[start:start + numel])
+            for name, shape in shapes.items():
+                whole = torch.cat(pieces[name]) if pieces[name] else torch.empty(0)
+                if whole.numel() != math.prod(shape):
+                    raise ValueError(f"{self.tag_dir}: expert tensor {name} of expert-parallel rank {ep_rank} has "
+                                     f"{whole.numel()} elements in the ZeRO partitions, its shape {tuple(shape)}")
+                out[self.global_name(name, ep_rank, len(owners))] = whole.view(shape)
+        return out
+
+
 def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != keys.PARAM_NAMES}
