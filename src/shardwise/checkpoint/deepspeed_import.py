@@ -302,7 +302,8 @@ class DeepSpeedCheckpoint:
                 whole = self._whole_param_state(inners, g, key) if torch.is_tensor(value) else None
                 for name in names:
                     out[f"optim/{name}/{key}"] = value if whole is None else whole[name]
-            hyper = {k: v for k, v in inners[0]["param_groups"][g].items() if k not in ("params", "name", "moe")}
+            dropped = ("params", "name", "moe") if self.moe is not None else ("params",)
+            hyper = {k: v for k, v in inners[0]["param_groups"][g].items() if k not in dropped}
             home = next((h for h in groups if {k: v for k, v in h.items() if k != keys.PARAM_NAMES} == hyper), None)
             if self.moe is not None and home is not None:  # DeepSpeed's expert group joins its client group
                 home[keys.PARAM_NAMES] += names
