@@ -5,8 +5,9 @@
    DeepSpeed loads each (2 ranks at EP=2, 1 rank at EP=1): every weight and Adam moment is compared
    bitwise with shardwise's saved ones; and DeepSpeed loads shardwise's own save directory (the
    DeepSpeed MoE files ``save_checkpoint`` writes next to its own) with ``load_module_only=True``.
-2. DeepSpeed trains the same model at EP=2 and saves; shardwise loads it at EP=2 and at EP=1 and
-   saves again: every weight and moment is compared bitwise with what DeepSpeed held.
+2. DeepSpeed trains the same model at EP=2 and saves (ZeRO 0, then ZeRO 2); shardwise loads it at the
+   same stage at EP=2 and at EP=1 and saves again: every weight and moment DeepSpeed can give
+   (``safe_get_full_*``; at ZeRO 2 it gives no expert moments) is compared bitwise.
 3. With ``--ds-tests`` (a DeepSpeed checkout's tests/): DeepSpeed's AutoEP test model saved by
    shardwise's engine and loaded by DeepSpeed (module only), and the reverse (weights; DeepSpeed's AutoEP
    stage-0 optimizer state is not imported).
@@ -87,13 +88,17 @@ def main() -> None:
         print(f"shardwise EP=2 save_checkpoint (its DeepSpeed MoE files) -> DeepSpeed EP=2, load_module_only: "
               f"{seen} weights, {differ} differ")
         bad += differ
-        run_deepspeed(args.ds_python, 2, ["--dir", f"{tmp}/from_ds", "--ep", "2", "--save", "--dump", f"{tmp}/s"])
-        for ep in (2, 1):
-            run_distributed_cases(deepspeed_format_round_trip,
-                                  [{"action": "load", "ep": ep, "root": tmp, "src": f"{tmp}/from_ds"}], 2, timeout=300)
-            seen, differ = compare([root / f"s.{r}" for r in range(2)], root / f"back_ep{ep}" / "t2")
-            print(f"DeepSpeed EP=2 -> shardwise EP={ep}: {seen} tensors, {differ} differ")
-            bad += differ
+        for stage in (0, 2):
+            run_deepspeed(args.ds_python, 2, ["--dir", f"{tmp}/from_ds{stage}", "--ep", "2", "--stage", str(stage),
+                                              "--save", "--dump", f"{tmp}/s{stage}"])
+            for ep in (2, 1):
+                out = f"{tmp}/back{stage}_ep{ep}"
+                case = {"action": "load", "ep": ep, "stage": stage, "root": tmp, "src": f"{tmp}/from_ds{stage}",
+                        "out": out}
+                run_distributed_cases(deepspeed_format_round_trip, [case], 2, timeout=300)
+                seen, differ = compare([root / f"s{stage}.{r}" for r in range(2)], Path(out) / "t2")
+                print(f"DeepSpeed ZeRO {stage} EP=2 -> shardwise ZeRO {stage} EP={ep}: {seen} tensors, {differ} differ")
+                bad += differ
         if args.ds_tests:
             bad += autoep_exchange(args.ds_python, args.ds_tests, root)
     sys.exit(1 if bad else 0)

@@ -84,7 +84,7 @@ def _by_global_name(engine) -> dict[str, torch.Tensor]:  # type: ignore[no-untyp
         for key in ("exp_avg", "exp_avg_sq"):
             try:
                 value = safe_get_full_optimizer_state(param, key) if zero else engine.optimizer.state[param][key]
-            except ValueError:  # DeepSpeed 0.19.8 cannot give it (reported as a smaller count)
+            except (KeyError, ValueError):  # none (module only), or DeepSpeed cannot give it: not compared
                 continue
             out[f"{global_name(name)}/{key}"] = value.detach().clone()
     return out

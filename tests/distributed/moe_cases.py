@@ -178,7 +178,7 @@ def deepspeed_format_round_trip(rank: int, world: int, case: dict[str, Any]) -> 
     groups.clear_topology()
     model = build_model(case["ep"], seed=5 if case["action"] == "load" else 1234)
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": OPTIMIZERS["Adam"],
-              "zero_optimization": {"stage": 0}}
+              "zero_optimization": {"stage": case.get("stage", 0)}}
     engine, *_ = shardwise.initialize(model=model, config=config)
     root = case["root"]
     if case["action"] == "save":
@@ -193,7 +193,7 @@ def deepspeed_format_round_trip(rank: int, world: int, case: dict[str, Any]) -> 
                 export_deepspeed_stage0(f"{root}/shardwise", f"{root}/ds_ep{ep}", ep_size=ep)
     else:
         engine.load_checkpoint(case.get("src", f"{root}/ds_ep{case['ep']}"), tag="t2")
-        engine.save_checkpoint(f"{root}/back_ep{case['ep']}", tag="t2")
+        engine.save_checkpoint(case.get("out", f"{root}/back_ep{case['ep']}"), tag="t2")
     engine.destroy()
     torch.distributed.barrier()
     return True
