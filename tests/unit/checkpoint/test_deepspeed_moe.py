@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from shardwise.checkpoint import keys
+from shardwise.checkpoint.deepspeed_import import DeepSpeedCheckpoint
 from shardwise.checkpoint.deepspeed_moe import (
     MoELayerRecord,
     autoep_metadata,
@@ -104,3 +106,58 @@ def test_router_aliases_are_added_for_deepspeed_and_dropped_on_the_way_back() ->
     drop_router_aliases(main, layers)
     assert sorted(main) == ["embed.weight", "l0.deepspeed_moe.gate.wg.weight", "l1.router.gate.weight",
                             "l1.shared_gate.weight"]
+
+
+def _zero2_moe_checkpoint(tag: Path) -> dict[str, torch.Tensor]:
+    """A DeepSpeed-shaped ZeRO-2 checkpoint of 2 ranks at EP=2 (one MoE layer "moe", 2 experts of one
+    [2, 2] weight, a dense [3] bias): the dense group partitioned over both ranks, each rank's expert
+    group (its one expert, local index 0) held whole by that rank alone. Returns the whole fp32
+    tensors and ``exp_avg`` by global name, as the importer should read them back."""
+    gen = torch.Generator().manual_seed(3)
+    dense, experts = torch.randn(3, generator=gen), [torch.randn(2, 2, generator=gen) for _ in range(2)]
+    avg_dense, avg_experts = torch.randn(3, generator=gen), [torch.randn(2, 2, generator=gen) for _ in range(2)]
+    local = "moe.deepspeed_moe.experts.deepspeed_experts.0.weight"
+    tag.mkdir(parents=True)
+    torch.save({"module": {"bias": dense.clone(), "moe.deepspeed_moe.gate.wg.weight": torch.zeros(2, 2)},
+                "param_shapes": [{"bias": (3,), "moe.deepspeed_moe.gate.wg.weight": (2, 2)}, {local: (2, 2)}],
+                "num_experts": [2], "buffer_names": [], "dp_world_size": 2, "mp_world_size": 1,
+                "ds_config": {"zero_optimization": {"stage": 2}}, "global_steps": 1, "skipped_steps": 0},
+               tag / "mp_rank_00_model_states.pt")
+    for e in range(2):
+        torch.save({f"moe.deepspeed_moe.experts.deepspeed_experts.{e}.weight": experts[e]},
+                   tag / f"layer_0_expert_{e}_mp_rank_00_model_states.pt")
+    gate, avg_gate = torch.zeros(4), torch.zeros(4)
+    flat_dense, flat_avg = torch.cat([dense, gate]), torch.cat([avg_dense, avg_gate])  # 7 elements: 4 on rank 0, 3
+    cuts = [(0, 4), (4, 3)]
+    for r in range(2):
+        start, numel = cuts[r]
+        # fragment addresses (numel, start): rank 0 holds the bias and the gate's first element
+        mapping = {"bias": (3, 0), "moe.deepspeed_moe.gate.wg.weight": (1, 3)} if r == 0 else {
+            "moe.deepspeed_moe.gate.wg.weight": (3, 0)}
+        groups = [{"lr": 0.1, "name": "dense-params", "params": [0]}, {"lr": 0.1, "name": "ep_size_2", "moe": True,
+                                                                        "params": [1]}]
+        inner = {"state": {0: {"exp_avg": flat_avg[start:start + numel].clone(), "step": 1},
+                           1: {"exp_avg": avg_experts[r].reshape(-1).clone(), "step": 1}}, "param_groups": groups}
+        torch.save({"optimizer_state_dict": {
+            "base_optimizer_state": inner, "partition_count": [2, 1], "param_slice_mappings": [mapping, {local: (4, 0)}],
+            "single_partition_of_fp32_groups": [flat_dense[start:start + numel].clone(), experts[r].reshape(-1).clone()],
+        }}, tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    out = {"bias": dense, "exp_avg/bias": avg_dense}
+    for e in range(2):
+        out[f"moe.deepspeed_moe.experts.deepspeed_experts.{e}.weight"] = experts[e]
+        out[f"exp_avg/moe.deepspeed_moe.experts.deepspeed_experts.{e}.weight"] = avg_experts[e]
+    return out
+
+
+def test_a_deepspeed_zero2_moe_checkpoint_reads_back_by_global_expert(tmp_path: Path) -> None:
+    want = _zero2_moe_checkpoint(tmp_path / "t")
+    ckpt = DeepSpeedCheckpoint(tmp_path / "t")
+    module = ckpt.module_state_dict()
+    state = ckpt.optimizer_state([n for n in module])
+    assert state is not None
+    for name, tensor in want.items():
+        _, _, param = name.partition("/")
+        got = state[f"optim/{param}/exp_avg"] if param else module[name]
+        assert torch.equal(got, tensor), name
+    (group,) = state["optim/param_groups"]  # DeepSpeed's expert group joins its client group
+    assert sorted(group[keys.PARAM_NAMES]) == sorted(module)
