@@ -32,10 +32,9 @@ import torch
 
 from shardwise.checkpoint import keys
 from shardwise.checkpoint.deepspeed_moe import MOE_EXPERTS
-from shardwise.checkpoint.deepspeed_moe_import import DeepSpeedMoEFiles
+from shardwise.checkpoint.deepspeed_moe_import import DeepSpeedMoEFiles, local_expert_state
 from shardwise.checkpoint.module_state import copy_whole_state
 from shardwise.checkpoint.training_state import LoadResult, TrainingState, param_names, restore_parts
-from shardwise.moe.naming import global_expert_names, held_elsewhere
 from shardwise.utils.logging import logger
 
 
@@ -189,8 +188,8 @@ class DeepSpeedCheckpoint:
         out: dict[str, torch.Tensor] = {}
         counts = self.optim_states()[0].get("partition_count") if self.optim_files else None
         if self.moe is not None and self.stage in (1, 2) and self._is_expert_group(group) and counts:
-            mappings = [state.get("param_slice_mappings") for state in self.optim_states()]
-            return self.moe.assemble_expert_group(per_rank, group, shapes, mappings, int(counts[group]), _fragment)
+            slices = [state.get("param_slice_mappings") for state in self.optim_states()]
+            return self.moe.assemble_expert_group(per_rank, group, shapes, slices, int(counts[group]), _fragment)
         if self.stage == 3:
             offsets = [0] * len(per_rank)
             for name, shape in shapes.items():
@@ -279,7 +278,7 @@ class DeepSpeedCheckpoint:
         inner_field = "optimizer_state_dict" if self.stage == 3 else "base_optimizer_state"
         inners = [state[inner_field] for state in self.optim_states()]
         out: dict[str, Any] = {f"master/{n}": t for n, t in self.fp32_params().items()}
-        groups = []
+        groups: list[dict[str, Any]] = []
         for g, shapes in enumerate(self._param_shapes()):
             state0 = inners[0]["state"].get(g, {})
             flat_numel = self._flat_groups(
@@ -543,7 +542,7 @@ def load_deepspeed_checkpoint(
     )
     copy_whole_state(
         state.module,
-        _local_experts(state.module, ckpt.module_state_dict()),
+        local_expert_state(state.module, ckpt.module_state_dict()),
         strict=load_module_strict,
         source=f"the DeepSpeed checkpoint {path}",
         fix="Load with load_module_strict=False to load the matching entries only.",
@@ -589,22 +588,6 @@ def load_deepspeed_checkpoint(
         excluded.add("lr_scheduler")
     client_state = {k: v for k, v in ckpt.model.items() if k not in excluded}
     return LoadResult(ckpt.model_file, client_state, counters)
-
-
-def _local_experts(module: torch.nn.Module, whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A whole state (experts by global index) as ``module`` names it under expert parallelism:
-    this rank's experts under their local names, the other ranks' left out."""
-    renames = global_expert_names(module)
-    if not renames:
-        return whole
-    foreign = held_elsewhere(module)
-    out = {k: v for k, v in whole.items() if not foreign(k)}
-    for global_name in renames.values():
-        out.pop(global_name, None)
-    for local, global_name in renames.items():
-        if global_name in whole:
-            out[local] = whole[global_name]
-    return out
 
 
 def _imported_loss_scaler(scaler: Any, saved: Any) -> dict[str, Any] | None:

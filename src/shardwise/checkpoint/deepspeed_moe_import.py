@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from shardwise.checkpoint import keys
 from shardwise.checkpoint.deepspeed_moe import (
@@ -27,6 +28,7 @@ from shardwise.checkpoint.deepspeed_moe import (
     layers_from_deepspeed,
     merge_expert_files,
 )
+from shardwise.moe.naming import global_expert_names, held_elsewhere
 from shardwise.utils.logging import logger
 
 _OPTIM_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -157,3 +159,19 @@ class DeepSpeedMoEFiles:
 
 def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != keys.PARAM_NAMES}
+
+
+def local_expert_state(module: nn.Module, whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A whole state (experts by global index) as ``module`` names it under expert parallelism:
+    this rank's experts under their local names, the other ranks' left out."""
+    renames = global_expert_names(module)
+    if not renames:
+        return whole
+    foreign = held_elsewhere(module)
+    out = {k: v for k, v in whole.items() if not foreign(k)}
+    for global_name in renames.values():
+        out.pop(global_name, None)
+    for local, global_name in renames.items():
+        if global_name in whole:
+            out[local] = whole[global_name]
+    return out
