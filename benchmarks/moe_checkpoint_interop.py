@@ -8,7 +8,8 @@
 2. DeepSpeed trains the same model at EP=2 and saves (ZeRO 0, then ZeRO 2); shardwise loads it at the
    same stage at EP=2 and at EP=1 and saves again: every weight and moment DeepSpeed can give
    (``safe_get_full_*``; at ZeRO 2 it gives no expert moments) is compared bitwise.
-3. With ``--ds-tests`` (a DeepSpeed checkout's tests/): DeepSpeed's AutoEP test model saved by
+3. The same in bf16 at ZeRO 0 (DeepSpeed's fused 16-bit wrapper).
+4. With ``--ds-tests`` (a DeepSpeed checkout's tests/): DeepSpeed's AutoEP test model saved by
    shardwise's engine and loaded by DeepSpeed (module only), and the reverse (weights; DeepSpeed's AutoEP
    stage-0 optimizer state is not imported).
 
@@ -99,9 +100,32 @@ def main() -> None:
                 seen, differ = compare([root / f"s{stage}.{r}" for r in range(2)], Path(out) / "t2")
                 print(f"DeepSpeed ZeRO {stage} EP=2 -> shardwise ZeRO {stage} EP={ep}: {seen} tensors, {differ} differ")
                 bad += differ
+        bad += bf16_exchange(args.ds_python, tmp, root)
         if args.ds_tests:
             bad += autoep_exchange(args.ds_python, args.ds_tests, root)
     sys.exit(1 if bad else 0)
+
+
+def bf16_exchange(ds_python: str, tmp: str, root: Path) -> int:
+    """The same at ZeRO 0 in bf16 (DeepSpeed's fused 16-bit wrapper: flat fp32 masters and moments per
+    group), both ways at EP=2, and DeepSpeed's save into shardwise at EP=1; returns tensors that differ."""
+    bad = 0
+    run_distributed_cases(deepspeed_format_round_trip, [{"action": "save", "ep": 2, "root": f"{tmp}/bf", "bf16": True}],
+                          2, timeout=300)
+    run_deepspeed(ds_python, 2, ["--dir", f"{tmp}/bf/ds_ep2", "--ep", "2", "--bf16", "--dump", f"{tmp}/bfd"])
+    seen, differ = compare([root / f"bfd.{r}" for r in range(2)], root / "bf" / "shardwise" / "t2")
+    print(f"bf16: shardwise EP=2 -> to-deepspeed -> DeepSpeed EP=2: {seen} tensors (fp32 masters, moments), "
+          f"{differ} differ")
+    bad += differ
+    run_deepspeed(ds_python, 2, ["--dir", f"{tmp}/from_ds_bf", "--ep", "2", "--bf16", "--save", "--dump", f"{tmp}/sbf"])
+    for ep in (2, 1):
+        out = f"{tmp}/back_bf_ep{ep}"
+        case = {"action": "load", "ep": ep, "root": tmp, "src": f"{tmp}/from_ds_bf", "out": out, "bf16": True}
+        run_distributed_cases(deepspeed_format_round_trip, [case], 2, timeout=300)
+        seen, differ = compare([root / f"sbf.{r}" for r in range(2)], Path(out) / "t2")
+        print(f"bf16: DeepSpeed EP=2 -> shardwise EP={ep}: {seen} tensors, {differ} differ")
+        bad += differ
+    return bad
 
 
 def autoep_exchange(ds_python: str, ds_tests: str, root: Path) -> int:

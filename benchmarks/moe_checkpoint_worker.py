@@ -78,6 +78,20 @@ def _by_global_name(engine) -> dict[str, torch.Tensor]:  # type: ignore[no-untyp
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     out = {}
+    wrapper = engine.optimizer
+    if hasattr(wrapper, "fp16_groups") and hasattr(wrapper, "fp32_groups_flat"):  # the fused 16-bit wrapper
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        for params, flat in zip(wrapper.fp16_groups, wrapper.fp32_groups_flat):
+            state = wrapper.optimizer.state.get(flat, {})
+            offset = 0
+            for param in params:
+                cut = slice(offset, offset + param.numel())
+                out[global_name(names[id(param)])] = flat.detach()[cut].view(param.shape).clone()
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in state:
+                        out[f"{global_name(names[id(param)])}/{key}"] = state[key][cut].view(param.shape).clone()
+                offset += param.numel()
+        return out
     zero = engine.zero_optimization_stage() > 0
     for name, param in engine.module.named_parameters():
         out[global_name(name)] = (safe_get_full_fp32_param(param) if zero else param).detach().clone()
@@ -100,6 +114,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, required=True)
     parser.add_argument("--save", action="store_true", help="train 3 steps and save instead of loading")
     parser.add_argument("--stage", type=int, default=0, help="ZeRO stage")
+    parser.add_argument("--bf16", action="store_true", help="bf16 training (DeepSpeed's 16-bit wrapper)")
     parser.add_argument("--module-only", action="store_true", help="load with load_module_only=True")
     parser.add_argument("--dump", help="write this rank's weights and Adam moments by global name here")
     args = parser.parse_args()
@@ -108,6 +123,8 @@ def main() -> None:
     model = build(args.ep, seed=99)
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
               "zero_optimization": {"stage": args.stage}}
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     data = batches(rank, 4)
     if args.save:

@@ -179,6 +179,8 @@ def deepspeed_format_round_trip(rank: int, world: int, case: dict[str, Any]) -> 
     model = build_model(case["ep"], seed=5 if case["action"] == "load" else 1234)
     config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": OPTIMIZERS["Adam"],
               "zero_optimization": {"stage": case.get("stage", 0)}}
+    if case.get("bf16"):
+        config["bf16"] = {"enabled": True}
     engine, *_ = shardwise.initialize(model=model, config=config)
     root = case["root"]
     if case["action"] == "save":

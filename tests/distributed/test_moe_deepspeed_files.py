@@ -25,6 +25,8 @@ pytestmark = pytest.mark.distributed
 def test_deepspeed_moe_files_round_trip_at_both_expert_parallel_sizes(tmp_path: Path) -> None:
     root = str(tmp_path)
     cases = [{"action": "save", "ep": 2, "root": root}] + [{"action": "load", "ep": ep, "root": root} for ep in (2, 1)]
+    bf16 = str(tmp_path / "bf16")  # DeepSpeed's fused 16-bit wrapper: flat fp32 masters and moments per group
+    cases += [{"action": "save", "ep": 2, "root": bf16, "bf16": True}, {"action": "load", "ep": 1, "root": bf16, "bf16": True}]
     run_distributed_cases(deepspeed_format_round_trip, cases, world_size=2, timeout=300)
 
     for ep in (2, 1):  # DeepSpeed's layout on disk
@@ -67,3 +69,12 @@ def test_deepspeed_moe_files_round_trip_at_both_expert_parallel_sizes(tmp_path: 
         assert len(moments) == 2 * len(want["module"])  # one pair per tensor (the model has no buffers)
         for key in moments:
             assert torch.equal(got["optimizer"][key], want["optimizer"][key]), (ep, key)
+
+    want = read_full_checkpoint(tmp_path / "bf16" / "shardwise" / "t2")
+    got = read_full_checkpoint(tmp_path / "bf16" / "back_ep1" / "t2")
+    assert "fp32_groups_flat" in load_file(tmp_path / "bf16" / "ds_ep1" / "t2" / "expp_rank_0_mp_rank_00_optim_states.pt")["optimizer"]
+    saved = [k for k in want["optimizer"] if k.startswith((keys.MASTER, keys.OPTIM)) and k != keys.PARAM_GROUPS]
+    assert any("deepspeed_experts.3" in k for k in saved) and any(k.startswith(keys.MASTER) for k in saved)
+    for key in saved:
+        if not key.endswith("/step"):
+            assert torch.equal(got["optimizer"][key], want["optimizer"][key]), ("bf16", key)

@@ -228,7 +228,11 @@ def export_deepspeed_stage0(
     if moe:
         target = ep_size or max(r.ep_size for r in moe)
         staging = layout.prepare_staging(root, out_tag)
-        moe_stage0_files(full, states, moe, target, staging, param_state=_param_state, ds_group=_ds_group,
+        def rank_optimizer(view_module: dict[str, torch.Tensor], view_optimizer: dict[str, Any]) -> dict[str, Any]:
+            return stage0_optimizer_state(view_module, view_optimizer, ds_config=ds_config,
+                                          loss_scaler=common.get("loss_scaler"))
+
+        moe_stage0_files(full, states, moe, target, staging, rank_optimizer=rank_optimizer,
                          model_states_file=MODEL_STATES_FILE)
         final = layout.publish(root, out_tag)
         layout.write_latest(root, out_tag)

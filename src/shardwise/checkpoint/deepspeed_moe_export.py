@@ -15,9 +15,10 @@ dense parameters, and its expert parameters follow in a group of their own (``"n
 optimizer files are written for the expert-parallel size the DeepSpeed run will use
 (``ep_size``: one file per expert-parallel rank); the weight files do not depend on it.
 
-Only fp32 training is written (DeepSpeed's 16-bit wrappers around MoE groups keep their masters
-per expert-parallel rank in another layout) and only ``deepspeed.moe.layer.MoE`` layers (AutoEP
-layers' optimizer order is DeepSpeed's AutoEP module's); both are refused by name.
+Each rank's optimizer entry is what the stage-0 exporter writes for a model of that rank's parameters
+(fp32: torch's state dict; 16-bit: DeepSpeed's wrapper, one flat group per optimizer group). Only
+``deepspeed.moe.layer.MoE`` layers are written (AutoEP layers' optimizer order is DeepSpeed's AutoEP
+module's; refused by name).
 """
 
 from __future__ import annotations
@@ -113,18 +114,31 @@ def _rank_groups(
     return out + added
 
 
+def _entries_by_name(optimizer: Mapping[str, Any]) -> dict[str, list[tuple[str, str, Any]]]:
+    """``name -> [(prefix, rest, value)]`` of the ``master/<name>`` and ``optim/<name>/<key>`` entries."""
+    out: dict[str, list[tuple[str, str, Any]]] = {}
+    for key, value in optimizer.items():
+        if key.startswith(keys.MASTER):
+            out.setdefault(key[len(keys.MASTER):], []).append((keys.MASTER, "", value))
+        elif key.startswith(keys.OPTIM) and key != keys.PARAM_GROUPS:
+            name, _, sub = key[len(keys.OPTIM):].rpartition("/")
+            out.setdefault(name, []).append((keys.OPTIM, f"/{sub}", value))
+    return out
+
+
 def moe_stage0_files(
     full: Mapping[str, Any], states: dict[str, Any], layers: Sequence[MoELayerRecord], ep_size: int,
-    staging: Path, *, param_state: Callable[..., dict[str, Any]], ds_group: Callable[..., dict[str, Any]],
+    staging: Path, *, rank_optimizer: Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, Any]],
     model_states_file: str,
 ) -> None:
     """Write DeepSpeed's stage-0 MoE files of ``full`` (``read_full_checkpoint``'s dict) into
     ``staging``; ``states`` is the main file's dict without ``module`` and ``optimizer`` yet.
-    ``param_state`` and ``ds_group`` are the stage-0 exporter's (one parameter's torch optimizer
-    state, one DeepSpeed param group), ``model_states_file`` its main file's name.
+    ``rank_optimizer(module, optimizer)`` is the stage-0 exporter's writer of one optimizer entry
+    (given one expert-parallel rank's parameters under their local names), ``model_states_file`` its
+    main file's name.
 
     Raises:
-        ValueError: AutoEP layers, 16-bit weights, an expert count ``ep_size`` does not divide.
+        ValueError: AutoEP layers, an expert count ``ep_size`` does not divide.
     """
     if any(r.kind != "moe" for r in layers):
         raise ValueError("to-deepspeed with AutoEP layers: DeepSpeed's AutoEP optimizer layout is not written; "
@@ -135,24 +149,27 @@ def moe_stage0_files(
             raise ValueError(f"--ep-size {ep_size}: the MoE layer {record.module_path!r} has {record.num_experts} "
                              "experts; rule: ep_size divides every layer's expert count; fix: choose a divisor")
     module, optimizer = full["module"], full["optimizer"]
-    if {t.dtype for t in module.values()} & {torch.bfloat16, torch.float16}:
-        raise ValueError("to-deepspeed of a 16-bit MoE checkpoint: DeepSpeed's 16-bit optimizer wrappers around "
-                         "expert groups are not written; fix: convert with `shardwise checkpoint to-universal`")
     main, files = split_experts(module, layers)
     params = [n for n in module if n not in set(full["buffer_names"])]
     shapes = {n: module[n].shape for n in params}
+    entries = _entries_by_name(optimizer)
     per_rank = []
-    for ep_rank in range(ep_size):
-        state: dict[int, Any] = {}
-        ds_groups = []
+    for ep_rank in range(ep_size):  # each rank's parameters under its own (local) names, then the stage-0 writer
+        view_module: dict[str, torch.Tensor] = {}
+        view_optimizer: dict[str, Any] = {}
+        view_groups = []
         for group, members, is_moe in _rank_groups(optimizer[keys.PARAM_GROUPS], params, layers, ep_size,
                                                    ep_rank, shapes):
-            first = len(state)
-            for _, global_name in members:
-                state[len(state)] = param_state(optimizer, global_name, shapes[global_name])
-            extra = {"name": f"ep_size_{ep_size}", "moe": True} if is_moe else {}
-            ds_groups.append({**ds_group(group, list(range(first, len(state)))), **extra})
-        per_rank.append({"state": state, "param_groups": ds_groups})
+            hyper = {k: v for k, v in group.items() if k not in ("params", keys.PARAM_NAMES)}
+            if is_moe:
+                hyper.update(name=f"ep_size_{ep_size}", moe=True)
+            view_groups.append({**hyper, keys.PARAM_NAMES: [local for local, _ in members]})
+            for local, global_name in members:
+                view_module[local] = module[global_name]
+                for prefix, sub, value in entries.get(global_name, []):
+                    view_optimizer[f"{prefix}{local}{sub}"] = value
+        view_optimizer[keys.PARAM_GROUPS] = view_groups
+        per_rank.append(rank_optimizer(view_module, view_optimizer))
     for (layer_id, expert), tensors in files.items():
         torch.save(tensors, Path(expert_ckpt_name(staging.parent, layer_id, expert, staging.name)))
     for ep_rank, inner in enumerate(per_rank):

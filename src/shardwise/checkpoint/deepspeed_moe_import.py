@@ -88,20 +88,27 @@ class DeepSpeedMoEFiles:
         groups: list[dict[str, Any]] = []
         for ep_rank, path in enumerate(self.optim_files):
             inner = self._load(path)["optimizer"]
+            flats = inner.get("fp32_groups_flat") if isinstance(inner, dict) else None
+            if flats is not None:  # DeepSpeed's fused 16-bit wrapper: one flat fp32 tensor per group
+                inner = inner["optimizer_state_dict"]
             if not isinstance(inner, dict) or "param_groups" not in inner:
-                logger.warning("%s: a 16-bit optimizer wrapper around expert groups is not imported; only the "
+                logger.warning("%s: this 16-bit optimizer wrapper around expert groups is not imported; only the "
                                "weights are imported", path)
                 return None
             pools = {False: list(dense), True: self._rank_names(dense, ep_rank, ep_size)}
             for g, group in enumerate(inner["param_groups"]):
                 pool = pools[bool(group.get("moe"))]
-                if len(group["params"]) > len(pool):
-                    raise ValueError(f"{path}: group {g} holds {len(group['params'])} parameters, more than the "
-                                     f"{len(pool)} {'expert' if group.get('moe') else 'dense'} ones left")
-                members, pool[:] = pool[: len(group["params"])], pool[len(group["params"]):]
-                for index, name in zip(group["params"], members):
-                    for key, value in inner["state"].get(index, {}).items():
-                        out[f"{keys.OPTIM}{name}/{key}"] = value
+                count = len(group["params"]) if flats is None else _count_filling(pool, module, flats[g].numel())
+                if count < 0 or count > len(pool):
+                    raise ValueError(f"{path}: group {g} does not match the next "
+                                     f"{'expert' if group.get('moe') else 'dense'} parameters ({len(pool)} left)")
+                members, pool[:] = pool[:count], pool[count:]
+                if flats is not None:
+                    out.update(_split_flat_group(flats[g], inner["state"].get(group["params"][0], {}), members, module))
+                else:
+                    for index, name in zip(group["params"], members):
+                        for key, value in inner["state"].get(index, {}).items():
+                            out[f"{keys.OPTIM}{name}/{key}"] = value
                 hyper = {k: v for k, v in group.items() if k not in ("params", "name", "moe")}
                 # an expert group joins the first group with its hyperparameters: shardwise's engine
                 # keeps a client's group whole (its reducer tells expert parameters apart by themselves)
@@ -113,7 +120,7 @@ class DeepSpeedMoEFiles:
         out[keys.PARAM_GROUPS] = groups
         for group in groups:  # fp32 at stage 0: the weights are the masters
             for name in group[keys.PARAM_NAMES]:
-                out[f"{keys.MASTER}{name}"] = module[name].detach().float()
+                out.setdefault(f"{keys.MASTER}{name}", module[name].detach().float())
         return out
 
 
@@ -155,6 +162,30 @@ class DeepSpeedMoEFiles:
                                      f"{whole.numel()} elements in the ZeRO partitions, its shape {tuple(shape)}")
                 out[self.global_name(name, ep_rank, len(owners))] = whole.view(shape)
         return out
+
+
+def _count_filling(pool: Sequence[str], module: Mapping[str, torch.Tensor], numel: int) -> int:
+    """How many of ``pool``'s first parameters fill ``numel`` elements exactly (-1: none do)."""
+    count = 0
+    while numel > 0 and count < len(pool):
+        numel -= module[pool[count]].numel()
+        count += 1
+    return count if numel == 0 else -1
+
+
+def _split_flat_group(flat: torch.Tensor, state: Mapping[str, Any], members: Sequence[str],
+                      module: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """One fused group's masters and state by parameter name: flat tensors cut back to back."""
+    out: dict[str, Any] = {}
+    offset = 0
+    for name in members:
+        shape, numel = module[name].shape, module[name].numel()
+        out[f"{keys.MASTER}{name}"] = flat[offset:offset + numel].float().view(shape).clone()
+        for key, value in state.items():
+            whole = torch.is_tensor(value) and value.numel() == flat.numel() and key != "step"
+            out[f"{keys.OPTIM}{name}/{key}"] = value[offset:offset + numel].view(shape).clone() if whole else value
+        offset += numel
+    return out
 
 
 def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
