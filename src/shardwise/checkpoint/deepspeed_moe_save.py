@@ -84,6 +84,11 @@ def side_files(
             out[expert_ckpt_name("", layer_id, expert, None)] = tensors
     if comm.get_rank() == 0:
         out[MODEL_STATES_FILE] = _main_file(module, main, layers, dp_world_size, common)
+        if "written" not in _said:
+            _said.add("written")
+            logger.info("each save also writes DeepSpeed's MoE model files (mp_rank_00_model_states.pt and "
+                        "layer_L_expert_E_*: the weights once more, %d tensors); checkpoint.deepspeed_moe_files "
+                        "= false leaves them out", len(main) + sum(len(t) for t in experts.values()))
     return out
 
 
