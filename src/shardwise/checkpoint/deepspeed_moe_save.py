@@ -11,8 +11,8 @@ files (they come first); real DeepSpeed loads these weights with ``load_module_o
 resumes with its optimizer.
 
 Not written (and said once in the log): at ZeRO stage 3 (DeepSpeed keeps AutoEP experts in its
-partitioned optimizer files there), with tensor or model parallelism (one ``mp_rank_00`` file holds
-the whole model here).
+partitioned optimizer files there), with tensor, model or pipeline parallelism (one ``mp_rank_00``
+file holds the whole model here).
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def side_files(
     if zero_stage == 3:
         _say_once("ZeRO stage 3 (use `shardwise checkpoint to-deepspeed` or to-universal)")
         return {}
-    if mp_world_size > 1:  # (AutoEP's own cuts of the stacked expert weights are not tensor parallelism)
-        _say_once("tensor or model parallelism")
+    if mp_world_size > 1 or groups.get_pipeline_parallel_world_size() > 1:  # (AutoEP's own cuts of the stacked
+        _say_once("tensor, model or pipeline parallelism")  # expert weights are not tensor parallelism)
         return {}
     renames = global_expert_names(module)
     state = {renames.get(k, k): v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
