@@ -9,9 +9,10 @@
    same stage at EP=2 and at EP=1 and saves again: every weight and moment DeepSpeed can give
    (``safe_get_full_*``; at ZeRO 2 it gives no expert moments) is compared bitwise.
 3. The same in bf16 at ZeRO 0 (DeepSpeed's fused 16-bit wrapper).
-4. With ``--ds-tests`` (a DeepSpeed checkout's tests/): DeepSpeed's AutoEP test model saved by
-   shardwise's engine and loaded by DeepSpeed (module only), and the reverse (weights; DeepSpeed's AutoEP
-   stage-0 optimizer state is not imported).
+4. With ``--ds-tests`` (a DeepSpeed checkout's tests/): DeepSpeed's AutoEP test model (bf16, its
+   ``torch_adam``, so DeepSpeed's unfused 16-bit wrapper) written by ``to-deepspeed`` and resumed by
+   DeepSpeed (masters and moments compared); saved by shardwise's engine and loaded by DeepSpeed (module
+   only); and the reverse (weights; DeepSpeed's AutoEP stage-0 optimizer state is not imported).
 
     python benchmarks/moe_checkpoint_interop.py --ds-python /work/venv-ds/bin/python [--ds-tests /path/DeepSpeed/tests]
 """
@@ -137,7 +138,25 @@ def autoep_exchange(ds_python: str, ds_tests: str, root: Path) -> int:
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     sides = {"shardwise": (sys.executable, f"{site}{os.pathsep}{ds_tests}"), "DeepSpeed": (ds_python, ds_tests)}
+    worker = str(HERE / "moe_autoep_checkpoint_worker.py")
     bad = 0
+    # shardwise saves, `to-deepspeed` writes DeepSpeed's layout, DeepSpeed resumes it with its optimizer
+    python, path = sides["shardwise"]
+    run = dict(env, PYTHONPATH=path, MASTER_PORT=str(free_port()))
+    subprocess.run([python, worker, "save", str(root / "autoep_sw")], env=run, check=True, capture_output=True)
+    subprocess.run([python, "-m", "shardwise.cli.main", "checkpoint", "to-deepspeed", str(root / "autoep_sw"),
+                    str(root / "autoep_ds")], check=True, capture_output=True)
+    (root / "autoep_ds" / "params.pt").write_bytes((root / "autoep_sw" / "params.pt").read_bytes())
+    python, path = sides["DeepSpeed"]
+    out = subprocess.run([python, worker, "load", str(root / "autoep_ds"), "--dump", str(root / "autoep_dump")],
+                         env=dict(env, PYTHONPATH=path, MASTER_PORT=str(free_port())), capture_output=True, text=True,
+                         timeout=600)
+    if "RECORD " not in out.stdout:
+        raise RuntimeError(f"DeepSpeed load: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+    seen, differ = compare([root / "autoep_dump"], root / "autoep_sw" / "a")
+    print(f"AutoEP (DeepSpeed's test model, bf16): shardwise -> to-deepspeed -> DeepSpeed full load: {seen} tensors "
+          f"(fp32 masters, moments), {differ} differ")
+    bad += differ
     for writer, reader, module_only in (("shardwise", "DeepSpeed", True), ("DeepSpeed", "shardwise", False)):
         directory = root / f"autoep_{writer}"
         for who, action in ((writer, "save"), (reader, "load")):

@@ -92,6 +92,15 @@ def _by_global_name(engine) -> dict[str, torch.Tensor]:  # type: ignore[no-untyp
                         out[f"{global_name(names[id(param)])}/{key}"] = state[key][cut].view(param.shape).clone()
                 offset += param.numel()
         return out
+    if hasattr(wrapper, "fp16_groups") and hasattr(wrapper, "fp32_groups"):  # the unfused 16-bit wrapper
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        for params, masters in zip(wrapper.fp16_groups, wrapper.fp32_groups):
+            for param, master in zip(params, masters):
+                out[global_name(names[id(param)])] = master.detach().clone()
+                for key, value in wrapper.optimizer.state.get(master, {}).items():
+                    if key in ("exp_avg", "exp_avg_sq"):
+                        out[f"{global_name(names[id(param)])}/{key}"] = value.detach().clone()
+        return out
     zero = engine.zero_optimization_stage() > 0
     for name, param in engine.module.named_parameters():
         out[global_name(name)] = (safe_get_full_fp32_param(param) if zero else param).detach().clone()

@@ -11,8 +11,9 @@ training dtype) and ``optimizer``:
 * bf16/fp16 with Adam-like optimizers: DeepSpeed's fused 16-bit wrapper: ``optimizer_state_dict``
   whose groups hold one flat fp32 parameter each (element-wise state flat too), the masters as
   ``fp32_groups_flat``, ``clip_grad`` and the loss-scale values;
-* bf16/fp16 with Muon (a group with ``use_muon``): DeepSpeed's unfused wrapper: per-parameter
-  state and the masters as ``fp32_groups`` (one list per group).
+* bf16/fp16 with Muon (a group with ``use_muon``) or ``"torch_adam": true`` (DeepSpeed then steps
+  torch's Adam, not its fused one): DeepSpeed's unfused wrapper: per-parameter state and the masters
+  as ``fp32_groups`` (one list per group).
 
 DeepSpeed's Muon groups hold their matrices sorted by shape, largest first, so a ``use_muon``
 group is written in that order. Adam-like groups get ``bias_correction`` and ``step`` (DeepSpeed's
@@ -143,7 +144,8 @@ def stage0_optimizer_state(
     trainable = [n for g in groups for n in g[keys.PARAM_NAMES]]
     sixteen = {module[n].dtype for n in trainable} & {torch.bfloat16, torch.float16}
     memberships = [_group_members(g, module) for g in groups]
-    if not sixteen or any(g.get("use_muon") for g in groups):
+    torch_adam = bool(((ds_config.get("optimizer") or {}).get("params") or {}).get("torch_adam"))
+    if not sixteen or torch_adam or any(g.get("use_muon") for g in groups):
         state, ds_groups, index = {}, [], 0
         for group, members in zip(groups, memberships):
             for name in members:

@@ -60,6 +60,7 @@ class MoELayerRecord:
     kind: str
     num_experts: int
     ep_size: int
+    router_alias: str | None = None  # AutoEP: DeepSpeed's second name of the router (its state dict has both)
 
     @property
     def expert_prefix(self) -> str:
@@ -70,7 +71,7 @@ class MoELayerRecord:
     def as_json(self) -> dict[str, Any]:
         """The record for shardwise's checkpoint summary."""
         return {"module_path": self.module_path, "kind": self.kind, "num_experts": self.num_experts,
-                "ep_size": self.ep_size}
+                "ep_size": self.ep_size, "router_alias": self.router_alias}
 
 
 def moe_layers(module: nn.Module) -> list[MoELayerRecord]:
@@ -85,14 +86,15 @@ def moe_layers(module: nn.Module) -> list[MoELayerRecord]:
         if isinstance(sub, MoE):
             out.append(MoELayerRecord(len(out), path, "moe", sub.num_experts, sub.ep_size))
         elif isinstance(sub, AutoEPMoELayer):
-            out.append(MoELayerRecord(len(out), path, "autoep", sub.num_experts, sub.ep_size))
+            out.append(MoELayerRecord(len(out), path, "autoep", sub.num_experts, sub.ep_size,
+                                      getattr(sub, "checkpoint_router_alias", None)))
     return out
 
 
 def records_from_json(entries: Sequence[Mapping[str, Any]]) -> list[MoELayerRecord]:
     """The records a shardwise summary keeps (``moe_layers``), numbered in order."""
-    return [MoELayerRecord(i, str(e["module_path"]), str(e["kind"]), int(e["num_experts"]), int(e["ep_size"]))
-            for i, e in enumerate(entries)]
+    return [MoELayerRecord(i, str(e["module_path"]), str(e["kind"]), int(e["num_experts"]), int(e["ep_size"]),
+                           e.get("router_alias")) for i, e in enumerate(entries)]
 
 
 # ---------------------------------------------------------------------- file names
@@ -198,15 +200,14 @@ def merge_expert_files(main: MutableMapping[str, Any], files: Mapping[tuple[int,
             main[key] = torch.stack(rows)
 
 
-def add_router_aliases(main: dict[str, torch.Tensor], module: nn.Module) -> None:
+def add_router_aliases(main: dict[str, torch.Tensor], layers: Sequence[MoELayerRecord]) -> None:
     """Copy each AutoEP layer's router entries under DeepSpeed's second name of its router
-    (``<layer>.<alias>.<rest>``; ``checkpoint_router_alias``), as DeepSpeed's state dict holds them."""
-    for path, sub in module.named_modules():
-        alias = getattr(sub, "checkpoint_router_alias", None) if isinstance(sub, AutoEPMoELayer) else None
-        if alias:
-            head = f"{path}." if path else ""
+    (``<layer>.<alias>.<rest>``; ``router_alias``), as DeepSpeed's state dict holds them."""
+    for record in layers:
+        if record.kind == "autoep" and record.router_alias:
+            head = f"{record.module_path}." if record.module_path else ""
             for key in [k for k in main if k.startswith(f"{head}router.")]:
-                main.setdefault(f"{head}{alias}.{key[len(head) + len('router.'):]}", main[key])
+                main.setdefault(f"{head}{record.router_alias}.{key[len(head) + len('router.'):]}", main[key])
 
 
 def drop_router_aliases(main: dict[str, Any], layers: Sequence[MoELayerRecord]) -> None:

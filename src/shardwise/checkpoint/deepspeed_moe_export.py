@@ -16,9 +16,9 @@ optimizer files are written for the expert-parallel size the DeepSpeed run will 
 (``ep_size``: one file per expert-parallel rank); the weight files do not depend on it.
 
 Each rank's optimizer entry is what the stage-0 exporter writes for a model of that rank's parameters
-(fp32: torch's state dict; 16-bit: DeepSpeed's wrapper, one flat group per optimizer group). Only
-``deepspeed.moe.layer.MoE`` layers are written (AutoEP layers' optimizer order is DeepSpeed's AutoEP
-module's; refused by name).
+(fp32: torch's state dict; 16-bit: DeepSpeed's fused or unfused wrapper). An AutoEP layer's stacked
+``w1``/``w2``/``w3`` (and their element-wise state) are cut to the rank's rows; DeepSpeed's second name
+of its router is added to the main file's module.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ import torch
 
 from shardwise.checkpoint import keys
 from shardwise.checkpoint.deepspeed_moe import (
+    AUTOEP_WEIGHTS,
     MOE_EXPERTS,
     MoELayerRecord,
+    add_router_aliases,
     autoep_metadata,
     expert_ckpt_name,
     optim_ckpt_name,
@@ -69,8 +71,24 @@ def _expert_template(names: Sequence[str], layers: Sequence[MoELayerRecord]) -> 
             rests = out.setdefault(match.group("layer"), [])
             if match.group("rest") not in rests:
                 rests.append(match.group("rest"))
-    wanted = {r.expert_prefix[: -len(MOE_EXPERTS)] for r in layers}
+    wanted = {r.expert_prefix[: -len(MOE_EXPERTS)] for r in layers if r.kind == "moe"}
     return {layer: rests for layer, rests in out.items() if layer in wanted}
+
+
+Member = tuple[str, str, "tuple[int, int] | None"]
+"""One parameter of a rank's group: (its name there, its name in the checkpoint, the rows of a stacked
+AutoEP weight it holds, or None for the whole tensor)."""
+
+
+def _autoep_rows(layers: Sequence[MoELayerRecord], ep_size: int, ep_rank: int) -> dict[str, tuple[int, int]]:
+    """``stacked expert weight name -> (first row, end row)`` of ``ep_rank``'s experts."""
+    out = {}
+    for record in layers:
+        if record.kind == "autoep":
+            local = record.num_experts // ep_size
+            for weight in AUTOEP_WEIGHTS:
+                out[f"{record.expert_prefix}{weight}"] = (ep_rank * local, (ep_rank + 1) * local)
+    return out
 
 
 def _rank_groups(
@@ -80,38 +98,48 @@ def _rank_groups(
     ep_size: int,
     ep_rank: int,
     shapes: Mapping[str, torch.Size],
-) -> list[tuple[Mapping[str, Any], list[tuple[str, str]], bool]]:
+) -> list[tuple[Mapping[str, Any], list[Member], bool]]:
     """DeepSpeed's optimizer groups on expert-parallel rank ``ep_rank``: per saved group, its dense
-    parameters, then (appended after all of them) its expert parameters as ``(local, global)``
-    names, in module order, cut at the element cap. Returns ``(saved group, members, is_moe)``."""
+    parameters, then (appended after all of them) its expert parameters (:data:`Member`), in module
+    order, cut at the element cap. Returns ``(saved group, members, is_moe)``."""
     template = _expert_template(param_order, layers)
-    local_count = {r.expert_prefix[: -len(MOE_EXPERTS)]: r.num_experts // ep_size for r in layers}
-    out: list[tuple[Mapping[str, Any], list[tuple[str, str]], bool]] = []
-    added: list[tuple[Mapping[str, Any], list[tuple[str, str]], bool]] = []
+    stacked = _autoep_rows(layers, ep_size, ep_rank)
+    local_count = {r.expert_prefix[: -len(MOE_EXPERTS)]: r.num_experts // ep_size for r in layers if r.kind == "moe"}
+    out: list[tuple[Mapping[str, Any], list[Member], bool]] = []
+    added: list[tuple[Mapping[str, Any], list[Member], bool]] = []
     for group in groups:
         members = set(group[keys.PARAM_NAMES])
-        dense = [(n, n) for n in param_order if n in members and not _GLOBAL.match(n)]
+        dense: list[Member] = [(n, n, None) for n in param_order
+                               if n in members and not _GLOBAL.match(n) and n not in stacked]
         expert_layers = [lay for lay in template if any(_GLOBAL.match(n) and n.startswith(lay) for n in members)]
-        experts: list[tuple[str, str]] = []
+        experts: list[Member] = []
         for lay in expert_layers:
             count = local_count[lay]
             for local in range(count):
                 for rest in template[lay]:
                     global_name = f"{lay}{MOE_EXPERTS}{ep_rank * count + local}.{rest}"
-                    experts.append((f"{lay}{MOE_EXPERTS}{local}.{rest}", global_name))
+                    experts.append((f"{lay}{MOE_EXPERTS}{local}.{rest}", global_name, None))
+        experts += [(n, n, stacked[n]) for n in param_order if n in members and n in stacked]
         out.append((group, dense, False))
-        run: list[tuple[str, str]] = []
+        run: list[Member] = []
         size = 0
-        for local_name, global_name in experts:
-            numel = math.prod(shapes[global_name])
+        for local_name, global_name, rows in experts:
+            numel = math.prod(shapes[global_name]) // (1 if rows is None else ep_size)
             if run and size + numel > MAX_MOE_GROUP_NUMEL:
                 added.append((group, run, True))
                 run, size = [], 0
-            run.append((local_name, global_name))
+            run.append((local_name, global_name, rows))
             size += numel
         if run:
             added.append((group, run, True))
     return out + added
+
+
+def _rows_of(value: Any, whole: torch.Tensor, rows: tuple[int, int] | None) -> Any:
+    """``value`` (a parameter's weight or element-wise state) cut to a rank's rows of a stacked weight."""
+    if rows is None or not torch.is_tensor(value) or value.numel() != whole.numel() or value.dim() == 0:
+        return value
+    return value.reshape(whole.shape)[rows[0]:rows[1]]
 
 
 def _entries_by_name(optimizer: Mapping[str, Any]) -> dict[str, list[tuple[str, str, Any]]]:
@@ -138,18 +166,15 @@ def moe_stage0_files(
     main file's name.
 
     Raises:
-        ValueError: AutoEP layers, an expert count ``ep_size`` does not divide.
+        ValueError: an expert count ``ep_size`` does not divide.
     """
-    if any(r.kind != "moe" for r in layers):
-        raise ValueError("to-deepspeed with AutoEP layers: DeepSpeed's AutoEP optimizer layout is not written; "
-                         "fix: convert with `shardwise checkpoint to-universal` (DeepSpeed loads it with "
-                         "checkpoint.load_universal)")
     for record in layers:
         if record.num_experts % ep_size:
             raise ValueError(f"--ep-size {ep_size}: the MoE layer {record.module_path!r} has {record.num_experts} "
                              "experts; rule: ep_size divides every layer's expert count; fix: choose a divisor")
     module, optimizer = full["module"], full["optimizer"]
     main, files = split_experts(module, layers)
+    add_router_aliases(main, layers)
     params = [n for n in module if n not in set(full["buffer_names"])]
     shapes = {n: module[n].shape for n in params}
     entries = _entries_by_name(optimizer)
@@ -163,11 +188,12 @@ def moe_stage0_files(
             hyper = {k: v for k, v in group.items() if k not in ("params", keys.PARAM_NAMES)}
             if is_moe:
                 hyper.update(name=f"ep_size_{ep_size}", moe=True)
-            view_groups.append({**hyper, keys.PARAM_NAMES: [local for local, _ in members]})
-            for local, global_name in members:
-                view_module[local] = module[global_name]
+            view_groups.append({**hyper, keys.PARAM_NAMES: [local for local, _, _ in members]})
+            for local, global_name, rows in members:
+                whole = module[global_name]
+                view_module[local] = _rows_of(whole, whole, rows)
                 for prefix, sub, value in entries.get(global_name, []):
-                    view_optimizer[f"{prefix}{local}{sub}"] = value
+                    view_optimizer[f"{prefix}{local}{sub}"] = _rows_of(value, whole, rows)
         view_optimizer[keys.PARAM_GROUPS] = view_groups
         per_rank.append(rank_optimizer(view_module, view_optimizer))
     for (layer_id, expert), tensors in files.items():

@@ -77,7 +77,7 @@ def side_files(
     renames = global_expert_names(module)
     state = {renames.get(k, k): v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
     main, experts = split_experts(state, layers, _first_experts(module, layers))
-    add_router_aliases(main, module)
+    add_router_aliases(main, layers)
     out: dict[str, dict[str, Any]] = {}
     if groups.get_expert_data_parallel_rank() == 0:
         for (layer_id, expert), tensors in experts.items():

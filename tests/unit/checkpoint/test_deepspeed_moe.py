@@ -161,3 +161,31 @@ def test_a_deepspeed_zero2_moe_checkpoint_reads_back_by_global_expert(tmp_path: 
         assert torch.equal(got, tensor), name
     (group,) = state["optim/param_groups"]  # DeepSpeed's expert group joins its client group
     assert sorted(group[keys.PARAM_NAMES]) == sorted(module)
+
+
+def test_to_deepspeed_gives_each_expert_parallel_rank_its_rows_of_autoep_weights(tmp_path: Path) -> None:
+    from shardwise.checkpoint.deepspeed_export import stage0_optimizer_state
+    from shardwise.checkpoint.deepspeed_moe_export import moe_stage0_files
+
+    layers = [MoELayerRecord(0, "l1", "autoep", 2, 2, router_alias="gate")]
+    gen = torch.Generator().manual_seed(1)
+    module = {"l1.router.gate.weight": torch.randn(2, 3, generator=gen)}
+    module.update({f"l1.experts.{w}": torch.randn(2, 4, 3, generator=gen) for w in ("w1", "w2", "w3")})
+    optimizer: dict = {"optim/param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), keys.PARAM_NAMES: list(module)}]}
+    for name, value in module.items():
+        optimizer[f"optim/{name}/exp_avg"] = value * 2
+        optimizer[f"optim/{name}/step"] = torch.tensor(3.0)
+    staging = tmp_path / "t"
+    staging.mkdir()
+    moe_stage0_files({"module": module, "optimizer": optimizer, "buffer_names": []}, {}, layers, 2, staging,
+                     rank_optimizer=lambda m, o: stage0_optimizer_state(m, o, ds_config={}),
+                     model_states_file="mp_rank_00_model_states.pt")
+    main = torch.load(staging / "mp_rank_00_model_states.pt", weights_only=False)
+    assert torch.equal(main["module"]["l1.gate.gate.weight"], module["l1.router.gate.weight"])  # DeepSpeed's alias
+    assert main["ds_autoep_layers"][0]["num_local_experts"] == 1
+    for rank in range(2):
+        inner = torch.load(staging / f"expp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=False)["optimizer"]
+        dense, experts = inner["param_groups"]
+        assert experts["moe"] and len(dense["params"]) == 1 and len(experts["params"]) == 3
+        w2 = inner["state"][experts["params"][1]]["exp_avg"]  # group order: w1, w2, w3
+        assert torch.equal(w2, module["l1.experts.w2"][rank:rank + 1] * 2)
