@@ -1,9 +1,9 @@
-"""``to-deepspeed`` for a model with ``deepspeed.moe`` layers: DeepSpeed's per-expert files at ZeRO stage 0.
+"""``to-deepspeed`` for a model with MoE layers (``deepspeed.moe`` or AutoEP): DeepSpeed's per-expert files at ZeRO 0.
 
 DeepSpeed saves such a model (stage 0) as (:mod:`~shardwise.checkpoint.deepspeed_moe`):
 
 * ``mp_rank_00_model_states.pt``: the non-expert weights, ``num_experts`` (one count per MoE layer),
-  ``ds_autoep_layers`` (None) and the usual counters, scheduler and config;
+  ``ds_autoep_layers`` (the AutoEP layers, or None) and the usual counters, scheduler and config;
 * ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt``: each expert's weights by global index;
 * ``expp_rank_{R}_mp_rank_00_optim_states.pt``: ``{"optimizer": ...}``, the torch optimizer state
   of expert-parallel rank ``R``, whose parameters are the dense ones and its own experts
