@@ -5,7 +5,7 @@ model (``unit.v1.moe.autoep_test_utils`` of a DeepSpeed checkout, on ``PYTHONPAT
 ``save DIR``: one training step, save, and keep the parameters in ``DIR/params.pt``. ``load DIR``:
 scramble the parameters, load ``DIR`` (module only when ``--module-only``, the tag ``--tag``) and print
 how many parameters differ from ``params.pt`` (``RECORD {...}``); ``--dump FILE`` also writes the fp32
-masters and Adam moments by name."""
+masters and Adam moments by name, ``--resave DIR`` saves the loaded engine again."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--tag", default="a")
     parser.add_argument("--module-only", action="store_true")
     parser.add_argument("--dump")
+    parser.add_argument("--resave", help="after loading, save again here (tag 'a')")
     args = parser.parse_args()
     engine = init_autoep_engine(ep_size=1)
     if args.action == "save":
@@ -49,6 +50,8 @@ def main() -> None:
         from moe_checkpoint_worker import _by_global_name
 
         torch.save(_by_global_name(engine), args.dump)
+    if args.resave:
+        engine.save_checkpoint(args.resave, tag="a")
     print("RECORD " + json.dumps({"params": len(got), "differ": differ}), flush=True)
 
 

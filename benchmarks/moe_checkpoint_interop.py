@@ -12,7 +12,7 @@
 4. With ``--ds-tests`` (a DeepSpeed checkout's tests/): DeepSpeed's AutoEP test model (bf16, its
    ``torch_adam``, so DeepSpeed's unfused 16-bit wrapper) written by ``to-deepspeed`` and resumed by
    DeepSpeed (masters and moments compared); saved by shardwise's engine and loaded by DeepSpeed (module
-   only); and the reverse (weights; DeepSpeed's AutoEP stage-0 optimizer state is not imported).
+   only); and the reverse (weights, and the fp32 masters and moments DeepSpeed's unfused wrapper holds).
 
     python benchmarks/moe_checkpoint_interop.py --ds-python /work/venv-ds/bin/python [--ds-tests /path/DeepSpeed/tests]
 """
@@ -172,7 +172,17 @@ def autoep_exchange(ds_python: str, ds_tests: str, root: Path) -> int:
         print(f"AutoEP (DeepSpeed's test model, bf16): {writer} save_checkpoint -> {reader} {how}: "
               f"{record['params']} parameters, {len(record['differ'])} differ")
         bad += len(record["differ"])
-    return bad
+    # and the optimizer of DeepSpeed's save: what DeepSpeed holds after loading it against shardwise's resave
+    directory = root / "autoep_DeepSpeed"
+    for who, extra in (("DeepSpeed", ["--dump", str(root / "autoep_ds_dump")]),
+                       ("shardwise", ["--resave", str(root / "autoep_back")])):
+        python, path = sides[who]
+        subprocess.run([python, worker, "load", str(directory), *extra], check=True, capture_output=True,
+                       env=dict(env, PYTHONPATH=path, MASTER_PORT=str(free_port())), timeout=600)
+    seen, differ = compare([root / "autoep_ds_dump"], root / "autoep_back" / "a")
+    print(f"AutoEP (DeepSpeed's test model, bf16): DeepSpeed save_checkpoint -> shardwise full load: {seen} tensors "
+          f"(fp32 masters, moments), {differ} differ")
+    return bad + differ
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torch import nn
 
 from shardwise.checkpoint import keys
 from shardwise.checkpoint.deepspeed_moe import (
+    AUTOEP_WEIGHTS,
     MOE_EXPERTS,
     MoELayerRecord,
     drop_router_aliases,
@@ -63,6 +64,9 @@ class DeepSpeedMoEFiles:
         """Expert parameter names of ``ep_rank``, global, in module order."""
         names = []
         for record in self.layers:
+            if record.kind == "autoep":  # one stacked weight each (expert-parallel size 1 only)
+                names += [f"{record.expert_prefix}{weight}" for weight in AUTOEP_WEIGHTS]
+                continue
             local = record.num_experts // ep_size
             for expert in range(ep_rank * local, (ep_rank + 1) * local):
                 names += [k for k in self.files[(record.layer_id, expert)] if MOE_EXPERTS in k]
@@ -78,18 +82,22 @@ class DeepSpeedMoEFiles:
         """
         if not self.optim_files:
             return None
-        if any(r.kind != "moe" for r in self.layers):
-            logger.warning("%s: the stage-0 optimizer state of AutoEP layers is not imported (DeepSpeed's AutoEP "
-                           "optimizer order); only the weights are imported. To keep it, convert with DeepSpeed's "
-                           "ds_to_universal and load with checkpoint.load_universal", self.tag_dir)
-            return None
         ep_size = len(self.optim_files)
+        if ep_size > 1 and any(r.kind == "autoep" for r in self.layers):
+            logger.warning("%s: the stage-0 optimizer state of AutoEP layers saved with expert parallelism is not "
+                           "imported (each rank holds rows of the stacked weights); only the weights are imported. "
+                           "To keep it, convert with DeepSpeed's ds_to_universal and load with "
+                           "checkpoint.load_universal", self.tag_dir)
+            return None
+        stacked = {f"{r.expert_prefix}{w}" for r in self.layers if r.kind == "autoep" for w in AUTOEP_WEIGHTS}
+        dense = [n for n in dense if n not in stacked]
         out: dict[str, Any] = {}
         groups: list[dict[str, Any]] = []
         for ep_rank, path in enumerate(self.optim_files):
             inner = self._load(path)["optimizer"]
             flats = inner.get("fp32_groups_flat") if isinstance(inner, dict) else None
-            if flats is not None:  # DeepSpeed's fused 16-bit wrapper: one flat fp32 tensor per group
+            masters = inner.get("fp32_groups") if isinstance(inner, dict) else None
+            if flats is not None or masters is not None:  # DeepSpeed's fused / unfused 16-bit wrapper
                 inner = inner["optimizer_state_dict"]
             if not isinstance(inner, dict) or "param_groups" not in inner:
                 logger.warning("%s: this 16-bit optimizer wrapper around expert groups is not imported; only the "
@@ -106,9 +114,11 @@ class DeepSpeedMoEFiles:
                 if flats is not None:
                     out.update(_split_flat_group(flats[g], inner["state"].get(group["params"][0], {}), members, module))
                 else:
-                    for index, name in zip(group["params"], members):
+                    for position, (index, name) in enumerate(zip(group["params"], members)):
                         for key, value in inner["state"].get(index, {}).items():
                             out[f"{keys.OPTIM}{name}/{key}"] = value
+                        if masters is not None:  # the unfused wrapper: one fp32 master per parameter
+                            out[f"{keys.MASTER}{name}"] = masters[g][position].float().view(module[name].shape)
                 hyper = {k: v for k, v in group.items() if k not in ("params", "name", "moe")}
                 # an expert group joins the first group with its hyperparameters: shardwise's engine
                 # keeps a client's group whole (its reducer tells expert parameters apart by themselves)
