@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.checkpoint import engine_io, snapshot_io
+from shardwise.checkpoint import deepspeed_moe, engine_io, snapshot_io
 from shardwise.checkpoint.checkpointer import Checkpointer
 from shardwise.comm.topology import Topology
 from shardwise.compilation.compiler import ModelCompiler
@@ -478,6 +478,9 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
     _zero3_consolidated_16bit_state_dict = engine_io.consolidated_16bit_state_dict
     _consolidated_16bit_state_dict = engine_io.consolidated_16bit_state_dict  # accelerate's name under AutoTP
     load_module_state_dict = engine_io.load_module_state_dict
+    # DeepSpeed's MoE file layout, static as on DeepSpeedEngine (scripts call them on the class)
+    _get_expert_ckpt_name = staticmethod(deepspeed_moe.expert_ckpt_name)
+    load_moe_state_dict = staticmethod(deepspeed_moe.load_moe_state_dict)
 
     def __getattr__(self, name: str) -> Any:
         try:

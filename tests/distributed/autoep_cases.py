@@ -101,8 +101,22 @@ def resume_at_ep1(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]
         refused = "autoep_size > 1" in str(error)
     engine.save_checkpoint(case["dir"], tag="ep2")
     engine.destroy()
+    # DeepSpeed's MoE files next to shardwise's: expert e of layer 0 in layer_0_expert_e, whole
+    tag = f"{case['dir']}/ep2"
+    main = torch.load(f"{tag}/mp_rank_00_model_states.pt", weights_only=False)
+    prefix = "model.layers.0.mlp."
+    from_files = torch.stack([torch.load(f"{tag}/layer_0_expert_{e}_mp_rank_00_model_states.pt")[
+        f"{prefix}experts.w2.{e}"] for e in range(4)])
+    ds_files = {
+        "experts_equal": bool(torch.equal(from_files, torch.cat(pieces))),
+        "layers": [(e["module_path"], e["num_experts"], e["ep_size"]) for e in main["ds_autoep_layers"]],
+        "router_twice": bool(torch.equal(main["module"][f"{prefix}gate.gate.weight"], main["module"][f"{prefix}router.gate.weight"]))
+        if f"{prefix}gate.gate.weight" in main["module"] else False,
+        "no_experts_in_main": not any(".experts.w" in k for k in main["module"]),
+    }
     resumed = engine_at(1)
     resumed.load_checkpoint(case["dir"], tag="ep2")
     whole = resumed.module.model.layers[0].mlp.experts.w2.detach()
     resumed.destroy()
-    return {"equal": bool(torch.equal(torch.cat(pieces), whole)), "experts": whole.shape[0], "refused": refused}
+    return {"equal": bool(torch.equal(torch.cat(pieces), whole)), "experts": whole.shape[0], "refused": refused,
+            "ds_files": ds_files}

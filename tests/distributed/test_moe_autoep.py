@@ -39,6 +39,12 @@ def test_an_ep2_checkpoint_resumes_at_ep1(family_runs) -> None:
     # one name), so a run at another autoep_size finds every expert
     resumed = family_runs["resume"]
     assert all(r["equal"] and r["experts"] == 4 and r["refused"] for r in resumed), resumed
+    # and DeepSpeed's MoE files of it (checkpoint.deepspeed_moe_files): every expert whole by global
+    # index, the AutoEP metadata, the router under DeepSpeed's second name too
+    for r in resumed:
+        files = r["ds_files"]
+        assert files["experts_equal"] and files["router_twice"] and files["no_experts_in_main"], files
+        assert len(files["layers"]) >= 1 and all(n == 4 and ep == 2 for _, n, ep in files["layers"]), files
 
 
 @pytest.mark.parametrize("family", FAMILIES)

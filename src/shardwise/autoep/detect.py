@@ -122,6 +122,8 @@ class AutoEP:
             return_router_logits=False, router_logits_capture_target=capture,
             router_logits_capture_index=0 if capture == "router" else None, router_logits_capture_layer_name=None,
             has_shared_experts=has_shared, shared_experts_name=shared_name if has_shared else "",
+            checkpoint_router_alias=router_name if preset.router_logits_capture == "router" and "." not in router_name
+            and router_name not in ("router", "experts", "shared_experts") else None,
             shared_experts_gate_name=shared_gate if has_shared and getattr(block, shared_gate or "-", None)
             is not None else "",
             route_scale=resolve_route_scale(config, self.model_config),

@@ -162,6 +162,7 @@ class AutoEPMoELayer(nn.Module):
         self.score_apply = resolve_score_apply_mode(spec, config.score_apply)
         self.combine_impl = "weighted_sum" if config.combine_impl == "auto" else config.combine_impl
         self.record_router_logits = spec.router_logits_capture_target == "router"
+        self.checkpoint_router_alias = spec.checkpoint_router_alias  # DeepSpeed's second name of the router
         route_norm = spec.route_norm if config.route_norm is None else config.route_norm
 
         gate = getattr(source_module, spec.router_name)

@@ -76,6 +76,10 @@ class MoELayerSpec:
     unsupported_router_bias_names: tuple[str, ...] = ()
     preset_adapter: str = "default"
     expert_activation: str = "swiglu"
+    # The name DeepSpeed's AutoEP layer also registers its router under (transformers' router-logits
+    # recorder looks there), so DeepSpeed's state dict holds the router twice; checkpoint files in
+    # DeepSpeed's layout carry both (checkpoint/deepspeed_moe_save.py). None: no second name.
+    checkpoint_router_alias: str | None = None
 
 
 _LAYERS = r"model\.layers\.\d+\.mlp"

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.checkpoint import dcp_io, integrity_ranks, keys, layout, publish, rng
+from shardwise.checkpoint import dcp_io, deepspeed_moe_save, integrity_ranks, keys, layout, publish, rng
+from shardwise.checkpoint.deepspeed_moe import moe_layers
 from shardwise.checkpoint.tp_whole import tp_slices
 from shardwise.checkpoint.training_state import (
     LoadResult,
@@ -61,6 +62,7 @@ class CheckpointOptions:
     load_universal: bool = False
     async_save: bool = False
     thread_count: int = 1
+    deepspeed_moe_files: bool = True  # MoE models: DeepSpeed's per-expert model files too
 
 
 def _aliases(module: nn.Module, params: set[int]) -> set[str]:
@@ -140,6 +142,15 @@ class Checkpointer:
             )
         root = Path(save_dir)
         items = self._collect(state, client_state, exclude_frozen_parameters, tag)
+        side = {}
+        if self.options.deepspeed_moe_files:
+            side = deepspeed_moe_save.side_files(
+                state.module,
+                zero_stage=state.zero_stage,
+                mp_world_size=state.mp_world_size,
+                dp_world_size=state.dp_world_size,
+                common=items[keys.COMMON],  # type: ignore[arg-type]
+            )
         summary = _summary(state, tag, exclude_frozen_parameters, items)
         failure: OSError | None = None
         if publish.is_publisher(self.options.use_node_local_storage):
@@ -155,11 +166,11 @@ class Checkpointer:
             items = publish.snapshot(items)
             group = self._group_for_async(state.process_group)
             self._thread = threading.Thread(
-                target=self._background, args=(items, root, tag, summary, save_latest, group), daemon=False
+                target=self._background, args=(items, root, tag, summary, save_latest, group, side), daemon=False
             )
             self._thread.start()
         else:
-            self._write_and_publish(items, root, tag, summary, save_latest, state.process_group)
+            self._write_and_publish(items, root, tag, summary, save_latest, state.process_group, side)
         return root / tag
 
     def _background(self, *args: object) -> None:
@@ -499,4 +510,5 @@ def _summary(
         "exclude_frozen_parameters": exclude_frozen,
         "fp32_masters_saved": any(k.startswith(keys.MASTER) or f"/{keys.MASTER}" in k for k in items),
         "optimizer": None if state.optimizer is None else state.optimizer.optimizer_name,
+        "moe_layers": [record.as_json() for record in moe_layers(state.module)],  # for to-deepspeed's files
     }

@@ -11,8 +11,9 @@ training dtype) and ``optimizer``:
 * bf16/fp16 with Adam-like optimizers: DeepSpeed's fused 16-bit wrapper: ``optimizer_state_dict``
   whose groups hold one flat fp32 parameter each (element-wise state flat too), the masters as
   ``fp32_groups_flat``, ``clip_grad`` and the loss-scale values;
-* bf16/fp16 with Muon (a group with ``use_muon``): DeepSpeed's unfused wrapper: per-parameter
-  state and the masters as ``fp32_groups`` (one list per group).
+* bf16/fp16 with Muon (a group with ``use_muon``) or ``"torch_adam": true`` (DeepSpeed then steps
+  torch's Adam, not its fused one): DeepSpeed's unfused wrapper: per-parameter state and the masters
+  as ``fp32_groups`` (one list per group).
 
 DeepSpeed's Muon groups hold their matrices sorted by shape, largest first, so a ``use_muon``
 group is written in that order. Adam-like groups get ``bias_correction`` and ``step`` (DeepSpeed's
@@ -39,6 +40,7 @@ import torch
 
 from shardwise.checkpoint import keys, layout
 from shardwise.checkpoint import universal_names as names
+from shardwise.checkpoint.deepspeed_moe_export import moe_stage0_files, saved_moe_layers
 
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"  # the 16-bit wrappers' inner optimizer state
@@ -142,7 +144,8 @@ def stage0_optimizer_state(
     trainable = [n for g in groups for n in g[keys.PARAM_NAMES]]
     sixteen = {module[n].dtype for n in trainable} & {torch.bfloat16, torch.float16}
     memberships = [_group_members(g, module) for g in groups]
-    if not sixteen or any(g.get("use_muon") for g in groups):
+    torch_adam = bool(((ds_config.get("optimizer") or {}).get("params") or {}).get("torch_adam"))
+    if not sixteen or torch_adam or any(g.get("use_muon") for g in groups):
         state, ds_groups, index = {}, [], 0
         for group, members in zip(groups, memberships):
             for name in members:
@@ -175,6 +178,7 @@ def export_deepspeed_stage0(
     *,
     tag: str | None = None,
     out_tag: str | None = None,
+    ep_size: int | None = None,
 ) -> Path:
     """Write a shardwise checkpoint (any stage, any world size) as DeepSpeed's native stage-0 one.
 
@@ -186,6 +190,9 @@ def export_deepspeed_stage0(
         out_dir: where ``<tag>/mp_rank_00_model_states.pt`` and ``latest`` are written.
         tag: the tag to convert instead of ``latest``.
         out_tag: the output tag (default: the converted tag's name).
+        ep_size: with ``deepspeed.moe`` layers, the expert-parallel size of the DeepSpeed run that
+            resumes (one optimizer file per expert-parallel rank; default: the saved run's); the
+            experts go to DeepSpeed's per-expert files (:mod:`~shardwise.checkpoint.deepspeed_moe_export`).
 
     Raises:
         CheckpointIntegrityError: the checkpoint is damaged (checked before anything is written).
@@ -217,6 +224,23 @@ def export_deepspeed_stage0(
         full["buffer_names"],
     )
     states.pop(names.UNIVERSAL_INFO, None)
+    out_tag = layout.check_tag(out_tag or str(common.get("tag") or tag_dir.name))
+    root = Path(out_dir)
+    moe = saved_moe_layers(full["summary"], module)
+    if moe:
+        target = ep_size or max(r.ep_size for r in moe)
+        staging = layout.prepare_staging(root, out_tag)
+        def rank_optimizer(view_module: dict[str, torch.Tensor], view_optimizer: dict[str, Any]) -> dict[str, Any]:
+            return stage0_optimizer_state(view_module, view_optimizer, ds_config=ds_config,
+                                          loss_scaler=common.get("loss_scaler"))
+
+        moe_stage0_files(full, states, moe, target, staging, rank_optimizer=rank_optimizer,
+                         model_states_file=MODEL_STATES_FILE)
+        final = layout.publish(root, out_tag)
+        layout.write_latest(root, out_tag)
+        return final
+    if ep_size not in (None, 1):
+        raise ValueError(f"ep_size={ep_size}: {tag_dir} has no MoE layers; fix: leave ep_size out")
     states.update(
         optimizer=stage0_optimizer_state(
             module, full["optimizer"], ds_config=ds_config, loss_scaler=common.get("loss_scaler")
@@ -226,8 +250,6 @@ def export_deepspeed_stage0(
         shared_params=None,
     )
     states["module"] = collections.OrderedDict(states["module"])
-    out_tag = layout.check_tag(out_tag or str(common.get("tag") or tag_dir.name))
-    root = Path(out_dir)
     staging = layout.prepare_staging(root, out_tag)
     torch.save(states, staging / MODEL_STATES_FILE)
     final = layout.publish(root, out_tag)

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint import keys
+from shardwise.checkpoint.deepspeed_moe import MOE_EXPERTS
+from shardwise.checkpoint.deepspeed_moe_import import DeepSpeedMoEFiles, local_expert_state
 from shardwise.checkpoint.module_state import copy_whole_state
 from shardwise.checkpoint.training_state import LoadResult, TrainingState, param_names, restore_parts
 from shardwise.utils.logging import logger
@@ -116,6 +118,9 @@ class DeepSpeedCheckpoint:
         if not self.model_file.is_file():
             raise FileNotFoundError(f"{tag_dir}: expected mp_rank_00_model_states.pt (model-parallel rank 0)")
         self.model = load_file(self.model_file)
+        self.moe = DeepSpeedMoEFiles.open(self.tag_dir, self.model, load_file)
+        if self.moe is not None:  # experts in their own files: one whole module state from here on
+            self.model = {**self.model, "module": self.moe.merged_module(self.model["module"])}
         if int(self.model.get("mp_world_size", 1) or 1) > 1:
             raise ValueError(
                 f"{tag_dir} is a tensor-parallel DeepSpeed checkpoint; only mp size 1 is imported"
@@ -178,8 +183,13 @@ class DeepSpeedCheckpoint:
     def _assemble(
         self, per_rank: Sequence[Sequence[torch.Tensor]], group: int, shapes: Mapping[str, Any]
     ) -> dict[str, torch.Tensor]:
-        """Cut per-rank flat tensors of one group into full parameters."""
+        """Cut per-rank flat tensors of one group into full parameters (an expert group's under
+        global names, from its expert-parallel ranks' partitions)."""
         out: dict[str, torch.Tensor] = {}
+        counts = self.optim_states()[0].get("partition_count") if self.optim_files else None
+        if self.moe is not None and self.stage in (1, 2) and self._is_expert_group(group) and counts:
+            slices = [state.get("param_slice_mappings") for state in self.optim_states()]
+            return self.moe.assemble_expert_group(per_rank, group, shapes, slices, int(counts[group]), _fragment)
         if self.stage == 3:
             offsets = [0] * len(per_rank)
             for name, shape in shapes.items():
@@ -268,7 +278,7 @@ class DeepSpeedCheckpoint:
         inner_field = "optimizer_state_dict" if self.stage == 3 else "base_optimizer_state"
         inners = [state[inner_field] for state in self.optim_states()]
         out: dict[str, Any] = {f"master/{n}": t for n, t in self.fp32_params().items()}
-        groups = []
+        groups: list[dict[str, Any]] = []
         for g, shapes in enumerate(self._param_shapes()):
             state0 = inners[0]["state"].get(g, {})
             flat_numel = self._flat_groups(
@@ -281,16 +291,31 @@ class DeepSpeedCheckpoint:
                 ]
                 for name, tensor in self._assemble(per_rank, g, shapes).items():
                     out[f"optim/{name}/{key}"] = tensor
+            names = list(shapes)
+            if self.moe is not None and self._is_expert_group(g):  # every expert-parallel rank's experts
+                ep_size = len(self.moe.expert_group_ranks(self.world_size, int(self.optim_states()[0]["partition_count"][g])))
+                names = [self.moe.global_name(n, r, ep_size) for r in range(ep_size) for n in shapes]
             for key, value in state0.items():
                 if key in elementwise:
                     continue
                 whole = self._whole_param_state(inners, g, key) if torch.is_tensor(value) else None
-                for name in shapes:
+                for name in names:
                     out[f"optim/{name}/{key}"] = value if whole is None else whole[name]
-            hyper = {k: v for k, v in inners[0]["param_groups"][g].items() if k != "params"}
-            groups.append({**hyper, keys.PARAM_NAMES: list(shapes)})
+            dropped = ("params", "name", "moe") if self.moe is not None else ("params",)
+            hyper = {k: v for k, v in inners[0]["param_groups"][g].items() if k not in dropped}
+            home = next((h for h in groups if {k: v for k, v in h.items() if k != keys.PARAM_NAMES} == hyper), None)
+            if self.moe is not None and home is not None:  # DeepSpeed's expert group joins its client group
+                home[keys.PARAM_NAMES] += names
+            else:
+                groups.append({**hyper, keys.PARAM_NAMES: names})
         out[keys.PARAM_GROUPS] = groups
         return out
+
+    def _is_expert_group(self, group: int) -> bool:
+        """Whether DeepSpeed marked optimizer group ``group`` as an expert group (``"moe": True``)."""
+        inner = self.optim_states()[0].get("base_optimizer_state") if self.optim_files else None
+        groups = inner.get("param_groups", []) if isinstance(inner, dict) else []
+        return group < len(groups) and bool(groups[group].get("moe"))
 
     def _whole_param_state(self, inners: list[Any], group: int, key: str) -> dict[str, torch.Tensor] | None:
         """DeepSpeed's ZeRO-1/2 Muon momentum: per rank, the whole parameters its partition touches.
@@ -325,6 +350,10 @@ class DeepSpeedCheckpoint:
         inner state is flat too) or per parameter (``fp32_groups``: the unfused wrapper, which
         DeepSpeed uses for Muon).
         """
+        if self.moe is not None and self.moe.optim_files:
+            trainable = set(trainable_names)
+            module = self.model["module"]
+            return self.moe.stage0_optimizer([n for n in module if n in trainable and MOE_EXPERTS not in n], module)
         saved = self.model.get("optimizer")
         wrapper = saved if isinstance(saved, dict) and "optimizer_state_dict" in saved else None
         inner = wrapper["optimizer_state_dict"] if wrapper is not None else saved
@@ -513,7 +542,7 @@ def load_deepspeed_checkpoint(
     )
     copy_whole_state(
         state.module,
-        ckpt.module_state_dict(),
+        local_expert_state(state.module, ckpt.module_state_dict()),
         strict=load_module_strict,
         source=f"the DeepSpeed checkpoint {path}",
         fix="Load with load_module_strict=False to load the matching entries only.",

@@ -10,7 +10,7 @@ engine, so an asynchronous save can be waited for).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -109,6 +109,7 @@ def build_checkpointer(section: CheckpointConfig) -> Checkpointer:
             use_node_local_storage=section.use_node_local_storage,
             load_universal=section.load_universal,
             async_save=section.async_save,
+            deepspeed_moe_files=section.deepspeed_moe_files,
         )
     )
 
@@ -351,21 +352,28 @@ def load_module_state_dict(
     strict: bool = True,
     custom_load_fn: Callable[..., Any] | None = None,
     fetch_z3_params: bool = False,
+    z3_params_to_fetch: object = None,
+    allowed_missing_keys: Collection[str] | None = None,
 ) -> None:
     """``engine.load_module_state_dict``: load ``checkpoint["module"]`` (whole tensors, e.g. from
     ``torch.load``) into the engine's module at any stage, then re-read the fp32 masters from it.
 
     At stage 3 each rank keeps its shard of every whole tensor (no communication: every rank must
     pass the same dict). ``custom_load_fn(src=state, dst=module)`` replaces the copy; at stage 3 it
-    sees the sharded module, so ``fetch_z3_params=True`` (DeepSpeed gathers the parameters for it
-    first) is refused.
+    sees the sharded module, so ``fetch_z3_params=True`` or ``z3_params_to_fetch`` (DeepSpeed gathers
+    those parameters for it first) is refused. ``allowed_missing_keys`` (DeepSpeed's AutoEP expert
+    weights restored elsewhere) may be missing from a strict load; any other difference still fails.
 
     Raises:
-        RuntimeError: ``strict`` and the keys differ, or a shape differs.
-        NotImplementedError: ``custom_load_fn`` with ``fetch_z3_params=True`` at stage 3.
+        RuntimeError: ``strict`` and the keys differ (beyond ``allowed_missing_keys``), or a shape differs.
+        NotImplementedError: ``custom_load_fn`` with parameters to gather at stage 3.
     """
     state = tp_slices(engine.module).localized(checkpoint["module"])  # whole tensors -> this rank's slices
+    if strict and allowed_missing_keys is not None:
+        _check_keys_beyond_allowed(engine.module, state, set(allowed_missing_keys))
+        strict = False
     if custom_load_fn is not None:
+        fetch_z3_params = fetch_z3_params or bool(z3_params_to_fetch)
         if fetch_z3_params and engine.zero_optimization_stage() == 3:
             raise NotImplementedError(
                 "load_module_state_dict(custom_load_fn=..., fetch_z3_params=True): at stage 3 shardwise does "
@@ -384,3 +392,16 @@ def load_module_state_dict(
     optimizer = optimizer_state(engine.optimizer)
     if optimizer is not None:
         optimizer.refresh_masters_from_params()
+
+
+def _check_keys_beyond_allowed(module: nn.Module, state: Mapping[str, Any], allowed: set[str]) -> None:
+    """A strict load that may miss ``allowed``: any other missing or unexpected key is an error."""
+    targets = module.state_dict()
+    missing = [k for k in targets if k not in state and k not in allowed]
+    unexpected = [k for k in state if k not in targets]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"Error(s) in loading checkpoint['module']: keys outside AutoEP expert weights (allowed_missing_keys) "
+            f"differ: missing keys {missing}, unexpected keys {unexpected}. Pass strict=False to load the "
+            "matching entries only."
+        )

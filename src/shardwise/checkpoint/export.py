@@ -59,9 +59,9 @@ class TensorSource:
                 f"{tag_dir} holds tensor-parallel shards (mp size > 1); export each mp rank's model"
             )
         entries = self._reader.entries
-        order = summary.get("module_keys") or [
-            k[len(keys.MODEL) :] for k in entries if k.startswith(keys.MODEL)
-        ]
+        saved = [k[len(keys.MODEL) :] for k in entries if k.startswith(keys.MODEL)]
+        # module_keys is the publishing rank's; under expert parallelism the other ranks' experts follow
+        order = list(dict.fromkeys([*(summary.get("module_keys") or []), *saved]))
         frozen = set(summary.get("frozen", []))
         self._aliases: dict[str, str] = summary.get("aliases", {})
         self.specs = {}

@@ -10,15 +10,17 @@ which rank publishes, and the copy an asynchronous save writes from.
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from shardwise import comm
-from shardwise.checkpoint import dcp_io, integrity, integrity_ranks, layout
+from shardwise.checkpoint import checksums, dcp_io, integrity, integrity_ranks, layout
 from shardwise.comm.fsdp_internals import is_dtensor
 from shardwise.comm.group_type import Group
 from shardwise.utils.logging import logger
@@ -36,11 +38,15 @@ def write_and_publish(
     summary: dict[str, object],
     save_latest: bool,
     group: Group,
+    side_files: Mapping[str, object] | None = None,
     *,
     node_local: bool = False,
     thread_count: int = 1,
 ) -> None:
     """Write ``items`` with DCP into ``root``'s staging directory for ``tag``, then publish it.
+
+    ``side_files`` (``file name -> object``) are this rank's ``torch.save`` files next to DCP's
+    (DeepSpeed's MoE model files), checksummed with the rest.
 
     Raises:
         RuntimeError: the write or the publication failed (on any rank); nothing was published.
@@ -54,6 +60,8 @@ def write_and_publish(
         if is_publisher(node_local):  # leave nothing half-written behind (latest was never moved)
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    for name, value in (side_files or {}).items():
+        records[name] = _save_side_file(staging / name, value)
     if node_local and not alone:
         _share_metadata(staging, group)
     records = integrity_ranks.gather_records(records, group, alone)  # every rank's file checksums
@@ -70,6 +78,15 @@ def write_and_publish(
             failure = error
     integrity_ranks.raise_if_any_failed(failure, group, f"publishing checkpoint {root / tag}")
     logger.info("saved checkpoint %s in %.2fs", root / tag, time.perf_counter() - start)
+
+
+def _save_side_file(path: Path, value: object) -> checksums.FileRecord:
+    """``torch.save`` one file, fsynced; its checksum record."""
+    with open(path, "wb") as handle:
+        torch.save(value, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return checksums.record_file(path, [], rank=comm.get_rank())
 
 
 def _share_metadata(staging: Path, group: Group) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -301,8 +302,11 @@ def read_full_checkpoint(tag_dir: Path) -> dict[str, Any]:
         )
     groups = reader.read(keys.PARAM_GROUPS)
     common = reader.read(keys.COMMON)
-    order = summary.get("module_keys") or [k[len(keys.MODEL) :] for k in entries if k.startswith(keys.MODEL)]
+    saved = [k[len(keys.MODEL) :] for k in entries if k.startswith(keys.MODEL)]
+    # module_keys is the publishing rank's; under expert parallelism the other ranks' experts follow
+    order = list(dict.fromkeys([*(summary.get("module_keys") or []), *saved]))
     module = {name: reader.read(keys.model_key(name)) for name in order if keys.model_key(name) in entries}
+    groups = _with_every_expert(groups, list(module))
     optimizer: dict[str, Any] = {keys.PARAM_GROUPS: groups}
     for key in entries:
         if key.startswith(keys.MASTER) or (key.startswith(keys.OPTIM) and key != keys.PARAM_GROUPS):
@@ -320,6 +324,29 @@ def read_full_checkpoint(tag_dir: Path) -> dict[str, Any]:
         "frozen": frozen,
         "buffer_names": [n for n in module if n not in params],
     }
+
+
+_EXPERT_INDEX = re.compile(r"(^|\.)deepspeed_moe\.experts\.deepspeed_experts\.\d+\.")
+
+
+def _expert_pattern(name: str) -> str:
+    return _EXPERT_INDEX.sub(r"\g<1>deepspeed_moe.experts.deepspeed_experts.*.", name, count=1)
+
+
+def _with_every_expert(groups: list[dict[str, Any]], module_names: list[str]) -> list[dict[str, Any]]:
+    """The saved param groups (one rank's: under expert parallelism they name only its experts)
+    with every other rank's copies of those expert tensors added, in module order."""
+    out = []
+    for group in groups:
+        patterns = {_expert_pattern(n) for n in group[keys.PARAM_NAMES] if _EXPERT_INDEX.search(n)}
+        if not patterns:
+            out.append(group)
+            continue
+        members = set(group[keys.PARAM_NAMES])
+        dense = [n for n in group[keys.PARAM_NAMES] if not _EXPERT_INDEX.search(n)]
+        experts = [n for n in module_names if n in members or _expert_pattern(n) in patterns]
+        out.append({**group, keys.PARAM_NAMES: dense + [n for n in experts if _EXPERT_INDEX.search(n)]})
+    return out
 
 
 def _deepspeed_to_universal(tag_dir: Path, out_dir: str | os.PathLike[str], out_tag: str) -> Path:

@@ -66,6 +66,10 @@ def add_parser(subparsers: Any) -> None:
         "out", metavar="OUT", help="output directory: OUT/<tag>/mp_rank_00_model_states.pt and OUT/latest"
     )
     to_ds.add_argument("--tag", default=None, help="the tag to convert instead of 'latest'")
+    to_ds.add_argument(
+        "--ep-size", type=int, default=None,
+        help="MoE models: the expert-parallel size of the DeepSpeed run that resumes (default: the saved run's)",
+    )
     to_ds.set_defaults(func=_to_deepspeed)
     from_uni = sub.add_parser("from-universal", help="turn a universal checkpoint into a shardwise one")
     from_uni.add_argument(
@@ -180,7 +184,7 @@ def _to_deepspeed(args: argparse.Namespace) -> int:
     from shardwise.checkpoint.deepspeed_export import export_deepspeed_stage0
 
     return _convert(
-        lambda: export_deepspeed_stage0(args.dir, args.out, tag=args.tag),
+        lambda: export_deepspeed_stage0(args.dir, args.out, tag=args.tag, ep_size=args.ep_size),
         lambda out: "DeepSpeed ZeRO stage 0; resume it without load_universal",
     )
 

@@ -84,6 +84,9 @@ class CheckpointConfig(Section):
     checkpoint_serialization: bool = True
     writer: CheckpointWriterConfig | None = None
     async_save: bool = False  # shardwise extension: write files while training continues
+    # shardwise extension: a model with MoE layers also gets DeepSpeed's per-expert model files
+    # (checkpoint/deepspeed_moe_save.py), at ZeRO stages 0-2
+    deepspeed_moe_files: bool = True
     # shardwise extension: periodic snapshots the engine takes by itself (checkpoint/snapshots.py):
     # an asynchronous save every ``snapshot_interval`` optimizer steps into ``snapshot_dir``, the
     # ``snapshot_keep`` newest kept; ``load_checkpoint`` resumes from the newest that verifies
