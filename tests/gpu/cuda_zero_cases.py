@@ -135,6 +135,8 @@ def memory(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         torch.manual_seed(0)
         model = TinyGPT(shape)
         numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        if case["stage"] == 3:  # every parameter sharded by FSDP2, none kept whole below a threshold
+            zero = {**zero, "stage3_param_persistence_threshold": 0}
         cfg = config(case["stage"], "fp32", 1, 2, world, **zero)
         engine, optimizer, _, _ = shardwise.initialize(model=model, config=cfg)
         gen = torch.Generator().manual_seed(rank)
