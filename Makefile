@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo check-configs test test-gpu gpu-deps test-drills test-numerics test-interop lint bench bench-setup deepspeed-suite clean
+.PHONY: setup demo check-configs test test-gpu gpu-deps bench-gpu test-drills test-numerics test-interop lint bench bench-setup deepspeed-suite clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -91,6 +91,14 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
+
+## bench-gpu: the GPU benchmark (benchmarks/gpu_bench.py: a 1.3B GPT at ZeRO 2 / 3 / 3 + CPU offload,
+## shardwise vs FSDP2 vs DeepSpeed, world size 1) with PYTHON_GPU's own CUDA torch; BENCH_GPU_ARGS: its flags
+## (e.g. --deepspeed-path DIR, --largest 4b 6.7b, --out gpu-bench.json)
+BENCH_GPU_ARGS ?=
+bench-gpu:
+	PYTHONPATH=src$(if $(wildcard .gpu-deps),:.gpu-deps)$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(PYTHON_GPU) benchmarks/gpu_bench.py $(BENCH_GPU_ARGS)
 
 ## bench-setup: a separate venv with DeepSpeed, the engine-core benchmark's peer (never imported by src/)
 DS_VENV := .venv-ds

@@ -50,24 +50,28 @@ fi
 
 if [ "${SMOKE:-0}" = 1 ]; then  # the examples on one GPU: every bundled config's path once
   log "examples"
-  for c in zero1_fp16 zero2_bf16 zero3_offload_auto; do
+  for c in ${SMOKE_CONFIGS:-zero1_fp16 zero2_bf16 zero3_offload_auto}; do
     echo "== train_gpt.py $c"
     PYTHONPATH="src:${PYTHONPATH:-}" timeout 90 python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
       examples/train_gpt.py --deepspeed_config examples/configs/$c.json --steps 5 2>&1 | tail -4
   done
-  echo "== train_gpt_data_efficiency.py"
-  PYTHONPATH="src:${PYTHONPATH:-}" timeout 120 python3 examples/train_gpt_data_efficiency.py --steps 6 2>&1 | tail -5
+  if [ -z "${SMOKE_CONFIGS+x}" ]; then
+    echo "== train_gpt_data_efficiency.py"
+    PYTHONPATH="src:${PYTHONPATH:-}" timeout 120 python3 examples/train_gpt_data_efficiency.py --steps 6 2>&1 | tail -5
+  fi
   echo "== compress_gpt.py"
   PYTHONPATH="src:${PYTHONPATH:-}" timeout 120 python3 examples/compress_gpt.py --dense-steps 5 --compress-steps 5 \
     --out /tmp/compressed 2>&1 | tail -5
-fi >"$OUT/smoke.log" 2>&1
-[ -s "$OUT/smoke.log" ] && cat "$OUT/smoke.log"
+fi >"$OUT/gpu-tests.log" 2>&1
+cat "$OUT/gpu-tests.log"
 
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
+if [ "${SKIP_TESTS:-0}" != 1 ]; then  # what `make test-gpu PYTHON_GPU=python3` runs (no make needed)
   log "CUDA tests"
-  PYTHONPATH="src:${PYTHONPATH:-}" timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -m cuda tests/gpu -q -rA \
-    -p no:cacheprovider ${TEST_ARGS:-} >"$OUT/gpu-tests.log" 2>&1
-  log "CUDA tests exit $?"; tail -25 "$OUT/gpu-tests.log"
+  OMP_NUM_THREADS=1 SHARDWISE_GPU_REPORT="$OUT/gpu-report.jsonl" PYTHONPATH="src:${PYTHONPATH:-}" \
+    timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m cuda -p no:cacheprovider -rA tests/gpu ${TEST_ARGS:-} \
+    >>"$OUT/gpu-tests.log" 2>&1
+  log "CUDA tests exit $?"; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -3
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -20
 fi
 
 TORCH_ADAM=""
@@ -86,7 +90,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     log "largest-size probe ${LARGEST} (${LARGEST_MODE:-z3off})"
     python3 benchmarks/gpu_bench.py --modes --largest $LARGEST --largest-mode "${LARGEST_MODE:-z3off}" \
       --frameworks ${LARGEST_FRAMEWORKS:-shardwise deepspeed} --deepspeed-path "$DS_PATH" $TORCH_ADAM \
-      --log-dir /tmp/gb-logs --out "$OUT/largest.json" --warmup 1 --steps 3 ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+      --log-dir /tmp/gb-logs --out "$OUT/largest.json" --warmup 1 --steps 3 ${BENCH_ARGS:-} --case-timeout "${LARGEST_TIMEOUT:-120}" --micro-batch "${LARGEST_MICRO_BATCH:-2}" 2>&1 | tee -a "$OUT/bench.log"
   fi
 fi
 tar czf "$OUT/logs.tgz" -C /tmp gb-logs 2>/dev/null

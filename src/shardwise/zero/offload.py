@@ -51,12 +51,6 @@ __all__ = [
 ]
 
 
-# Elements per piece of the GPU offload pipeline (``OffloadStore._pipelined_step``): 64M fp32 elements
-# are ~0.5 GiB of masters and gradients to copy, long enough that a piece's copies and its host step
-# each outlast their launch costs, short enough that the first host step starts early.
-PIPELINE_PIECE_ELEMENTS = 1 << 26
-
-
 @dataclass(frozen=True)
 class OffloadSpec:
     """One offload block, decided once from the config.
@@ -203,7 +197,6 @@ class OffloadStore:
             self.host_groups.append({**hyper, "params": self.host[position : position + count]})
             position += count
         self.sub_groups = split_sub_groups(numels[: self.offloaded], spec.sub_group_size)
-        self._pieces: list[list[int]] | None = None  # the GPU pipeline's units (_pipeline_pieces)
         # what else a sub-group needs in memory while it steps (stage 3's NVMe parameter swapper:
         # the masters themselves): ``load(indices)``/``save(indices)`` return things to ``wait()`` on
         self.companion: StreamCompanion | None = None
@@ -240,14 +233,7 @@ class OffloadStore:
 
     # ------------------------------------------------------------------ the step
     def _stage_in(self, indices: Sequence[int]) -> None:
-        """Device -> host: masters and gradients of these tensors (waits for the copies)."""
-        self._copy_in(indices)
-        if self.spec.pin:
-            torch.cuda.current_stream().synchronize()
-
-    def _copy_in(self, indices: Sequence[int]) -> None:
-        """Queue device -> host copies of these tensors' masters and gradients (asynchronous into
-        pinned buffers: the caller waits before the host reads them)."""
+        """Device -> host: masters and gradients of these tensors."""
         for index in indices:
             device = self.device_tensors[index]
             host = self.host[index]
@@ -264,21 +250,19 @@ class OffloadStore:
                 self._host_grads[index] = buf
             buf.copy_(grad, non_blocking=True)
             host.grad = buf
+        if self.spec.pin:
+            torch.cuda.current_stream().synchronize()
 
     def _stage_out(self, indices: Sequence[int]) -> None:
-        """Host -> device: updated masters (waits for the copies)."""
-        self._copy_out(indices)
-        if self.spec.pin:
-            torch.cuda.current_stream().synchronize()  # host buffers may be reused or freed next
-
-    def _copy_out(self, indices: Sequence[int]) -> None:
-        """Queue host -> device copies of these tensors' updated masters."""
+        """Host -> device: updated masters."""
         for index in indices:
             device, host = self.device_tensors[index], self.host[index]
             if host is not device:
                 with torch.no_grad():
                     device.copy_(host, non_blocking=True)
                 host.grad = None
+        if self.spec.pin:
+            torch.cuda.current_stream().synchronize()  # host buffers may be reused or freed next
 
     _restricted = staticmethod(restricted)  # step only some tensors (zero.optimizer_subset)
 
@@ -293,46 +277,14 @@ class OffloadStore:
         """One optimizer step over all tensors: device part in place, offloaded part on the host."""
         device_part = list(range(self.offloaded, len(self.device_tensors)))
         self._step_subset(optimizer, device_part)
-        if self.is_nvme:
-            self._stream_step(optimizer)
-        elif self.spec.pin:
-            self._pipelined_step(optimizer)
-        else:
+        if not self.is_nvme:
             indices = list(range(self.offloaded))
             self._stage_in(indices)
             for group in self.sub_groups:
                 self._step_subset(optimizer, group)
             self._stage_out(indices)
-
-    def _pipelined_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """CPU offload with a GPU: every piece's device -> host copies are queued at once, and the
-        host steps piece k as soon as its copies have arrived (an event per piece) while the copy
-        engine brings the next pieces, then queues piece k's masters back. The pieces are the
-        sub-groups cut to at most ``PIPELINE_PIECE_ELEMENTS``, whole tensors each, so the update is
-        the sub-groups' elementwise update in the same tensor order. Without a GPU the copies are
-        synchronous and nothing could overlap (the plain path above)."""
-        pieces = self._pipeline_pieces()
-        arrived = []
-        for piece in pieces:
-            self._copy_in(piece)
-            event = torch.cuda.Event()
-            event.record()
-            arrived.append(event)
-        for piece, event in zip(pieces, arrived):
-            event.synchronize()
-            self._step_subset(optimizer, piece)
-            self._copy_out(piece)
-        torch.cuda.current_stream().synchronize()  # host buffers may be reused or freed next
-
-    def _pipeline_pieces(self) -> list[list[int]]:
-        if self._pieces is None:
-            numels = [t.numel() for t in self.device_tensors]
-            self._pieces = [
-                [group[i] for i in piece]
-                for group in self.sub_groups
-                for piece in split_sub_groups([numels[i] for i in group], PIPELINE_PIECE_ELEMENTS)
-            ]
-        return self._pieces
+            return
+        self._stream_step(optimizer)
 
     def _stream_step(self, optimizer: torch.optim.Optimizer) -> None:
         """NVMe: per sub-group, read state, stage in, step, stage out, write state, evict."""
