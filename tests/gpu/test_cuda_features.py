@@ -54,7 +54,7 @@ RESUME = [
             "zero_optimization": {
                 "stage": 2,
                 "reduce_bucket_size": 2000,
-                "offload_optimizer": {"device": "cpu", "pin_memory": True},  # the pipelined GPU step
+                "offload_optimizer": {"device": "cpu", "pin_memory": True},  # pinned host buffers
             }
         },
     },
