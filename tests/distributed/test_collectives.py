@@ -84,6 +84,29 @@ def _collective_case(rank: int, world_size: int, case: dict[str, Any]) -> Any:
         else:
             assert handle is None
 
+    if kind == "ranges_without_exchange":
+        # reduce_scatter_ranges' NCCL path (a reduce-scatter for equal shards, else an all-reduce of a
+        # scratch copy), run here over gloo by turning the point-to-point exchange off
+        from unittest import mock
+
+        from shardwise.comm import collectives
+
+        owned = [tuple(r) for r in case["owned"]]
+        inputs = [torch.arange(10, dtype=dtype) * (r + 1) for r in range(world_size)]
+        total = _sum_reference(inputs)
+        lo, hi = owned[rank]
+        buffer = inputs[rank].clone()
+        out = torch.full((hi - lo,), float("nan"), dtype=dtype) if case["out"] else None
+        with mock.patch.object(collectives, "_point_to_point_exchange", lambda *_: False):
+            finish(comm.reduce_scatter_ranges(buffer, owned, group, case["async_op"], out=out))
+        mine = buffer[lo:hi] if out is None else out
+        _check_equal(mine, total[lo:hi], f"ranges {case}")
+        if out is not None:
+            _check_equal(buffer, inputs[rank], f"ranges {case}: the buffer is left alone")
+        else:
+            rest = torch.cat([buffer[:lo], buffer[hi:]])
+            _check_equal(rest, torch.cat([inputs[rank][:lo], inputs[rank][hi:]]), f"ranges {case}: the rest")
+        return True
     if kind == "reduce_scatter":
         inputs = _inputs(dtype, NUMEL, seed)
         full = _sum_reference(inputs)
@@ -224,7 +247,10 @@ def _collective_case(rank: int, world_size: int, case: dict[str, Any]) -> Any:
         assert (mesh.mesh_dim_names, mesh.size(), mesh.get_local_rank()) == (("dp_shard",), 2, rank)
         comm.groups.set_topology(mp)
         try:
-            assert (comm.groups.get_data_parallel_group(), comm.groups.get_data_parallel_rank()) == (world, rank)
+            assert (comm.groups.get_data_parallel_group(), comm.groups.get_data_parallel_rank()) == (
+                world,
+                rank,
+            )
         finally:
             comm.groups.clear_topology()
         return True
@@ -354,6 +380,9 @@ def _cases() -> list[dict[str, Any]]:
                 "group": "explicit",
             }
         )
+    for owned in ([(0, 5), (5, 10)], [(0, 3), (3, 10)], [(2, 4), (6, 9)]):
+        for out in (False, True):
+            cases.append({"kind": "ranges_without_exchange", "owned": owned, "out": out, "async_op": out})
     cases.append({"kind": "deepspeed_names", "seed": 999})
     for flags in ([False, False], [True, False], [False, True], [True, True]):
         cases.append({"kind": "max_flag", "flags": flags})

@@ -203,8 +203,14 @@ def cpu_tensor_collectives(rank: int, world: int, case: dict[str, Any]) -> dict[
     comm.reduce_scatter_ranges(ranged, [(3, 7)], async_op=True).wait()
     into = torch.zeros(4, device=dev)
     comm.reduce_scatter_ranges(ranged, [(3, 7)], out=into)
+    # equal consecutive shards covering the buffer: NCCL's own reduce-scatter (in place, and into ``out``)
+    whole = torch.arange(6, dtype=torch.float32, device=dev)
+    comm.reduce_scatter_ranges(whole, [(0, 6)], async_op=True).wait()
+    whole_out = torch.zeros(6, device=dev)
+    comm.reduce_scatter_ranges(whole, [(0, 6)], out=whole_out)
     return {
         "ranged": (ranged.device.type, ranged.tolist(), into.tolist()),
+        "whole": (whole.tolist(), whole_out.tolist()),
         "backend": str(dist.get_backend()),
         "summed": (summed.device.type, summed.tolist()),
         "averaged": (averaged.device.type, averaged.tolist()),

@@ -12,7 +12,7 @@ Both sides of the harness live here:
 ``SHARDWISE_GPU_TESTS_ON=cpu`` (development on a machine without a GPU, opt-in only) makes the
 ``cuda`` tests collect and run the same cases with backend gloo on the CPU; tests/conftest.py
 deselects ``cuda`` tests wherever neither a GPU nor that opt-in exists, so `make test` never runs
-them.
+them (and, under the opt-in, the ones marked ``cuda(needs_device=True)``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ ON = os.environ.get("SHARDWISE_GPU_TESTS_ON", "cuda")
 #: each pointer's alignment (up to 256 bytes): the engine's parameters are views into flat buffers (a
 #: 64-byte-aligned bf16 weight), the reference's are separate allocations (512-byte aligned), so the two
 #: could get different algorithms, i.e. different summation orders. Without the Lt path both use cuBLAS's
-#: gemm, whose kernels need only 16-byte alignment, which both layouts have.
+#: gemm, whose kernels need only 16-byte alignment, which both layouts have (and at stages 0-2 the
+#: reference's parameters are placed at their engine twins' alignment anyway: zero_reference ``align_like``).
 RANK_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "DISABLE_ADDMM_CUDA_LT": "1"}
 
 

@@ -54,7 +54,7 @@ RESUME = [
             "zero_optimization": {
                 "stage": 2,
                 "reduce_bucket_size": 2000,
-                "offload_optimizer": {"device": "cpu"},
+                "offload_optimizer": {"device": "cpu", "pin_memory": True},  # pinned host buffers
             }
         },
     },
@@ -99,6 +99,7 @@ def test_cpu_tensors_pass_through_nccl_collectives(results):
     assert out["sent"] == ("cpu", [0, 1, 2, 3, 4, 5])
     assert out["gathered"] == ("cpu", [10 * 0 + i for i in range(4)])
     assert out["ranged"] == (cuda_support.ON, [float(i) for i in range(10)], [3.0, 4.0, 5.0, 6.0])
+    assert out["whole"] == ([float(i) for i in range(6)], [float(i) for i in range(6)])
 
 
 @pytest.mark.cuda(needs_device=True)  # a CUDA generator: not run under SHARDWISE_GPU_TESTS_ON=cpu

@@ -431,6 +431,11 @@ def reduce_scatter_flat(
     return _run(work, async_op, finish, record)
 
 
+def _point_to_point_exchange(buffer: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Whether :func:`reduce_scatter_ranges` exchanges pieces point to point (CPU tensors over gloo)."""
+    return buffer.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+
+
 def reduce_scatter_ranges(
     buffer: torch.Tensor,
     owned: Sequence[tuple[int, int]],
@@ -443,21 +448,28 @@ def reduce_scatter_ranges(
 
     :func:`shardwise.comm.exchange.reduce_owned` on CPU tensors over gloo (see there: ranges may
     be uneven, cut across shards, or empty), timed for the comms logger as ``reduce_scatter_tensor``
-    of ``buffer.numel() / group size`` elements. Elsewhere (NCCL, GPU tensors) an all-reduce of a
-    scratch copy: NCCL matches point-to-point messages by order, not tag, and runs each pair's sends
-    and receives on one stream, so two ranks' exchanges of more than NCCL's buffers would each wait
-    for the other's receives; the ranges may be uneven, which ``reduce_scatter_tensor`` cannot take.
+    of ``buffer.numel() / group size`` elements. Elsewhere (NCCL, GPU tensors) NCCL's reduce-scatter
+    when the ranges are the buffer's equal consecutive shards, else an all-reduce of a scratch copy
+    (ranges may be uneven, which ``reduce_scatter_tensor`` cannot take): NCCL matches point-to-point
+    messages by order, not tag, and runs each pair's sends and receives on one stream, so two ranks'
+    exchanges of more than NCCL's buffers would each wait for the other's receives.
     """
     world, rank = _group_size_and_rank(group)
     nbytes = buffer.numel() // world * buffer.element_size()
     record = _COMMS.start("reduce_scatter_tensor", nbytes, world, buffer.is_cuda) if _COMMS.enabled else None
-    if buffer.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
+    if _point_to_point_exchange(buffer, group):
         handle = exchange.reduce_owned(buffer, owned, group, True, out=out)
         return _run(handle, async_op, None, record)  # type: ignore[arg-type]
     exchange.check_ranges(buffer, owned, world)
     lo, hi = owned[rank]
     if out is not None and (out.numel() != hi - lo or out.dtype != buffer.dtype):
         raise ValueError(f"out must hold this rank's range: {hi - lo} elements of {buffer.dtype}")
+    n = hi - lo
+    if all(owned[r] == (r * n, (r + 1) * n) for r in range(world)) and world * n == buffer.numel():
+        target = buffer[lo:hi] if out is None else out.view(-1)
+        mine = target if target.is_contiguous() else torch.empty_like(target)
+        work = _reduce_scatter_native(mine, buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return _run(work, async_op, None if mine is target else (lambda: target.copy_(mine)), record)
     scratch = buffer.clone()  # the rest of ``buffer`` keeps this rank's partial values
     work = dist.all_reduce(scratch, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
