@@ -7,20 +7,21 @@ topology -> config (with the objects handed in resolving "auto") -> comms logger
 activation checkpointing (``shardwise.checkpointing`` configured from its section) -> precision -> module placement and dtype -> ZeRO strategy -> scheduler -> telemetry
 (monitors, timers) -> step hooks (the flops profiler...) -> checkpointer -> engine -> compile (only the
 legacy ``compile.disable: false``) -> data loader.
+
+The process layout and the ZeRO build are steps of their own, in :mod:`shardwise.startup`
+(``process_layout.py``, ``zero_setup.py``); ``returned_optimizer`` stays importable from here.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
 
 from shardwise import comm
-from shardwise.autoep.convert import autoep_config, convert_model, repoint
 from shardwise.checkpoint.engine_io import build_checkpointer
 from shardwise.checkpoint.snapshot_io import build_snapshots
 from shardwise.checkpointing.settings import (
@@ -29,23 +30,26 @@ from shardwise.checkpointing.settings import (
     describe,
     missing_slot_count,
 )
-from shardwise.comm import mesh
 from shardwise.comm.comms_logger import configure_comms_logger
-from shardwise.comm.groups import set_topology
-from shardwise.comm.topology import Topology, build_topology
+from shardwise.comm.topology import Topology
 from shardwise.compilation.compiler import ModelCompiler
 from shardwise.config import ConfigError, ResolutionContext, ResolvedConfig
-from shardwise.config.errors import AssertedValueError, ZeRORuntimeException
-from shardwise.config.loading import read_config_source
+from shardwise.config.errors import AssertedValueError
 from shardwise.config.model import ShardwiseConfig
-from shardwise.config.sections.training import OptimizerConfig, SchedulerConfig
+from shardwise.config.sections.training import SchedulerConfig
 from shardwise.engine import ShardwiseEngine
-from shardwise.moe.declare import declare_expert_parallelism, expert_parallel_degree
 from shardwise.moe.naming import global_expert_names
-from shardwise.optim.client import adopt_client_optimizer, client_param_groups
 from shardwise.precision.policy import PrecisionPolicy, build_precision
-from shardwise.preflight import SLOT_COUNT_NOTE, load_checked_config, zero_optimizer_error
+from shardwise.preflight import SLOT_COUNT_NOTE, load_checked_config
 from shardwise.profiling.telemetry import build_telemetry
+from shardwise.startup.process_layout import (
+    apply_autoep,
+    declared_in_config,
+    merge_tp_model_init,
+    split_tensor_parallel,
+    start_distributed,
+)
+from shardwise.startup.zero_setup import place_and_build_zero, returned_optimizer
 from shardwise.step_hook_factory import build_step_hooks
 from shardwise.utils.logging import logger, set_log_level
 from shardwise.utils.report import report_logger
@@ -105,76 +109,6 @@ def _client_hparams(optimizer: object) -> dict[str, Any] | None:
     return None
 
 
-def _user_param_groups(
-    model: nn.Module, model_parameters: Any, client_optimizer: Any
-) -> list[dict[str, Any]]:
-    if isinstance(client_optimizer, torch.optim.Optimizer):
-        return client_param_groups(client_optimizer)  # one per client group: adopted back in place
-    if model_parameters is None:
-        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    items = list(model_parameters)
-    if items and isinstance(items[0], dict):
-        return [{**g, "params": list(g["params"])} for g in items if list(g["params"])]
-    return [{"params": items}]
-
-
-def _optimizer_factory(
-    section: OptimizerConfig | None, offload: bool, client_optimizer: object
-) -> Callable[[list[dict[str, Any]]], Any] | None:
-    """How to build the inner optimizer over the tensors ZeRO hands it (masters/shards):
-    the client's (``optimizer=``), else the config's ``optimizer`` section (``section``;
-    ``offload``: ZeRO optimizer offload is on).
-
-    A client optimizer object is not rebuilt: its param groups are re-pointed in place
-    (:func:`shardwise.optim.client.adopt_client_optimizer`), so it is the one that steps and
-    a scheduler built on it drives the real learning rate.
-    """
-    from shardwise.optim import build_optimizer
-
-    if isinstance(client_optimizer, torch.optim.Optimizer):
-        client = client_optimizer
-        return lambda groups: adopt_client_optimizer(client, groups)
-    if callable(client_optimizer):
-        return lambda groups: client_optimizer(groups)
-    if section is not None:
-        spec = section
-        return lambda groups: build_optimizer(spec.type, dict(spec.params), groups, offload=offload)
-    return None
-
-
-def _is_muon(section: OptimizerConfig | None, client_optimizer: object) -> bool:
-    """The config names DeepSpeed's Muon (and no client optimizer replaces it)."""
-    return client_optimizer is None and section is not None and section.type.lower() == "muon"
-
-
-def _check_client_offload_optimizer(root: ShardwiseConfig, optimizer: object) -> None:
-    """``zero_force_ds_cpu_optimizer`` (default true), as DeepSpeed: with optimizer offload a client
-    optimizer must be ``DeepSpeedCPUAdam`` / ``DeepSpeedCPULion`` unless the key is false.
-
-    In DeepSpeed those classes are its compiled CPU kernels; in shardwise they are torch's Adam and
-    shardwise's Lion, so any client optimizer would run, but a script DeepSpeed refuses is refused
-    here too (configs that mean it set the key false, as many do).
-    """
-    from shardwise.optim.fused_adam import DeepSpeedCPUAdam
-    from shardwise.optim.lion import DeepSpeedCPULion
-
-    inner = getattr(optimizer, "inner", optimizer)  # the offload proxy holds the client's object
-    if root.zero_force_ds_cpu_optimizer and not isinstance(inner, DeepSpeedCPUAdam | DeepSpeedCPULion):
-        raise ZeRORuntimeException(
-            f"'zero_force_ds_cpu_optimizer' = true: ZeRO optimizer offload with a client optimizer "
-            f"({type(inner).__name__}) is refused, as DeepSpeed refuses it (its offloaded step is meant for its "
-            "CPU optimizers); fix: pass deepspeed.ops.adam.DeepSpeedCPUAdam (or DeepSpeedCPULion), put the "
-            'optimizer in the config, or set "zero_force_ds_cpu_optimizer": false to run this one'
-        )
-
-
-def _check_zero_optimizer(root: ShardwiseConfig, optimizer: torch.optim.Optimizer) -> None:
-    """``zero_allow_untested_optimizer``: refuse optimizers not known to work on shards."""
-    error = zero_optimizer_error(root, optimizer)
-    if error is not None:
-        raise error
-
-
 def _device() -> torch.device:
     if comm.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -192,90 +126,6 @@ def _build_scheduler(section: SchedulerConfig | None, client_scheduler: Any, opt
     if section is None or optimizer is None:
         return None
     return build_scheduler(section.type, dict(section.params), optimizer)
-
-
-def _place_and_build_zero(
-    root: ShardwiseConfig,
-    precision: PrecisionPolicy,
-    topology: Topology,
-    device: torch.device,
-    model: nn.Module,
-    model_parameters: object,
-    client_optimizer: object,
-) -> tuple[nn.Module, ZeroStrategy | None]:
-    """Place (stage 3: shard) the model and build the ZeRO optimizer, handing each builder the
-    sections and values it reads. Returns the model and the optimizer (None without one)."""
-    from shardwise.tensor_parallel.engine_setup import split_parameter_names
-    from shardwise.zero.factory import (
-        build_zero_optimizer,
-        communication_dtype,
-        prepare_module,
-        reduction_factors,
-    )
-
-    zero, aio = root.zero_optimization, root.aio
-    # under sequence parallelism DeepSpeed reduces gradients in seq_parallel_communication_data_type (default fp32)
-    sequence_parallel = topology.sp_size > 1
-    comm_dtype = communication_dtype(
-        root.seq_parallel_communication_data_type if sequence_parallel else root.communication_data_type
-    )
-    muon = _is_muon(root.optimizer, client_optimizer)
-    if muon:  # before sharding: stage 3 keeps the tagged matrices whole
-        from shardwise.optim.muon_groups import tag_muon_parameters
-
-        tag_muon_parameters(model)
-    tp_param_names = split_parameter_names(model)  # before FSDP2 replaces the parameters (stage 3)
-    prepared = prepare_module(  # stage 3: sharded in place, with its record
-        model,
-        zero=zero,
-        aio=aio,
-        comm_dtype=comm_dtype,
-        precision=precision,
-        topology=topology,
-        device=device,
-    )
-    offload = zero.offload_optimizer_device != "none"
-    factory = _optimizer_factory(root.optimizer, offload, client_optimizer)
-    if factory is None:
-        return prepared.module, None
-
-    def checked(groups: list[dict[str, object]]) -> Any:
-        inner = factory(groups)
-        _check_zero_optimizer(root, inner)
-        if offload and client_optimizer is not None:
-            _check_client_offload_optimizer(root, inner)
-        return inner
-
-    reduction = reduction_factors(  # ZeRO averages over data x sequence parallel (sdp): see docs/sequence-parallelism.md
-        topology.shard_size,
-        allreduce_op=root.gradient_allreduce_op,
-        prescale=root.prescale_gradients,
-        predivide_factor=root.gradient_predivide_factor,
-    )
-    groups = _user_param_groups(prepared.module, model_parameters, client_optimizer)
-    if muon:  # DeepSpeed's split: the Muon half and the AdamW half of every group
-        from shardwise.optim.muon_groups import muon_param_groups
-
-        assert root.optimizer is not None
-        groups = muon_param_groups(groups, dict(root.optimizer.params))
-    zero_optimizer = build_zero_optimizer(
-        groups,
-        checked,
-        zero=zero,
-        aio=aio,
-        reduction=reduction,
-        gradient_clipping=root.gradient_clipping,
-        comm_dtype=comm_dtype,
-        precision=precision,
-        topology=topology,
-        record=prepared.record,
-        disable_allgather=bool(root.disable_allgather),
-        param_names={id(p): name for name, p in prepared.module.named_parameters()},
-        module=prepared.module,
-        tp_param_names=tp_param_names,
-    )
-    zero_optimizer.broadcast_parameters()
-    return prepared.module, zero_optimizer
 
 
 def initialize(
@@ -303,15 +153,15 @@ def initialize(
     """
     if model is None:
         raise _missing_model(args)
-    source = _merge_tp_model_init(_config_source(args, config, config_params), mpu)
-    topology = _start_distributed(distributed_port, dist_init_required, mpu, source, mesh_param, model)
-    topology, model_parameters = _apply_autoep(source, model, model_parameters, optimizer, mpu, topology)
+    source = merge_tp_model_init(_config_source(args, config, config_params), mpu)
+    topology = start_distributed(distributed_port, dist_init_required, mpu, source, mesh_param, model)
+    topology, model_parameters = apply_autoep(source, model, model_parameters, optimizer, mpu, topology)
     cfg = load_checked_config(
         source,
         context=ResolutionContext(
             # the batch rule divides by the config's sequence_parallel_size itself: then give it the dp x sp
             # ranks; an sp declared elsewhere (an mpu, register_with_transformers) leaves the dp ranks
-            world_size=topology.dp_size * (topology.sp_size if _declared_in_config(source)[0] else 1),
+            world_size=topology.dp_size * (topology.sp_size if declared_in_config(source)[0] else 1),
             optimizer_hparams=_client_hparams(optimizer),
             hidden_size=_hidden_size(model),
         ),
@@ -322,7 +172,7 @@ def initialize(
         root.fp16, root.bf16, amp=root.amp, torch_autocast=root.torch_autocast, data_types=root.data_types
     )
     device = _device()
-    model_parameters = _split_tensor_parallel(root, topology, model, model_parameters, optimizer)
+    model_parameters = split_tensor_parallel(root, topology, model, model_parameters, optimizer)
     if root.compression_training is not None:
         from shardwise.compression.zero_rules import prepare_for_engine
 
@@ -333,7 +183,7 @@ def initialize(
 
         model_parameters = pipe_setup.prepare(model, root, model_parameters)  # may re-cut it into chunks
         zero_topology = pipe_setup.norm_topology(topology, model)  # gradient norm over every stage
-    model, zero_optimizer = _place_and_build_zero(
+    model, zero_optimizer = place_and_build_zero(
         root, precision, zero_topology, device, model, model_parameters, optimizer
     )
     _synchronize_buffers(model, topology)
@@ -346,36 +196,6 @@ def initialize(
         engine.training_dataloader = loader
     _log_ready(cfg, precision, topology, activation_checkpointing)
     return engine, returned_optimizer(zero_optimizer, root.zero_stage, precision), loader, scheduler
-
-
-def returned_optimizer(strategy: ZeroStrategy | None, stage: int, precision: PrecisionPolicy) -> Any:
-    """The optimizer ``initialize`` returns: DeepSpeed's choice of object.
-
-    DeepSpeed returns its ``engine.optimizer``, which is the bare torch optimizer (the client's own
-    object, the one its callable built, or the config's ``FusedAdam``) at ZeRO stage 0 when the
-    model and its gradients are fp32, and a wrapper (ZeRO or fp16/bf16 optimizer) otherwise.
-    Scripts and DeepSpeed's tests rely on that: ``optimizer is client_optimizer``,
-    ``isinstance(optimizer, FusedAdam)``, ``optimizer.param_groups``/``state`` of a torch optimizer.
-
-    shardwise's ``engine.optimizer`` is always its :class:`~shardwise.zero.strategy.ZeroStrategy`
-    (the engine drives every stage through it), so here the strategy's inner torch optimizer is
-    returned in exactly DeepSpeed's case, and the strategy everywhere else. What that object does
-    is safe to use as DeepSpeed's is: it steps the strategy's fp32 masters (at stage 0 the whole
-    parameters) and is stepped by ``engine.step()``, which also publishes the masters to the
-    model; a script's ``optimizer.zero_grad()`` only drops references the strategy binds again
-    before each step; accelerate's ``DeepSpeedOptimizerWrapper`` finds no ``overflow`` on it, as on
-    DeepSpeed's (``engine.optimizer.overflow`` and ``engine.skipped_steps`` still say when a
-    non-finite step was skipped).
-
-    Example:
-        >>> returned_optimizer(None, 0, None) is None
-        True
-    """
-    if strategy is None or stage != 0:
-        return strategy
-    inner = getattr(strategy, "optimizer", None)
-    fp32 = precision.param_dtype == torch.float32 and precision.grad_accum_dtype == torch.float32
-    return inner if fp32 and isinstance(inner, torch.optim.Optimizer) else strategy
 
 
 def _missing_model(args: object) -> AssertedValueError:
@@ -401,147 +221,6 @@ def _is_pipeline(model: nn.Module) -> TypeGuard[PipelineModule]:
 
     pipe_module = sys.modules.get("shardwise.pipe.module")
     return pipe_module is not None and isinstance(model, pipe_module.PipelineModule)
-
-
-def _merge_tp_model_init(source: Any, mpu: object) -> Any:
-    """The config with ``tp_model_init``'s recorded degree and dtype merged into ``tensor_parallel``."""
-    from shardwise.tensor_parallel.model_init import merge_into_config, recorded
-
-    if recorded() is None:
-        return source
-    from shardwise.config.loading import read_config_source
-
-    raw, _ = read_config_source(source)
-    return merge_into_config(raw, mpu)
-
-
-def _split_tensor_parallel(
-    root: ShardwiseConfig, topology: Topology, model: nn.Module, model_parameters: Any, optimizer: object
-) -> Any:
-    """Split the model over the tensor-parallel dimension (``tensor_parallel.autotp_size`` > 1);
-    returns ``model_parameters`` (and re-points a client optimizer) at the local slices."""
-    from shardwise.tensor_parallel.engine_setup import remap_optimizer, remap_parameters, split_for_engine
-    from shardwise.tensor_parallel.model_init import set_autotp_mode
-
-    section = root.tensor_parallel
-    if section.autotp_size > 0:
-        set_autotp_mode(training=True)  # as DeepSpeed's initialize does for an AutoTP config
-    if section.autotp_size > 1:
-        from shardwise.zero.init_context import stash_of
-
-        if any(stash_of(p) is not None for p in model.parameters()):
-            raise ConfigError(
-                "tensor_parallel.autotp_size",
-                "the model was built under zero.Init (its parameters are placeholders), so it cannot be split",
-                "build the model without zero.Init when training it with tensor parallelism (stage 3 still shards "
-                "the slices)",
-                value=section.autotp_size,
-            )
-    report = split_for_engine(model, section, topology, zero_stage=root.zero_stage)
-    if report is None:
-        return model_parameters
-    remap_optimizer(optimizer, report)
-    logger.info("tensor parallel: %d layers split over %d ranks (%s)", len(report.kinds), topology.mp_size,
-                report.source)
-    return remap_parameters(model_parameters, report)
-
-
-def _start_distributed(
-    distributed_port: int,
-    dist_init_required: bool | None,
-    mpu: object,
-    source: object,
-    mesh_param: Any = None,
-    model: Any = None,
-) -> Topology:
-    """Join (or start) the process group and read the process layout, registered for
-    :mod:`shardwise.comm.groups`' accessors.
-
-    Without an mpu the layout is the one :mod:`shardwise.comm.mesh` owns when a feature
-    declared a dimension (a ``PipelineModule``, ``tp_model_init``, the model's MoE layers: their
-    ``ep_size`` is declared here, :func:`shardwise.moe.declare.declare_expert_parallelism`) or the config
-    does (``sequence_parallel_size``, ``tensor_parallel.autotp_size``); otherwise (and with an
-    mpu) it is read as before.
-    """
-    comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    if getattr(mpu, "reads_process_layout", False):
-        mpu = (
-            None  # an mpu over the mesh itself (shardwise.sequence.parallel_state): the layout is the mesh's
-        )
-    sp, tp = _declared_in_config(source)
-    if mesh_param is not None:
-        sp = _sequence_degree_of_mesh_param(mesh_param, comm.get_world_size())
-    if model is not None and expert_parallel_degree(model) > 1 and mpu is not None:
-        raise ValueError(
-            "MoE layers with ep_size > 1 and an mpu: shardwise builds expert groups from its own process "
-            "layout (shardwise.comm.mesh), not from an mpu's groups; fix: drop mpu= (declare tensor "
-            "parallelism with the config's tensor_parallel.autotp_size) or use ep_size=1"
-        )
-    if model is not None:
-        declare_expert_parallelism(model)  # collective: the MoE layers' ep_size into the layout
-    if mpu is None and (mesh.current_layout() is not None or sp is not None or tp is not None):
-        return mesh.ensure_layout(
-            sp=sp, tp=tp, source="the config (sequence_parallel_size / tensor_parallel)"
-        )
-    topology = build_topology(mpu)
-    set_topology(topology)  # utils.groups-style accessors (shardwise.comm.groups) read this layout
-    return topology
-
-
-def _sequence_degree_of_mesh_param(mesh_param: Any, world: int) -> int | None:
-    """DeepSpeed's ``initialize(mesh_param=(data_parallel, sequence_parallel))``: the sp degree it declares."""
-    valid = isinstance(mesh_param, (tuple, list)) and len(mesh_param) == 2
-    if not valid or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in mesh_param):
-        raise ValueError(
-            f"mesh_param={mesh_param!r}: DeepSpeed's mesh_param is (data_parallel_size, sequence_parallel_size), "
-            "two ints >= 1; e.g. mesh_param=(2, 2) on 4 ranks"
-        )
-    dp, sp = mesh_param
-    if dp * sp != world:
-        raise ValueError(
-            f"mesh_param={tuple(mesh_param)}: data_parallel_size {dp} x sequence_parallel_size {sp} must equal "
-            f"the world size {world}; launch {dp * sp} ranks or change mesh_param"
-        )
-    return sp if sp > 1 else None
-
-
-def _apply_autoep(
-    source: object, model: Any, model_parameters: Any, optimizer: Any, mpu: object, topology: Topology
-) -> tuple[Topology, Any]:
-    """The config's ``expert_parallel`` (AutoEP): declare ``ep`` and convert the model's MoE blocks
-    (:mod:`shardwise.autoep.convert`); parameter lists and a client optimizer built before are re-pointed
-    at the kept experts. Nothing without the section (or with ``autoep_size`` 1)."""
-    raw = read_config_source(source)[0] if isinstance(source, (str, os.PathLike, Mapping)) else {}
-    config = autoep_config(raw.get("expert_parallel"), topology)
-    if config is None:
-        return topology, model_parameters
-    if mpu is not None:
-        raise ValueError(
-            "expert_parallel (AutoEP) with an mpu: shardwise builds expert groups in its own process layout; "
-            "fix: drop mpu="
-        )
-    replaced = convert_model(model, config, topology)
-    if config.autoep_size > 1:
-        topology = mesh.current_layout() or topology
-    if optimizer is not None and hasattr(optimizer, "param_groups"):
-        for group in optimizer.param_groups:
-            group["params"] = repoint(list(group["params"]), replaced)
-    return topology, repoint(model_parameters, replaced)
-
-
-def _declared_in_config(source: object) -> tuple[int | None, int | None]:
-    """The config's ``sequence_parallel_size`` and ``tensor_parallel.autotp_size`` when they ask
-    for more than one rank (validated later with the rest of the config)."""
-    if not isinstance(source, (str, os.PathLike, Mapping)):
-        return None, None
-    raw, _ = read_config_source(source)
-    tp_section = raw.get("tensor_parallel")
-    sp = raw.get("sequence_parallel_size")
-    tp = tp_section.get("autotp_size") if isinstance(tp_section, dict) else None
-    return (
-        sp if isinstance(sp, int) and not isinstance(sp, bool) and sp > 1 else None,
-        tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 else None,
-    )
 
 
 def _configure_process(root: ShardwiseConfig, mpu: object) -> CheckpointingSettings | None:

@@ -42,6 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("compilation",),  # engine.compile(): torch.compile per transformer block (zero's block notion)
     ("engine", "step_hook_factory"),  # orchestration only; the builder of the configured step hooks
     ("pipe",),  # pipeline parallelism (deepspeed.pipe): PipelineModule, topologies, schedules, PipelineEngine
+    ("startup",),  # the steps of initialize() with a concern of their own: process layout, ZeRO build
     ("initialization", "launcher"),  # the two entry points: initialize() and the launcher
     ("compat",),  # deepspeed.<path> -> shardwise: the forwarding table behind the 'deepspeed' package
     ("cli",),  # the ``shardwise`` command

@@ -8,7 +8,7 @@ import torch
 
 import shardwise
 from shardwise.config.errors import AssertedValueError
-from shardwise.initialization import _sequence_degree_of_mesh_param
+from shardwise.startup.process_layout import sequence_degree_of_mesh_param
 
 CONFIG = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 
@@ -28,9 +28,9 @@ def test_a_module_passed_positionally_is_named_as_args() -> None:
 
 
 def test_mesh_param_declares_its_sequence_degree() -> None:
-    assert _sequence_degree_of_mesh_param((2, 2), 4) == 2
-    assert _sequence_degree_of_mesh_param([1, 4], 4) == 4
-    assert _sequence_degree_of_mesh_param((4, 1), 4) is None  # no sequence parallelism
+    assert sequence_degree_of_mesh_param((2, 2), 4) == 2
+    assert sequence_degree_of_mesh_param([1, 4], 4) == 4
+    assert sequence_degree_of_mesh_param((4, 1), 4) is None  # no sequence parallelism
 
 
 @pytest.mark.parametrize(
@@ -44,4 +44,4 @@ def test_mesh_param_declares_its_sequence_degree() -> None:
 )
 def test_mesh_param_errors_name_the_rule(value: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        _sequence_degree_of_mesh_param(value, 8)
+        sequence_degree_of_mesh_param(value, 8)

@@ -15,6 +15,10 @@ What is reconstructed, as full tensors by parameter name (the keys of
   frozen parameters likewise from ``frozen_param_fragments``;
 * stage 0: the module weights and the torch optimizer's per-parameter state (fp32).
 
+The files themselves are read by :mod:`~shardwise.checkpoint.deepspeed_files` and stage 0's
+optimizer state by :mod:`~shardwise.checkpoint.deepspeed_stage0_import`; ``ForeignObject`` and
+``load_file`` stay importable from here.
+
 Example:
     >>> # engine.load_checkpoint("deepspeed_ckpts")   # detected and imported automatically
 """
@@ -22,8 +26,6 @@ Example:
 from __future__ import annotations
 
 import math
-import pickletools
-import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,74 +33,12 @@ from typing import Any
 import torch
 
 from shardwise.checkpoint import keys
-from shardwise.checkpoint.deepspeed_moe import MOE_EXPERTS
+from shardwise.checkpoint.deepspeed_files import ForeignObject, _fragment, _plain, _rank_of, load_file
 from shardwise.checkpoint.deepspeed_moe_import import DeepSpeedMoEFiles, local_expert_state
+from shardwise.checkpoint.deepspeed_stage0_import import stage0_optimizer
 from shardwise.checkpoint.module_state import copy_whole_state
 from shardwise.checkpoint.training_state import LoadResult, TrainingState, param_names, restore_parts
 from shardwise.utils.logging import logger
-
-
-class ForeignObject:
-    """Stands in for a DeepSpeed class while unpickling: keeps constructor args and state."""
-
-    args: tuple[Any, ...] = ()
-    state: Any = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs = args, kwargs
-
-    def __setstate__(self, state: object) -> None:
-        self.state = state
-
-    def get(self, name: str, position: int | None = None) -> Any:
-        """An attribute from the pickled state, or a positional constructor argument."""
-        if isinstance(self.state, dict) and name in self.state:
-            return self.state[name]
-        if position is not None and position < len(self.args):
-            return self.args[position]
-        raise KeyError(f"{type(self).__name__} has no {name!r}")
-
-
-def _foreign_globals(path: Path) -> set[str]:
-    """``module.Name`` of every DeepSpeed global a ``torch.save`` file's pickle refers to."""
-    with zipfile.ZipFile(path) as archive:
-        name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
-        data = archive.read(name)
-    found: set[str] = set()
-    strings: list[str] = []
-    for op, arg, _ in pickletools.genops(data):
-        if op.name == "GLOBAL":
-            found.add(str(arg).replace(" ", "."))
-        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-            found.add(f"{strings[-2]}.{strings[-1]}")
-        if isinstance(arg, str):
-            strings.append(arg)
-    return {g for g in found if g.startswith("deepspeed.")}
-
-
-def load_file(path: Path) -> Any:
-    """``torch.load`` a DeepSpeed file safely (weights-only, stand-ins for DeepSpeed classes, mmap)."""
-    stubs = [
-        (type(qual.rsplit(".", 1)[1], (ForeignObject,), {"__module__": "shardwise.foreign"}), qual)
-        for qual in sorted(_foreign_globals(path))
-    ]
-    with torch.serialization.safe_globals(stubs):  # type: ignore[arg-type]
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-
-
-def _plain(value: object) -> Any:
-    """The number behind a stand-in enum (``ZeroStageEnum(2)`` -> 2)."""
-    if isinstance(value, ForeignObject) and value.args:
-        return value.args[0]
-    return value
-
-
-def _fragment(value: Any) -> tuple[int, int]:
-    """``(start, numel)`` of a ``fragment_address`` (a namedtuple ``(numel, start)``)."""
-    if isinstance(value, ForeignObject):
-        return int(value.get("start", 1)), int(value.get("numel", 0))
-    numel, start = value
-    return int(start), int(numel)
 
 
 def _elementwise_keys(state: Mapping[str, object], numel: int) -> list[str]:
@@ -274,7 +214,7 @@ class DeepSpeedCheckpoint:
     def optimizer_state(self, trainable_names: Sequence[str]) -> dict[str, Any] | None:
         """Masters, optimizer state and param groups in ``full_state_dict`` form, or None if absent."""
         if self.stage == 0:
-            return self._stage0_optimizer(trainable_names)
+            return stage0_optimizer(self, trainable_names)
         inner_field = "optimizer_state_dict" if self.stage == 3 else "base_optimizer_state"
         inners = [state[inner_field] for state in self.optim_states()]
         out: dict[str, Any] = {f"master/{n}": t for n, t in self.fp32_params().items()}
@@ -341,157 +281,6 @@ class DeepSpeedCheckpoint:
                 out.setdefault(name, tensor.reshape(-1)[offset : offset + numel].view(shapes[name]).clone())
                 offset += numel
         return out if set(out) == set(shapes) else None
-
-    def _stage0_optimizer(self, trainable_names: Sequence[str]) -> dict[str, Any] | None:
-        """Stage 0: a plain torch optimizer's state dict, or DeepSpeed's 16-bit wrapper around one.
-
-        The bf16/fp16 wrappers save ``optimizer_state_dict`` (the inner optimizer's) with the fp32
-        masters either as one flat tensor per group (``fp32_groups_flat``: the fused wrapper, whose
-        inner state is flat too) or per parameter (``fp32_groups``: the unfused wrapper, which
-        DeepSpeed uses for Muon).
-        """
-        if self.moe is not None and self.moe.optim_files:
-            trainable = set(trainable_names)
-            module = self.model["module"]
-            return self.moe.stage0_optimizer([n for n in module if n in trainable and MOE_EXPERTS not in n], module)
-        saved = self.model.get("optimizer")
-        wrapper = saved if isinstance(saved, dict) and "optimizer_state_dict" in saved else None
-        inner = wrapper["optimizer_state_dict"] if wrapper is not None else saved
-        if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
-            logger.warning(
-                "%s: the stage-0 optimizer state is neither a torch optimizer state dict nor DeepSpeed's "
-                "16-bit wrapper around one; only the weights are imported",
-                self.tag_dir,
-            )
-            return None
-        module = self.model["module"]
-        flat = wrapper.get("fp32_groups_flat") if wrapper is not None else None
-        groups_names = self._stage0_group_names(
-            inner["param_groups"], trainable_names, None if flat is None else [t.numel() for t in flat]
-        )
-        if groups_names is None:
-            return None
-        out: dict[str, Any] = {}
-        groups = []
-        for g, (group, members) in enumerate(zip(inner["param_groups"], groups_names)):
-            shapes = {n: tuple(module[n].shape) for n in members}
-            if wrapper is not None and "fp32_groups_flat" in wrapper:  # one flat group, flat state
-                out.update(_split_flat(wrapper["fp32_groups_flat"][g], shapes, "master/{}"))
-                state = inner["state"].get(group["params"][0], {}) if group["params"] else {}
-                for key, value in state.items():
-                    if torch.is_tensor(value) and value.numel() == wrapper["fp32_groups_flat"][g].numel():
-                        out.update(_split_flat(value, shapes, f"optim/{{}}/{key}"))
-                    else:
-                        out.update({f"optim/{n}/{key}": value for n in members})
-            else:
-                masters = (
-                    wrapper["fp32_groups"][g] if wrapper is not None and "fp32_groups" in wrapper else None
-                )
-                for position, (index, name) in enumerate(zip(group["params"], members)):
-                    master = masters[position] if masters is not None else module[name]
-                    out[f"master/{name}"] = master.detach().float().reshape(shapes[name])
-                    for key, value in inner["state"].get(index, {}).items():
-                        if torch.is_tensor(value) and key != "step" and tuple(value.shape) != shapes[name]:
-                            raise ValueError(
-                                f"{self.tag_dir}: optimizer state {key} of {name} has the wrong shape "
-                                f"{tuple(value.shape)} (the parameter's is {shapes[name]})"
-                            )
-                        out[f"optim/{name}/{key}"] = value
-                if "bias_correction" in group:
-                    _one_step_per_group(out, members)
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, keys.PARAM_NAMES: members})
-        out[keys.PARAM_GROUPS] = groups
-        return out
-
-    def _stage0_group_names(
-        self,
-        param_groups: Sequence[Mapping[str, Any]],
-        trainable_names: Sequence[str],
-        flat_numels: Sequence[int] | None = None,
-    ) -> list[list[str]] | None:
-        """The parameter names of each saved group, in the group's order.
-
-        Groups take the trainable parameters in module order (a flat group, ``flat_numels``,
-        as many as fill its size), except DeepSpeed's Muon halves
-        (``use_muon`` in the group): a Muon group takes the next Muon matrices (DeepSpeed's rule)
-        sorted by shape, largest first, as DeepSpeed's Muon optimizer reorders them; an Adam
-        half takes the next other parameters.
-        """
-        from shardwise.optim.muon_groups import uses_muon
-
-        module = self.model["module"]
-        params = [n for n in module if n not in self.buffer_names]
-        counts = [len(group["params"]) for group in param_groups]
-        if flat_numels is not None:
-            counts, position = [], 0
-            for numel in flat_numels:
-                start = position
-                while position < len(trainable_names) and numel > 0:
-                    numel -= math.prod(module[trainable_names[position]].shape)
-                    position += 1
-                counts.append(position - start if numel == 0 else -1)
-            if min(counts, default=0) < 0:
-                logger.warning(
-                    "%s: the flat fp32 groups do not add up to the trainable parameters; only the weights "
-                    "are imported",
-                    self.tag_dir,
-                )
-                return None
-        names = list(trainable_names) if sum(counts) == len(trainable_names) else params
-        if sum(counts) != len(names):
-            logger.warning(
-                "%s: the optimizer has %d parameters, which matches neither the %d trainable nor all %d parameters; "
-                "only the weights are imported",
-                self.tag_dir,
-                sum(counts),
-                len(trainable_names),
-                len(params),
-            )
-            return None
-        pools = {
-            None: list(names),
-            True: [n for n in names if uses_muon(n, tuple(module[n].shape))],
-            False: [n for n in names if not uses_muon(n, tuple(module[n].shape))],
-        }
-        out = []
-        for group, count in zip(param_groups, counts):
-            kind = group.get("use_muon")
-            pool = pools[None if kind is None else bool(kind)]
-            members, pool[:] = pool[:count], pool[count:]
-            if kind:
-                members = sorted(members, key=lambda n: tuple(module[n].shape), reverse=True)
-            out.append(members)
-        return out
-
-
-def _split_flat(
-    flat: torch.Tensor, shapes: Mapping[str, tuple[int, ...]], key: str
-) -> dict[str, torch.Tensor]:
-    """Cut a flat tensor into the named shapes, back to back (``key`` formats each name)."""
-    out, offset = {}, 0
-    for name, shape in shapes.items():
-        numel = math.prod(shape)
-        out[key.format(name)] = flat.reshape(-1)[offset : offset + numel].float().view(shape).clone()
-        offset += numel
-    return out
-
-
-def _one_step_per_group(state: dict[str, Any], members: Sequence[str]) -> None:
-    """DeepSpeed's FusedAdam (its ``bias_correction`` group key) steps a whole group with one count,
-    but advances only the last parameter's ``state['step']`` (the others keep their initial 0):
-    the group's step is the largest, and every parameter gets it (torch's Adam keeps one each)."""
-    found = [state[f"optim/{n}/step"] for n in members if f"optim/{n}/step" in state]
-    if not found:
-        return
-    step = max(found, key=lambda v: float(v))
-    for name in members:
-        if f"optim/{name}/step" in state:
-            state[f"optim/{name}/step"] = step.clone() if torch.is_tensor(step) else step
-
-
-def _rank_of(path: Path) -> int:
-    parts = path.name.split("_")
-    return int(parts[parts.index("rank") + 1]) if "rank" in parts else 0
 
 
 def read_deepspeed_checkpoint(path: str | Path, tag: str | None = None) -> DeepSpeedCheckpoint:

@@ -11,36 +11,16 @@ before any byte of the checkpoint is used.
 
 from __future__ import annotations
 
-import json
 import re
 import socket
 import zlib
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import Any, cast
 
 from shardwise import comm
 from shardwise.checkpoint import checksums, integrity, layout
 from shardwise.comm.group_type import Group
-
-
-def _all_gather_bytes(data: bytes, group: Group) -> list[bytes]:
-    """Every rank's ``data``, in group-rank order (collective)."""
-    world = comm.get_world_size(group)
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    comm.all_reduce(size, op="max", group=group)
-    width = int(size.item())
-    mine = torch.zeros(width + 8, dtype=torch.uint8)
-    packed = len(data).to_bytes(8, "little") + data
-    mine[: len(packed)] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
-    out = torch.zeros(world * (width + 8), dtype=torch.uint8)
-    comm.all_gather_flat(out, mine, group)
-    parts = []
-    for row in out.view(world, width + 8):
-        raw = row.numpy().tobytes()
-        parts.append(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
-    return parts
+from shardwise.comm.object_gather import all_gather_objects
 
 
 def gather_records(
@@ -50,8 +30,8 @@ def gather_records(
     if alone:
         return dict(records)
     merged: dict[str, checksums.FileRecord] = {}
-    for part in _all_gather_bytes(json.dumps(records).encode(), group):
-        merged.update(json.loads(part))
+    for part in all_gather_objects(records, group):
+        merged.update(cast("dict[str, checksums.FileRecord]", part))
     return merged
 
 
@@ -115,5 +95,5 @@ def raise_if_any_failed(error: BaseException | None, group: Group, what: str) ->
     if not comm.all_reduce_max_flag(error is not None, group=group):
         return
     mine = "" if error is None else f"rank {comm.get_rank()} (host {socket.gethostname()}): {type(error).__name__}: {error}"
-    failures = [part.decode() for part in _all_gather_bytes(mine.encode(), group) if part]
+    failures = [str(part) for part in all_gather_objects(mine, group) if part]
     raise RuntimeError(f"{what} failed on {len(failures)} rank(s): " + "; ".join(failures)) from error

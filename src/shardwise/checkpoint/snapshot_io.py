@@ -33,7 +33,7 @@ from shardwise.checkpoint.snapshots import (
     step_from_tag,
     write_progress,
 )
-from shardwise.comm.sequence_exchange import all_gather_objects
+from shardwise.comm.object_gather import all_gather_objects
 from shardwise.config.sections.features import CheckpointConfig
 from shardwise.utils.logging import logger
 

@@ -28,7 +28,7 @@ import torch
 
 from shardwise.checkpoint import keys
 from shardwise.checkpoint import universal_names as names
-from shardwise.checkpoint.deepspeed_import import ForeignObject, _plain, _rank_of, load_file
+from shardwise.checkpoint.deepspeed_files import ForeignObject, _plain, _rank_of, load_file
 
 
 def _number(value: Any) -> Any:

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import quantization as q
-from shardwise.comm.collectives import _all_gather_native, _record
+from shardwise.comm.collectives import _all_gather_native
+from shardwise.comm.comm_handle import _record
 from shardwise.comm.comms_logger import COMMS_LOGGER as _COMMS
 from shardwise.comm.group_type import Group
 

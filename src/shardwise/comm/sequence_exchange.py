@@ -13,8 +13,9 @@ module owns those exchanges and the other autograd-aware collectives the sequenc
 * :func:`all_gather_cat` -- every rank's tensor concatenated along a dimension
   (differentiable: backward sums the incoming gradients over the group and keeps this rank's
   slice, because every rank used every slice).
-* :func:`all_gather_sizes`, :func:`all_gather_objects`, :func:`all_reduce_sum` -- the plain,
-  non-differentiable helpers the data loader adapter and the loss use.
+* :func:`all_gather_sizes`, :func:`all_reduce_sum` -- the plain, non-differentiable helpers the
+  data loader adapter and the loss use (and :func:`all_gather_objects`, from
+  :mod:`shardwise.comm.object_gather`, importable from here).
 
 The group must not be None for a group smaller than the world; a group of one rank is an
 identity (no collective is made).
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm.group_type import Group
+from shardwise.comm.object_gather import all_gather_objects
 
 __all__ = [
     "all_gather_cat",
@@ -216,16 +218,6 @@ def all_gather_sizes(value: int, group: Group, device: torch.device | str = "cpu
     every = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     return [int(t.item()) for t in every]
-
-
-def all_gather_objects(value: object, group: Group) -> list[object]:
-    """Every rank's picklable ``value``, in rank order."""
-    world = group_size(group)
-    if world == 1:
-        return [value]
-    every: list[object] = [None] * world
-    dist.all_gather_object(every, value, group=group)
-    return every
 
 
 def all_reduce_sum(x: torch.Tensor, group: Group) -> torch.Tensor:
