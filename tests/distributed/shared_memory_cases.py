@@ -36,8 +36,24 @@ def _in_rank_order(values: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+# The prefixes of the shared-memory groups this rank process opened: the leftover check looks at
+# their files only, so another shardwise job on the machine (a second test run, a training job)
+# cannot fail it with files of its own.
+_OPENED: set[str] = set()
+_group_init = shm.SharedMemoryGroup.__init__
+
+
+def _recording_init(self: shm.SharedMemoryGroup, group: Any, prefix: str, *args: Any, **kwargs: Any) -> None:
+    _group_init(self, group, prefix, *args, **kwargs)
+    _OPENED.add(prefix)
+
+
+shm.SharedMemoryGroup.__init__ = _recording_init  # type: ignore[method-assign]  # rank processes only
+
+
 def _leftovers() -> list[str]:
-    return sorted(p.name for p in shm.SHM_DIR.glob("shardwise-*"))
+    """This process's groups' files still in the shared-memory directory (names ``PREFIX-COUNT-RANK``)."""
+    return sorted(p.name for p in shm.SHM_DIR.glob("shardwise-*") if p.name.rsplit("-", 2)[0] in _OPENED)
 
 
 def collectives(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
@@ -305,5 +321,6 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
             else:
                 os.environ[shm.ENV_SWITCH] = saved[1]
     torch.distributed.barrier()
+    assert _OPENED, "no shared-memory group was recorded: the leftover check would look at nothing"
     out["leftovers"] = _leftovers()
     return out
