@@ -116,23 +116,13 @@ def run(args: argparse.Namespace) -> dict:
         import shardwise
 
         engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
-
-        def step(x, y):
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            return loss
+        step = engine_step(engine)
     elif args.framework == "deepspeed":
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-
-        def step(x, y):
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            return loss
+        step = engine_step(engine)
     elif args.framework == "fsdp2":
         step = fsdp2_step(model, args.mode, device)
     else:
@@ -173,6 +163,18 @@ def run(args: argparse.Namespace) -> dict:
         "losses": losses,
         "torch_adam": args.torch_adam,
     }
+
+
+def engine_step(engine):
+    """One training step of a DeepSpeed-style engine (shardwise's or DeepSpeed's)."""
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step
 
 
 def fsdp2_step(model, mode: str, device):
