@@ -15,51 +15,14 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "distributed"))
-from moe_cases import BATCH, EXPERTS, HIDDEN, LAYERS, SEQ, TOP_K, VOCAB, batches
+from moe_cases import BATCH, batches, build_model
 
 
 def build(ep_size: int, seed: int) -> nn.Module:
-    """The tiny MoE GPT with DeepSpeed's ``MoE`` (names as in ``moe_cases.build_model``)."""
+    """The tiny MoE GPT of ``moe_cases.build_model`` (the same module tree and names) with DeepSpeed's ``MoE``."""
     from deepspeed.moe.layer import MoE
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm1 = nn.LayerNorm(HIDDEN)
-            self.attn = nn.MultiheadAttention(HIDDEN, 2, batch_first=True)
-            self.norm2 = nn.LayerNorm(HIDDEN)
-            expert = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
-            self.moe = MoE(HIDDEN, expert, num_experts=EXPERTS, ep_size=ep_size, k=TOP_K, capacity_factor=1.0,
-                           min_capacity=0)
-
-        def forward(self, x):  # type: ignore[no-untyped-def]
-            n = x.shape[1]
-            mask = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
-            h = self.norm1(x)
-            x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-            out, l_aux, _ = self.moe(self.norm2(x))
-            return x + out, l_aux
-
-    class TinyMoEGPT(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(VOCAB, HIDDEN)
-            self.pos = nn.Parameter(torch.randn(SEQ, HIDDEN) * 0.02)
-            self.blocks = nn.ModuleList([Block() for _ in range(LAYERS)])
-            self.head = nn.Linear(HIDDEN, VOCAB)
-
-        def forward(self, tokens):  # type: ignore[no-untyped-def]
-            x = self.embed(tokens[:, :-1]) + self.pos[: tokens.shape[1] - 1]
-            aux = torch.zeros(())
-            for block in self.blocks:
-                x, l_aux = block(x)
-                aux = aux + l_aux
-            logits = self.head(x)
-            ce = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-            return ce + 0.01 * aux, aux
-
-    torch.manual_seed(seed)
-    return TinyMoEGPT()
+    return build_model(ep_size, seed, moe_class=MoE)
 
 
 def _by_global_name(engine) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]

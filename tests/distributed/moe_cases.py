@@ -19,12 +19,16 @@ OPTIMIZERS = {
 }
 
 
-def build_model(ep_size: int, seed: int = 1234, **moe_kwargs: Any) -> Any:
-    """The tiny MoE GPT with ``ep_size`` expert parallelism (same weights for every ``ep_size``)."""
+def build_model(ep_size: int, seed: int = 1234, moe_class: Any = None, **moe_kwargs: Any) -> Any:
+    """The tiny MoE GPT with ``ep_size`` expert parallelism (same weights for every ``ep_size``).
+    ``moe_class``: the MoE layer (default shardwise's; the interop benchmark passes DeepSpeed's)."""
     import torch
     from torch import nn
 
-    from shardwise.moe.layer import MoE
+    if moe_class is None:
+        from shardwise.moe.layer import MoE
+    else:
+        MoE = moe_class
 
     class Block(nn.Module):
         def __init__(self) -> None:
