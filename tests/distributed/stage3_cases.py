@@ -21,6 +21,18 @@ from zero_reference import TINY, _micro_batch, batch, config, make_model
 import shardwise
 from shardwise.testing.models import GPTConfig, TinyGPT
 
+NVME = "<nvme_path>"
+"""A case's placeholder for a scratch directory (NVMe swap files, a save folder): the test module's
+fixture puts a real path in its place with :func:`with_path` (case lists are built at import)."""
+
+
+def with_path(value: Any, path: str) -> Any:
+    """``value`` with every :data:`NVME` placeholder, in nested dicts too, replaced by ``path``."""
+    if value == NVME:
+        return path
+    if isinstance(value, dict):
+        return {k: with_path(v, path) for k, v in value.items()}
+    return value
 
 def _config(case: dict[str, Any], world: int) -> dict[str, Any]:
     zero = {"stage3_param_persistence_threshold": 0, **case.get("zero", {})}

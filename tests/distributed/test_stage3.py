@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from stage3_cases import run_case
+from stage3_cases import NVME, run_case, with_path
 from zero_reference import norm_error_bound, reference_run
 
 from shardwise.testing import run_distributed_cases
@@ -38,7 +38,6 @@ from shardwise.testing import run_distributed_cases
 pytestmark = [pytest.mark.distributed, pytest.mark.numeric]
 
 WORLD, STEPS, MICRO = 2, 3, 2
-NVME = "<nvme_path>"
 
 
 def _train(precision: str, gas: int, **zero: Any) -> dict[str, Any]:
@@ -150,18 +149,10 @@ def _id(case: dict[str, Any]) -> str:
     return repr(sorted(case.items()))
 
 
-def _with_path(value: Any, path: str) -> Any:
-    if value == NVME:
-        return path
-    if isinstance(value, dict):
-        return {k: _with_path(v, path) for k, v in value.items()}
-    return value
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("nvme"))
-    cases = [_with_path(copy.deepcopy(c), path) for c in CASES]
+    cases = [with_path(copy.deepcopy(c), path) for c in CASES]
     out = run_distributed_cases(run_case, cases, world_size=WORLD, timeout=900)
     found = dict(zip(map(_id, CASES), out))
     found["leftover_swap_files"] = [str(f) for f in (Path(path) / "shardwise").rglob("*") if f.is_file()]

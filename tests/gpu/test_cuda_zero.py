@@ -25,12 +25,12 @@ import cuda_support
 import cuda_zero_cases
 import pytest
 import torch
+from stage3_cases import NVME, with_path
 
 from shardwise.zero.param_swap import storage_exchange_available
 
 pytestmark = pytest.mark.cuda
 
-NVME = "<nvme_path>"
 PARITY = [
     {"kind": "parity", "stage": stage, "precision": precision, "gas": 2}
     for stage in (0, 1, 2, 3)
@@ -107,18 +107,10 @@ MEMORY = [{"kind": "memory", "stage": stage} for stage in (2, 3)]
 CASES = PARITY + OFFLOAD + ZERO_INIT + OVERFLOW + MEMORY + NVME_PARAM  # last: refused on torch 2.11
 
 
-def _with_path(value, path):
-    if value == NVME:
-        return path
-    if isinstance(value, dict):
-        return {k: _with_path(v, path) for k, v in value.items()}
-    return value
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("nvme"))
-    cases = [_with_path(copy.deepcopy(c), path) for c in CASES]
+    cases = [with_path(copy.deepcopy(c), path) for c in CASES]
     out = cuda_support.run_cases(cuda_zero_cases.run_case, cases)
     return {cuda_support.case_id(c): out[cuda_support.case_id(r)] for c, r in zip(CASES, cases)}
 
