@@ -69,11 +69,8 @@ def _nccl_staging(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torc
     """NCCL moves GPU memory only: a CPU tensor given to an NCCL group (the bookkeeping collectives:
     sizes, digests, byte payloads) travels through a copy on this rank's GPU. None where no copy is
     needed (gloo, or a tensor already on the GPU), so CPU groups run exactly as before."""
-    if (
-        tensor.device.type != "cpu"
-        or "nccl" not in str(dist.get_backend(group))
-        or not torch.cuda.is_available()
-    ):
+    # cheapest test first: on a CPU-only machine every collective passes here (no backend lookup)
+    if tensor.device.type != "cpu" or not torch.cuda.is_available() or "nccl" not in str(dist.get_backend(group)):
         return None
     return tensor.to(torch.device("cuda", torch.cuda.current_device()))
 
