@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from shardwise.autoep.folding import build_folding_spec, validate_folding_global
+
 UNSET: Any = object()
 """A key left out of the section (``None`` can be a meaningful value, e.g. ``expert_w3: null``)."""
 
@@ -126,10 +128,26 @@ def _check_name(config: AutoEPConfig, key: str) -> None:
 
 
 def validate_autoep_config(
-    config: AutoEPConfig, world_size: int, pp_size: int, tp_size: int, sp_size: int, **_: Any
+    config: AutoEPConfig,
+    world_size: int,
+    pp_size: int,
+    tp_size: int,
+    sp_size: int,
+    *,
+    zero_stage: int = 0,
+    deepcompile_enabled: bool = False,
+    tp_preset_model: str | None = None,
+    use_data_before_expert_parallel: bool = False,
+    mpu: Any = None,
+    zero_offload_optimizer: bool = False,
+    zero_offload_param: bool = False,
 ) -> None:
     """Check the section against itself and the process layout (``world_size`` ranks in ``pp_size``
-    pipeline stages, ``tp_size`` tensor- and ``sp_size`` sequence-parallel); ValueError naming the key."""
+    pipeline stages, ``tp_size`` tensor- and ``sp_size`` sequence-parallel); ValueError naming the key.
+
+    With ``tp_size`` > 1 the experts fold over the tensor-parallel ranks, and the folding rules of
+    :func:`shardwise.autoep.folding.validate_folding_global` apply (the keyword arguments feed them).
+    """
     if config.load_balance_coeff is not None:
         reject_load_balance_coeff(config.load_balance_coeff)
     for key in ("validate_folding_routing", "async_split_plan"):
@@ -140,15 +158,17 @@ def validate_autoep_config(
     size = config.autoep_size
     if not _is_int(size) or size < 1:
         raise _fail("autoep_size", size, "an int >= 1", "set the number of ranks that share one layer's experts")
-    if config.expert_tensor_parallel_size != 1:
-        raise _fail("expert_tensor_parallel_size", config.expert_tensor_parallel_size,
-                    "shardwise keeps each expert whole on its rank (expert_tensor_parallel_size=1 only)",
-                    "set expert_tensor_parallel_size=1 or leave it out")
-    stage = world_size // max(pp_size, 1)
-    if stage % size:
-        raise _fail("autoep_size", size, f"must divide the stage size {stage} (world size {world_size} / "
-                    f"{pp_size} pipeline stages), since expert groups are runs of ranks of one stage",
-                    f"choose a divisor of {stage}")
+    if config.async_split_plan and size > 1 and tp_size > 1:
+        raise _fail("async_split_plan", True, "not supported with AutoEP+AutoTP folding "
+                    f"(tensor_parallel.autotp_size={tp_size})", "set async_split_plan to false")
+    spec = build_folding_spec(world_size=world_size, pp_size=pp_size, tp_size=max(tp_size, 1), ep_size=size,
+                              etp_size=config.expert_tensor_parallel_size, mp_mode="tp" if tp_size > 1 else "sp")
+    validate_folding_global(
+        spec, zero_stage=zero_stage, sp_size=sp_size, deepcompile_enabled=deepcompile_enabled,
+        use_data_before_expert_parallel=use_data_before_expert_parallel, mpu=mpu, tp_preset=tp_preset_model,
+        ep_preset=config.preset_model, zero_offload_optimizer=zero_offload_optimizer,
+        zero_offload_param=zero_offload_param,
+    )
     if config.preset_model is not None:
         from shardwise.autoep.presets import PRESET_MODELS
 

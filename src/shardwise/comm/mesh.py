@@ -50,6 +50,7 @@ class _State:
     declared: dict[str, tuple[int, str]] = field(default_factory=dict)  # dim -> (degree, declarer)
     pgs: dict[tuple[int, ...], Group] = field(default_factory=dict)  # rank list -> its group
     singletons: list[Group] = field(default_factory=list)  # every rank's group of one, by rank
+    fold_ep: tuple[bool, str] | None = None  # expert groups across tp (AutoEP + AutoTP), and its declarer
     topology: Topology | None = None
 
 
@@ -71,6 +72,7 @@ def reset_layout() -> None:
     _STATE.declared.clear()
     _STATE.pgs.clear()
     _STATE.singletons.clear()
+    _STATE.fold_ep = None
     _STATE.topology = None
 
 
@@ -100,8 +102,24 @@ def _declare(degrees: dict[str, int | None], source: str) -> bool:
     return any(degree > 1 for degree in new.values())
 
 
+def _declare_folding(fold_ep: bool | None, source: str) -> bool:
+    """Record whether expert groups fold over ``tp``; True when that is new (the layout is rebuilt)."""
+    if fold_ep is None:
+        return False
+    previous = _STATE.fold_ep
+    if previous is not None and previous[0] != fold_ep:
+        raise ValueError(
+            f"{source} declares expert groups {'folded over' if fold_ep else 'apart from'} tensor parallelism, "
+            f"but {previous[1]} declared the opposite: a job has one expert layout; use AutoEP with AutoTP "
+            "(folded) or expert layers without it, not both"
+        )
+    _STATE.fold_ep = (fold_ep, source)
+    return previous is None and fold_ep
+
+
 def _dims(world: int) -> ParallelDims:
     degree = {dim: _STATE.declared.get(dim, (1, ""))[0] for dim in DECLARABLE}
+    fold_ep = _STATE.fold_ep is not None and _STATE.fold_ep[0]
     model = degree["pp"] * degree["tp"] * degree["sp"]
     if world % model:
         named = ", ".join(f"{d}={degree[d]} ({_STATE.declared[d][1]})" for d in ("pp", "tp", "sp") if degree[d] > 1)
@@ -110,13 +128,14 @@ def _dims(world: int) -> ParallelDims:
             f"launch a multiple of {model} ranks or lower a degree"
         )
     dp = world // model
-    if (dp * degree["sp"]) % degree["ep"]:
+    span = dp * degree["sp"] * (degree["tp"] if fold_ep else 1)
+    if span % degree["ep"]:
+        ranks = "ranks of a pipeline stage" if fold_ep else "data x sequence-parallel ranks"
         raise ValueError(
-            f"ep={degree['ep']} ({_STATE.declared['ep'][1]}) must divide the data x sequence-parallel ranks "
-            f"{dp * degree['sp']} (world {world} / pp x tp = {world // (degree['pp'] * degree['tp'])}); "
-            "pick an expert-parallel size that divides it"
+            f"ep={degree['ep']} ({_STATE.declared['ep'][1]}) must divide the {ranks} {span} "
+            f"(world {world}, pp={degree['pp']}, tp={degree['tp']}); pick an expert-parallel size that divides it"
         )
-    return ParallelDims(dp_shard=dp, world_size=world, **degree)
+    return ParallelDims(dp_shard=dp, world_size=world, fold_ep=fold_ep, **degree)
 
 
 def _group(ranks: list[int], world: int) -> Group:
@@ -184,12 +203,15 @@ def ensure_layout(
     tp: int | None = None,
     sp: int | None = None,
     ep: int | None = None,
+    fold_ep: bool | None = None,
     source: str,
 ) -> Topology:
     """Declare parallel degrees and return the layout with every group built (collective).
 
     Args:
         pp, tp, sp, ep: degrees to declare; None keeps what was declared (1 if never).
+        fold_ep: expert groups span the tensor-parallel ranks (AutoEP + AutoTP folding,
+            :class:`~shardwise.comm.parallel_dims.ParallelDims`' ``fold_ep``); None keeps what was declared.
         source: who declares (named in errors), e.g. ``"PipelineModule(num_stages=2)"``.
 
     Returns:
@@ -199,12 +221,13 @@ def ensure_layout(
         ValueError: a degree is not a positive int, differs from an earlier declaration, or
             the degrees do not tile the world.
     """
-    topology, before = _STATE.topology, dict(_STATE.declared)
-    if _declare({"pp": pp, "tp": tp, "sp": sp, "ep": ep}, source) or topology is None:
+    topology, before, fold_before = _STATE.topology, dict(_STATE.declared), _STATE.fold_ep
+    folded = _declare_folding(fold_ep, source)
+    if _declare({"pp": pp, "tp": tp, "sp": sp, "ep": ep}, source) or folded or topology is None:
         try:
             topology = _STATE.topology = _build(get_world_size(), get_rank())
         except ValueError:
-            _STATE.declared = before  # degrees that do not tile the world are not kept
+            _STATE.declared, _STATE.fold_ep = before, fold_before  # degrees that do not tile are not kept
             raise
     set_topology(topology)
     return topology

@@ -9,7 +9,8 @@ shape torchtitan gives its ``ParallelDims``:
 ``tp``                    tensor (model) parallel
 ``pp``                    pipeline parallel
 ``sp``                    sequence parallel (Ulysses)
-``ep``                    expert parallel (borrows its ranks from ``dp_shard x sp``)
+``ep``                    expert parallel (borrows its ranks from ``dp_shard x sp``, or from
+                          ``dp_shard x sp x tp`` when ``fold_ep``: AutoEP folded over AutoTP)
 ========================  ==========================================================
 
 ``dp_replicate x dp_shard x tp x pp x sp`` is the world size. The pipeline, tensor,
@@ -57,8 +58,12 @@ class ParallelDims:
         tp: tensor-parallel degree.
         pp: pipeline-parallel degree.
         sp: sequence-parallel degree.
-        ep: expert-parallel degree; divides ``dp_shard * sp`` (experts borrow those ranks).
+        ep: expert-parallel degree; divides ``dp_shard * sp`` (experts borrow those ranks), or the
+            whole pipeline stage ``dp_shard * sp * tp`` when ``fold_ep``.
         world_size: number of ranks in the job.
+        fold_ep: expert groups span the tensor-parallel ranks too (DeepSpeed's AutoEP + AutoTP
+            "folding", Megatron's MoE parallel folding): ``ep`` groups are runs of consecutive ranks
+            of a pipeline stage and ``edp`` the stage's ranks ``ep`` apart, whatever ``tp`` is.
     """
 
     dp_replicate: int = 1
@@ -68,6 +73,7 @@ class ParallelDims:
     sp: int = 1
     ep: int = 1
     world_size: int = 1
+    fold_ep: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "sp", "ep", "world_size"):
@@ -81,11 +87,17 @@ class ParallelDims:
                 f"x pp={self.pp} x sp={self.sp} = {product}, but the world has {self.world_size} ranks: "
                 "the degrees must multiply to the world size"
             )
-        if (self.dp_shard * self.sp) % self.ep:
+        if self.expert_span % self.ep:
+            spread = "dp_shard x sp x tp" if self.fold_ep else "dp_shard x sp"
             raise ValueError(
-                f"expert-parallel degree ep={self.ep} must divide dp_shard x sp = {self.dp_shard * self.sp} "
-                "(experts are spread over the data/sequence-parallel ranks)"
+                f"expert-parallel degree ep={self.ep} must divide {spread} = {self.expert_span} "
+                "(experts are spread over those ranks)"
             )
+
+    @property
+    def expert_span(self) -> int:
+        """How many ranks the ``ep`` x ``edp`` layout tiles: ``dp_shard * sp`` (``* tp`` when ``fold_ep``)."""
+        return self.dp_shard * self.sp * (self.tp if self.fold_ep else 1)
 
     @property
     def dp(self) -> int:
@@ -141,7 +153,8 @@ class ParallelDims:
         innermost: DeepSpeed's pipe/data/model order). ``dp`` spans both data dimensions,
         ``sdp`` the data and sequence dimensions (what ZeRO shards over), ``mp`` is ``tp``.
         ``ep`` groups are runs of ``ep`` consecutive members of an ``sdp`` group and ``edp``
-        the members ``ep`` apart (DeepSpeed's expert and expert-data-parallel groups). Every
+        the members ``ep`` apart (DeepSpeed's expert and expert-data-parallel groups); with
+        ``fold_ep`` the runs are cut from the ``sdp x tp`` group, a whole pipeline stage. Every
         rank must create the groups in this order.
 
         Example:
@@ -150,12 +163,15 @@ class ParallelDims:
             ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
             >>> ParallelDims(dp_shard=4, ep=2, world_size=4).rank_groups("edp")
             [[0, 2], [1, 3]]
+            >>> ParallelDims(dp_shard=2, tp=2, ep=2, world_size=4, fold_ep=True).rank_groups("ep")
+            [[0, 1], [2, 3]]
         """
         if dim not in _SPANS:
             raise ValueError(f"unknown parallel dimension {dim!r}; known: {', '.join(GROUP_DIMS)}")
         sizes = [int(getattr(self, name)) for name in MESH_ORDER]
         strides = [prod(sizes[i + 1 :]) for i in range(len(sizes))]
-        spanned = [i for i, name in enumerate(MESH_ORDER) if name in _SPANS[dim]]
+        spans = _SPANS[dim] + (("tp",) if self.fold_ep and dim in ("ep", "edp") else ())
+        spanned = [i for i, name in enumerate(MESH_ORDER) if name in spans]
         fixed = [i for i in range(len(sizes)) if i not in spanned]
         groups: list[list[int]] = []
         for fixed_coords in product(*(range(sizes[i]) for i in fixed)):

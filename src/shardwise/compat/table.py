@@ -90,6 +90,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.moe.sharded_moe": ("shardwise.moe.layer", "shardwise.moe.gating", "shardwise.moe.dispatch"),
     "deepspeed.module_inject.auto_ep": ("shardwise.autoep.detect",),
     "deepspeed.module_inject.auto_ep_config": ("shardwise.autoep.config", "shardwise.autoep.presets"),
+    "deepspeed.module_inject.auto_ep_folding": ("shardwise.autoep.folding",),
     "deepspeed.module_inject.auto_ep_layer": ("shardwise.autoep.layer",),
     "deepspeed.module_inject.auto_ep_preset_adapters": ("shardwise.autoep.presets",),
     "deepspeed.module_inject.auto_ep_presets": ("shardwise.autoep.presets",),

@@ -50,9 +50,9 @@ def test_load_balance_coeff_is_refused_with_the_fix(value: object) -> None:
 @pytest.mark.parametrize(
     ("config", "world", "match"),
     [
-        (AutoEPConfig(enabled=True, autoep_size=3), 8, r"autoep_size = 3: must divide the stage size 8"),
+        (AutoEPConfig(enabled=True, autoep_size=3), 8, r"autoep_size \* expert_parallel.expert_tensor_parallel_size = 3 \* 1 = 3 must divide the stage size 8.*Valid expert-width values: \[1, 2, 4, 8\]"),
         (AutoEPConfig(enabled=True, autoep_size=0), 8, r"autoep_size = 0: an int >= 1"),
-        (AutoEPConfig(enabled=True, expert_tensor_parallel_size=2), 4, r"expert_tensor_parallel_size=1 only"),
+        (AutoEPConfig(enabled=True, expert_tensor_parallel_size=2), 4, r"expert_tensor_parallel_size=2 is reserved.*fix: set expert_tensor_parallel_size=1"),
         (AutoEPConfig(enabled=True, preset_model="llama"), 4, r"preset_model = 'llama'"),
         (AutoEPConfig(enabled=True, score_apply="later"), 4, r"score_apply = 'later'"),
         (AutoEPConfig(enabled=True, comm_backend="deepep"), 4, r"comm_backend = 'deepep'"),
