@@ -85,6 +85,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.module_inject": ("shardwise.compat.autotp",),
     "deepspeed.module_inject.layers": ("shardwise.compat.autotp",),
     "deepspeed.module_inject.tp_shard": ("shardwise.compat.autotp",),
+    "deepspeed.module_inject.auto_tp": ("shardwise.compat.autotp",),
     "deepspeed.module_inject.autotp_config": ("shardwise.tensor_parallel.specs", "shardwise.tensor_parallel.presets"),
     "deepspeed.runtime.tensor_parallel": ("shardwise.tensor_parallel.model_init",),
     "deepspeed.moe.sharded_moe": ("shardwise.moe.layer", "shardwise.moe.gating", "shardwise.moe.dispatch"),
