@@ -42,6 +42,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "shardwise.compat.universal",
         "shardwise.compat.constants",
         "shardwise.autoep.universal",
+        "shardwise.checkpoint.folding_metadata",
     ),
     "deepspeed.runtime.engine": ("shardwise.engine",),
     "deepspeed.runtime.lr_schedules": ("shardwise.compat.lr_schedules", "shardwise.schedulers"),
@@ -101,7 +102,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.moe.ep_experts": ("shardwise.autoep.experts",),
     "deepspeed.moe.ep_kernels": ("shardwise.autoep.experts",),
     "deepspeed.moe.ep_repack": ("shardwise.autoep.repack",),
-    "deepspeed.checkpoint.autoep_universal": ("shardwise.autoep.universal",),
+    "deepspeed.checkpoint.autoep_universal": (
+        "shardwise.autoep.universal",
+        "shardwise.checkpoint.folding_metadata",
+        "shardwise.checkpoint.universal_experts",
+    ),
 }
 
 RENAMES: dict[str, str] = {
