@@ -168,9 +168,12 @@ def validate_folding_metadata(
 class FoldingSpecLike(Protocol):
     """What the runtime check reads of a folded layout (:class:`shardwise.autoep.folding.ParallelFoldingSpec`)."""
 
-    tp_size: int
-    ep_size: int
-    etp_size: int
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def ep_size(self) -> int: ...
+    @property
+    def etp_size(self) -> int: ...
 
 
 def validate_runtime_folding(
