@@ -86,6 +86,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.module_inject": ("shardwise.compat.autotp",),
     "deepspeed.module_inject.layers": ("shardwise.compat.autotp",),
     "deepspeed.module_inject.tp_shard": ("shardwise.compat.autotp",),
+    "deepspeed.module_inject.auto_tp": ("shardwise.compat.autotp",),
     "deepspeed.module_inject.autotp_config": ("shardwise.tensor_parallel.specs", "shardwise.tensor_parallel.presets"),
     "deepspeed.runtime.tensor_parallel": ("shardwise.tensor_parallel.model_init",),
     "deepspeed.moe.sharded_moe": ("shardwise.moe.layer", "shardwise.moe.gating", "shardwise.moe.dispatch"),
@@ -102,6 +103,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.moe.ep_experts": ("shardwise.autoep.experts",),
     "deepspeed.moe.ep_kernels": ("shardwise.autoep.experts",),
     "deepspeed.moe.ep_repack": ("shardwise.autoep.repack",),
+    "deepspeed.moe.ep_tp_dispatch": ("shardwise.autoep.tp_dispatch",),
+    "deepspeed.moe.fused_expert_layout": ("shardwise.autoep.fused_layout",),
     "deepspeed.checkpoint.autoep_universal": (
         "shardwise.autoep.universal",
         "shardwise.checkpoint.folding_metadata",
