@@ -42,6 +42,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "shardwise.compat.universal",
         "shardwise.compat.constants",
         "shardwise.autoep.universal",
+        "shardwise.checkpoint.folding_metadata",
     ),
     "deepspeed.runtime.engine": ("shardwise.engine",),
     "deepspeed.runtime.lr_schedules": ("shardwise.compat.lr_schedules", "shardwise.schedulers"),
@@ -104,7 +105,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.moe.ep_repack": ("shardwise.autoep.repack",),
     "deepspeed.moe.ep_tp_dispatch": ("shardwise.autoep.tp_dispatch",),
     "deepspeed.moe.fused_expert_layout": ("shardwise.autoep.fused_layout",),
-    "deepspeed.checkpoint.autoep_universal": ("shardwise.autoep.universal",),
+    "deepspeed.checkpoint.autoep_universal": (
+        "shardwise.autoep.universal",
+        "shardwise.checkpoint.folding_metadata",
+        "shardwise.checkpoint.universal_experts",
+    ),
 }
 
 RENAMES: dict[str, str] = {
