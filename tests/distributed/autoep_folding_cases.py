@@ -87,7 +87,7 @@ def _config(stage: int, tp: int, ep: int) -> dict[str, Any]:
     return config
 
 
-def _run(rank: int, stage: int, tp: int, ep: int, replica: int, replicas: int) -> tuple[Any, list[float]]:
+def _run(stage: int, tp: int, ep: int, replica: int, replicas: int, tokens: int) -> tuple[Any, list[float]]:
     import torch
 
     import shardwise
@@ -99,8 +99,8 @@ def _run(rank: int, stage: int, tp: int, ep: int, replica: int, replicas: int) -
     losses = []
     for step in range(STEPS):
         generator = torch.Generator().manual_seed(100 + step * replicas + replica)  # one batch per replica
-        x = torch.randn(2, 5, HIDDEN, generator=generator)
-        target = torch.randn(2, 5, OUT, generator=generator)
+        x = torch.randn(1, tokens, HIDDEN, generator=generator)
+        target = torch.randn(1, tokens, OUT, generator=generator)
         loss = ((engine(x) - target) ** 2).mean()
         engine.backward(loss)
         engine.step()
@@ -146,17 +146,18 @@ def _whole_parameters(engine: Any, tp: int) -> dict[str, Any]:
 
 
 def train_folded(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """The plain model on ``world`` data-parallel ranks (each replica's batch on ``tp`` of them) and the
-    folded one at ``case``'s ZeRO stage, tp and ep: the loss and largest parameter differences."""
-    tp, ep, stage = case["tp"], case["ep"], case["stage"]
+    """The plain model on ``world`` data-parallel ranks (each replica's batch of ``case["tokens"]`` tokens on
+    ``tp`` of them) and the folded one at ``case``'s ZeRO stage, tp and ep: the losses and each parameter's
+    largest difference."""
+    tp, ep, stage, tokens = case["tp"], case["ep"], case["stage"], case.get("tokens", 10)
     replicas, replica = world // tp, rank // tp
-    key = f"{tp}"
-    if key not in _REFERENCE:  # the plain run, once per spawn and tp (the folded runs reset the layout after it)
-        plain, losses = _run(rank, 0, 1, 1, replica, replicas)
+    key = f"{tp}-{tokens}"
+    if key not in _REFERENCE:  # the plain run, once per spawn, tp and batch (folded runs reset the layout after it)
+        plain, losses = _run(0, 1, 1, replica, replicas, tokens)
         _REFERENCE[key] = (losses, {n: p.detach().clone() for n, p in plain.module.named_parameters()})
         plain.destroy()
     plain_losses, plain_params = _REFERENCE[key]
-    engine, losses = _run(rank, stage, tp, ep, replica, replicas)
+    engine, losses = _run(stage, tp, ep, replica, replicas, tokens)
     whole = _whole_parameters(engine, tp)
     layers = [m for m in engine.module.modules() if getattr(m, "folding_group_handles", None) is not None]
     differences = {name: float((whole[name] - plain_params[name]).abs().max()) for name in plain_params}

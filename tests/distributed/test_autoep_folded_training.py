@@ -1,8 +1,9 @@
 """AutoEP folded over AutoTP on 4 gloo ranks: a tiny Mixtral-shaped model (two MoE layers, a
 column/row-split dense MLP, layer norms, a replicated head) trained with ``expert_parallel.autoep_size``
 beside ``tensor_parallel.autotp_size=2`` matches the plain model trained data-parallel on the same ranks
-(each replica's batch on both lanes of its TP group), at ZeRO 0, 1 and 2, with expert groups inside a
-TP group (ep=2) and across TP groups (ep=4, cross-lane).
+(each replica's batch on every lane of its TP group), at ZeRO 0, 1 and 2, with expert groups inside a
+TP group (ep=2), across TP groups (ep=4, cross-lane), and with tp=4 on a one-token batch (two of the four
+lanes own no assignment but still take part in the all-to-alls and their backward).
 
 Tolerance. Everything is fp32 and each routed assignment is computed once, so only summation order
 differs: the TP all-reduce adds each token's per-lane partial sums (k=2 terms), the backward sums
@@ -24,7 +25,10 @@ from shardwise.testing import run_distributed_cases
 
 pytestmark = pytest.mark.distributed
 
-CASES = [{"tp": 2, "ep": 2, "stage": s} for s in (0, 1, 2)] + [{"tp": 2, "ep": 4, "stage": 2}]
+CASES = [{"tp": 2, "ep": 2, "stage": s} for s in (0, 1, 2)] + [
+    {"tp": 2, "ep": 4, "stage": 2},
+    {"tp": 4, "ep": 4, "stage": 1, "tokens": 1},  # 2 assignments over 4 lanes: two lanes own none
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +37,11 @@ def folded_runs() -> list[list[dict]]:
     return run_distributed_cases(train_folded, CASES, world_size=4, timeout=600)
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"tp{c['tp']}-ep{c['ep']}-zero{c['stage']}" for c in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)),
+                         ids=[f"tp{c['tp']}-ep{c['ep']}-zero{c['stage']}-tokens{c.get('tokens', 10)}" for c in CASES])
 def test_folded_training_matches_the_plain_model(folded_runs: list[list[dict]], index: int) -> None:
     for rank, run in enumerate(folded_runs[index]):
-        assert run["folded_layers"] == 2 and run["tp_size"] == 2, (rank, run["folded_layers"], run["tp_size"])
+        assert run["folded_layers"] == 2 and run["tp_size"] == CASES[index]["tp"], (rank, run["folded_layers"])
         assert run["names"], rank  # every parameter of the plain model has its folded counterpart
         for folded, plain in zip(run["loss"], run["plain_loss"], strict=True):
             assert abs(folded - plain) <= 2e-6 * abs(plain), (rank, run["loss"], run["plain_loss"])
