@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from shardwise.autoep.config import UNSET, AutoEPConfig, fill_autoep_config_from_hf, resolve_route_scale
+from shardwise.autoep.fused_layout import classify_fused_gate_up_layout
 from shardwise.autoep.layer import AutoEPMoELayer
 from shardwise.autoep.presets import (
     PRESET_MODELS,
@@ -88,9 +89,17 @@ class AutoEP:
         w1_shape = _shape(_weight(first, w1))
         if storage == "module_list":
             num_from_weights, hidden, ffn = len(experts), w1_shape[1], w1_shape[0]
+        elif w3 is None:  # gate and up fused in w1: the layout says which dimension is which
+            w2_shape = _shape(_weight(first, w2))
+            layout = classify_fused_gate_up_layout(w1_shape, w2_shape)
+            if layout is None:
+                raise ValueError(
+                    f"AutoEP layer {name!r}: expert_w3 is None but {w1} {w1_shape} and {w2} {w2_shape} are "
+                    "not a fused gate/up pair; rule: [E, 2F, H] with [E, H, F] or [E, H, 2F] with [E, F, H]; "
+                    "fix: set expert_parallel.expert_w3 to the up projection, or use a preset for the model")
+            num_from_weights, hidden, ffn = w1_shape[0], layout.hidden_size, layout.ffn_hidden_size
         else:
-            num_from_weights, hidden = w1_shape[0], w1_shape[2]
-            ffn = w1_shape[1] // 2 if w3 is None else w1_shape[1]
+            num_from_weights, hidden, ffn = w1_shape[0], w1_shape[2], w1_shape[1]
         attr = config.num_experts_attr or preset.num_experts_attr
         num_experts = int(getattr(self.model_config, attr, None) or num_from_weights)
         if num_experts != num_from_weights:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from shardwise.autoep.fused_layout import split_fused_gate_up
 from shardwise.zero import GatheredParameters
 
 __all__ = ["GatheredParameters", "gathered_source", "repack_expert_requires_grad_flags", "repack_expert_weights"]
@@ -86,7 +87,8 @@ def repack_expert_requires_grad_flags(experts_source: nn.Module, spec: Any, ep_r
 def repack_expert_weights(experts_source: nn.Module, spec: Any, ep_rank: int, ep_size: int,
                           ) -> tuple[Tensor, Tensor, Tensor]:
     """This rank's experts (global indices ``ep_rank * E/ep`` onwards) as ``w1 [L, F, H]``,
-    ``w2 [L, H, F]``, ``w3 [L, F, H]`` copies, in the source's dtype and device."""
+    ``w2 [L, H, F]``, ``w3 [L, F, H]`` copies, in the source's dtype and device (a fused gate/up
+    tensor in either layout of :mod:`~shardwise.autoep.fused_layout`)."""
     keep = _local_range(spec, ep_rank, ep_size)
     if spec.expert_storage == "module_list":
         picked: list[list[Tensor]] = []
@@ -105,9 +107,8 @@ def repack_expert_weights(experts_source: nn.Module, spec: Any, ep_rank: int, ep
     _uniform(tensors, spec)
     with gathered_source(tensors):
         local = [t.detach()[keep.start:keep.stop].clone() for t in tensors]
-    if spec.expert_w3_name is None:  # w1 holds [gate; up] along dim 1
+    if spec.expert_w3_name is None:  # w1 holds gate and up fused, in either layout
         gate_up, down = local
-        hidden = gate_up.shape[1] // 2
-        return gate_up[:, :hidden].contiguous(), down, gate_up[:, hidden:].contiguous()
+        return split_fused_gate_up(gate_up, down, f"AutoEP layer {spec.moe_module_name!r}")
     w1, w2, w3 = local
     return w1, w2, w3

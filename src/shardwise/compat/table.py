@@ -101,6 +101,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.moe.ep_experts": ("shardwise.autoep.experts",),
     "deepspeed.moe.ep_kernels": ("shardwise.autoep.experts",),
     "deepspeed.moe.ep_repack": ("shardwise.autoep.repack",),
+    "deepspeed.moe.ep_tp_dispatch": ("shardwise.autoep.tp_dispatch",),
+    "deepspeed.moe.fused_expert_layout": ("shardwise.autoep.fused_layout",),
     "deepspeed.checkpoint.autoep_universal": ("shardwise.autoep.universal",),
 }
 
