@@ -150,6 +150,23 @@ RENAMES: dict[str, str] = {
             "sequence.fpdt_layer.FPDT_InputConstruct",
         )
     },
+    **{
+        f"deepspeed.module_inject.auto_ep_folding.{name}": f"shardwise.compat.unavailable:{name}"
+        for name in (
+            "mark_autoep_folding_router_parameter",
+            "mark_autoep_folding_partial_router_parameter",
+            "mark_autoep_folding_sp_sharded_layernorm_parameter",
+            "autoep_folding_gradient_reduction_strategy",
+            "reduce_autoep_folding_gradient",
+            "apply_folding_correction_to_grad_buffer",
+            "is_autoep_folding_gradient_corrected",
+            "clear_autoep_folding_gradient_corrected",
+            "AUTOEP_FOLDING_GRAD_REDUCE_SKIP",
+            "AUTOEP_FOLDING_GRAD_REDUCE_SUM",
+            "AUTOEP_FOLDING_GRAD_REDUCE_AVERAGE",
+            "AUTOEP_FOLDING_GRAD_REDUCE_EXPERT_TP_CANCEL",
+        )
+    },
 }
 """Single names: DeepSpeed's spelling -> ``module:attribute`` in shardwise. The ``unavailable`` ones are
 DeepSpeed parts shardwise does not have (DualPipeVModule, DeepSpeed's own optimizer wrappers): importable,
