@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.checkpoint import deepspeed_moe, engine_io, snapshot_io
+from shardwise.checkpoint import deepspeed_moe, engine_io, folding_metadata, snapshot_io
 from shardwise.checkpoint.checkpointer import Checkpointer
 from shardwise.comm.topology import Topology
 from shardwise.compilation.compiler import ModelCompiler
@@ -481,6 +481,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
     # DeepSpeed's MoE file layout, static as on DeepSpeedEngine (scripts call them on the class)
     _get_expert_ckpt_name = staticmethod(deepspeed_moe.expert_ckpt_name)
     load_moe_state_dict = staticmethod(deepspeed_moe.load_moe_state_dict)
+    _validate_autoep_folding_checkpoint_metadata = staticmethod(folding_metadata.validate_runtime_folding)
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -183,13 +183,17 @@ def validate_folding_global(
 ) -> None:
     """The folding rules DeepSpeed states (before any group exists); ValueError naming the setting and the fix.
 
-    ``zero_stage`` is accepted for DeepSpeed's signature; which stages train a folded model is decided
-    where the ZeRO strategy is built.
+    A folded model trains at ZeRO stages 0-2; stage 3 (parameters gathered per lane and per expert
+    group) is refused.
     """
-    del zero_stage
     if not autoep_enabled:
         return
     folded = spec.tp_size > 1
+    if folded and zero_stage == 3:
+        raise ValueError(f"zero_optimization.stage=3 with AutoEP+AutoTP folding (tensor_parallel.autotp_size="
+                         f"{spec.tp_size}, expert_parallel.autoep_size={spec.ep_size}) is not supported: ZeRO-3 "
+                         "over folded expert and tensor-parallel groups is a separate composition lane, not built; "
+                         "fix: use zero_optimization.stage 0, 1 or 2, or tensor_parallel.autotp_size=1")
     if deepcompile_enabled and folded:
         raise ValueError("compile.deepcompile: DeepCompile with AutoEP+AutoTP folding is not supported; "
                          "fix: disable compile.deepcompile or use tensor_parallel.autotp_size=1")

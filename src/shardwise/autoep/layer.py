@@ -14,12 +14,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+import shardwise.comm as dist
 from shardwise.autoep.config import AutoEPConfig
 from shardwise.autoep.experts import GroupedExperts
+from shardwise.autoep.folded import folded_routed_output
 from shardwise.autoep.presets import MoELayerSpec
 from shardwise.autoep.repack import gathered_source, repack_expert_requires_grad_flags, repack_expert_weights
 from shardwise.autoep.router import TokenChoiceTopKRouter, count_tokens_per_expert
-from shardwise.comm import torch_api as dist
+from shardwise.comm import torch_api
 from shardwise.comm.group_type import Group
 from shardwise.moe.dispatch import AllToAllV
 
@@ -46,7 +48,7 @@ def _plan_from_counts(counts: Tensor, ep_size: int, num_local_experts: int, ep_g
         total = int(counts.sum())
         return SplitPlan([total], [total], counts, counts.view(1, num_local_experts))
     received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=ep_group)  # one exchange: [ep, L] per rank
+    torch_api.all_to_all_single(received, counts, group=ep_group)  # one exchange: [ep, L] per rank
     by_source = received.view(ep_size, num_local_experts)
     return SplitPlan(counts.view(ep_size, num_local_experts).sum(dim=1).tolist(), by_source.sum(dim=1).tolist(),
                      by_source.sum(dim=0), by_source)
@@ -159,6 +161,9 @@ class AutoEPMoELayer(nn.Module):
         self.hidden_size = spec.hidden_size
         self.ep_group_name = f"ep_size_{ep_size}"
         self.ep_group: Group = None
+        self.folding_group_handles: Any = None  # FoldingGroupHandles when folded over AutoTP
+        self.tp_group: Group = None
+        self.tp_size, self.tp_rank = 1, 0
         self.score_apply = resolve_score_apply_mode(spec, config.score_apply)
         self.combine_impl = "weighted_sum" if config.combine_impl == "auto" else config.combine_impl
         self.record_router_logits = spec.router_logits_capture_target == "router"
@@ -207,7 +212,37 @@ class AutoEPMoELayer(nn.Module):
         """The expert-parallel group this layer's all-to-alls run over (None for ``ep_size`` 1)."""
         self.ep_group = group
 
-    def _experts_over_ranks(self, routed: Tensor, counts: Tensor, selected: Tensor) -> Tensor:
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
+                                  folding_group_handles: Any = None) -> None:
+        """Bind this layer's groups. With ``folding_group_handles`` (a
+        :class:`~shardwise.autoep.folding.FoldingGroupHandles`: AutoEP folded over AutoTP) the layer
+        runs over its ``ep_group`` and ``tp_group`` and computes each routed assignment on one TP lane;
+        without them it takes the process layout's expert-parallel group."""
+        if use_data_before_expert_parallel_:
+            raise ValueError("use_data_before_expert_parallel_=True: shardwise's expert groups are runs of "
+                             "consecutive ranks of the process layout; fix: leave it False")
+        if folding_group_handles is None:
+            from shardwise.comm import mesh
+
+            layout = mesh.ensure_layout(ep=self.ep_size, source=f"AutoEPMoELayer(ep_size={self.ep_size})")
+            self.set_ep_group(layout.group_of("ep") if self.ep_size > 1 else None)
+            return
+        tp_size = int(folding_group_handles.spec.tp_size)
+        if tp_size > 1 and self.combine_impl == "fused_weighted_sum":
+            raise ValueError(f'expert_parallel.combine_impl="fused_weighted_sum" with tensor_parallel.autotp_size='
+                             f'{tp_size}: folded layers combine each lane\'s rows themselves; fix: leave '
+                             'combine_impl unset (or "weighted_sum")')
+        self.folding_group_handles = folding_group_handles
+        self.ep_group_name = folding_group_handles.ep_group_name
+        self.ep_group = folding_group_handles.ep_group
+        self.tp_group = folding_group_handles.tp_group
+        self.tp_size = tp_size
+        self.tp_rank = list(folding_group_handles.tp_ranks).index(dist.get_rank()) if tp_size > 1 else 0
+        self.ep_rank = dist.get_rank(group=self.ep_group)
+
+    def experts_over_ranks(self, routed: Tensor, counts: Tensor, selected: Tensor) -> Tensor:
+        """Rows ``routed`` (in expert order, ``counts`` per global expert) through their experts over the
+        expert-parallel group and back, in the same order."""
         if self.ep_size == 1:
             return self.experts(routed, counts)
         plan = compute_split_plan(selected, self.num_experts, self.ep_size, self.num_local_experts, self.ep_group,
@@ -228,12 +263,15 @@ class AutoEPMoELayer(nn.Module):
             if collected is not None and "router_logits" in collected:
                 collected["router_logits"].append(logits)
         top_scores, selected, counts = self.router.route(logits)
-        routes = torch.argsort(selected.reshape(-1), stable=True)  # by expert: by destination rank, then expert
-        routed = apply_scores_before_experts_if_enabled(x[routes // self.top_k],
-                                                        top_scores.reshape(-1)[routes], self.score_apply)
-        expert_output = self._experts_over_ranks(routed, counts, selected)
-        output = combine_from_routed(expert_output, top_scores, routes, self.top_k, self.score_apply,
-                                     self.combine_impl, (batch, seq, hidden))
+        if self.tp_size > 1:  # folded over AutoTP: each assignment computed on one lane
+            output = folded_routed_output(self, x, top_scores, selected).view(batch, seq, hidden)
+        else:
+            routes = torch.argsort(selected.reshape(-1), stable=True)  # by expert: by destination, then expert
+            routed = apply_scores_before_experts_if_enabled(x[routes // self.top_k],
+                                                            top_scores.reshape(-1)[routes], self.score_apply)
+            expert_output = self.experts_over_ranks(routed, counts, selected)
+            output = combine_from_routed(expert_output, top_scores, routes, self.top_k, self.score_apply,
+                                         self.combine_impl, (batch, seq, hidden))
         if self.shared_experts is not None:
             shared = self.shared_experts(hidden_states)
             if self.shared_experts_gate is not None:

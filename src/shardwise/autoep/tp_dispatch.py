@@ -40,6 +40,7 @@ __all__ = [
     "assert_tp_payload_consistent",
     "assignment_ordinals_by_expert",
     "average_gradient_over_tp",
+    "combine_lane_rows",
     "dispatch_counters",
     "partition_assignments",
     "restore_combined",
@@ -342,6 +343,18 @@ def restore_combined(local_combined: Tensor, ctx: RestoreContext, *, tp_group: A
     if validate_coverage:
         _check_coverage(payload, positions)
     return _combine(rows, positions, payload, ctx.num_tokens)
+
+
+def combine_lane_rows(local_combined: Tensor, ctx: RestoreContext) -> Tensor:
+    """This lane's share of the combined output ``[num_tokens, ...]``: its results ``local_combined``
+    (one row per ``ctx.local_indices``) weighted and added into their tokens, zero for the rest. Local
+    work; summed over the lanes it is :func:`restore_combined`'s output (the folded AutoEP layer sums
+    it with an all-reduce whose backward is the identity, so no gradient needs a correction after).
+    """
+    if local_combined.shape[0] != ctx.local_indices.numel():
+        raise ValueError(f"combine_lane_rows: {local_combined.shape[0]} result rows for "
+                         f"{ctx.local_indices.numel()} local assignments; fix: one row per ctx.local_indices entry")
+    return _combine(local_combined, ctx.local_indices.to(torch.long), ctx.original_payload, ctx.num_tokens)
 
 
 class _AverageOverTP(torch.autograd.Function):

@@ -38,6 +38,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.checkpoint import dcp_io, deepspeed_moe_save, integrity_ranks, keys, layout, publish, rng
 from shardwise.checkpoint.deepspeed_moe import moe_layers
+from shardwise.checkpoint.folded_files import check_before_load, summary_entries
 from shardwise.checkpoint.tp_whole import tp_slices
 from shardwise.checkpoint.training_state import (
     LoadResult,
@@ -150,8 +151,11 @@ class Checkpointer:
                 mp_world_size=state.mp_world_size,
                 dp_world_size=state.dp_world_size,
                 common=items[keys.COMMON],  # type: ignore[arg-type]
+                folding=state.folding,
+                optimizer=state.optimizer.optimizer if state.optimizer is not None else None,
             )
         summary = _summary(state, tag, exclude_frozen_parameters, items)
+        summary.update(summary_entries(state.folding, self.options.deepspeed_moe_files and state.zero_stage < 3))
         failure: OSError | None = None
         if publish.is_publisher(self.options.use_node_local_storage):
             try:
@@ -270,6 +274,8 @@ class Checkpointer:
                 return None
         path = layout.tag_path(root, layout.check_tag(tag))
         kind = layout.detect_kind(path)
+        if state.folding is not None and kind in ("shardwise", "deepspeed"):  # the layout first: it only refuses
+            check_before_load(path, kind, state.folding, moe_layers(state.module))
         if kind is not None:  # every file checked against its checksum before any byte is used
             integrity_ranks.verify_before_load(path, state.process_group)
         if universal and kind != "universal":

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from shardwise.autoep.layer import AutoEPMoELayer
+from shardwise.checkpoint.folding_metadata import FOLDING_METADATA_KEY, validate_runtime_folding
 from shardwise.moe.layer import MoE
 
 MOE_EXPERTS = "deepspeed_moe.experts.deepspeed_experts."
@@ -117,14 +118,41 @@ def optim_ckpt_name(checkpoints_path: str | os.PathLike[str], tag: object, expp_
     return os.path.join(str(checkpoints_path), str(tag), f"expp_rank_{expp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
 
 
-def expert_files(tag_dir: Path, mp_rank: int = 0) -> dict[tuple[int, int], Path]:
-    """``{(layer_id, expert_id): path}`` of a tag directory's expert files of model-parallel rank ``mp_rank``."""
-    out: dict[tuple[int, int], Path] = {}
-    for path in Path(tag_dir).glob("layer_*_expert_*_model_states.pt"):
+def expert_files(tag_dir: Path, load: Callable[..., Any] | None = None) -> dict[tuple[int, int], Path]:
+    """``{(layer_id, expert_id): path}`` of a tag directory's expert files, whichever model-parallel rank
+    wrote each (DeepSpeed's ``resolve_expert_ckpt_path``): the one step every reader of DeepSpeed's expert
+    files (the importer, ``to-universal``, ``consolidate_autoep_expert_files``) finds them by.
+
+    Raises:
+        NotImplementedError: an expert has files of several model-parallel ranks: the tensor-parallel
+            shards of a folded AutoEP+AutoTP run (their files carry the folding record; ``load`` reads
+            one to tell) or of a tensor-parallel expert, which are not joined.
+    """
+    found: dict[tuple[int, int], list[Path]] = {}
+    for path in sorted(Path(tag_dir).glob("layer_*_expert_*_model_states.pt")):
         match = _EXPERT_FILE.match(path.name)
-        if match and int(match.group(3)) == mp_rank:
-            out[(int(match.group(1)), int(match.group(2)))] = path
-    return out
+        if match:
+            found.setdefault((int(match.group(1)), int(match.group(2))), []).append(path)
+    for (layer_id, expert), paths in found.items():
+        if len(paths) > 1:
+            _refuse_tp_expert_shards(layer_id, expert, paths, load or _torch_load)
+    return {where: paths[0] for where, paths in found.items()}
+
+
+def _refuse_tp_expert_shards(layer_id: int, expert: int, paths: Sequence[Path], load: Callable[..., Any]) -> None:
+    names = ", ".join(p.name for p in paths)
+    if any(isinstance(state := load(p), Mapping) and FOLDING_METADATA_KEY in state
+           for p in paths):
+        raise NotImplementedError(
+            f"Universal checkpoint conversion of folded AutoEP+AutoTP expert shards is not supported: layer "
+            f"{layer_id} expert {expert} has one file per tensor-parallel rank ({names}); fix: load the checkpoint "
+            "into a folded run of the layout that saved it (same tensor_parallel.autotp_size and "
+            "expert_parallel.autoep_size), or save it from a shardwise run and convert that (its experts are whole)"
+        )
+    raise NotImplementedError(
+        f"layer {layer_id} expert {expert} has files of several model-parallel ranks ({names}): tensor-parallel "
+        "expert shards are not joined; fix: convert a checkpoint saved without expert tensor parallelism"
+    )
 
 
 # ---------------------------------------------------------------------- whole state <-> files
@@ -300,7 +328,7 @@ def check_autoep_metadata(entries: object) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- DeepSpeed's static loader
-def _torch_load(path: str, map_location: Any = None) -> Any:
+def _torch_load(path: str | os.PathLike[str], map_location: Any = None) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)  # an expert file holds tensors only
 
 
@@ -314,17 +342,27 @@ def load_moe_state_dict(checkpoint_path: str | os.PathLike[str], tag: object, st
 
     ``old_moe_load`` reads DeepSpeed's older ``expert_<E>_...`` files (no layer index; every layer's
     copy of expert ``E`` in one file). ``autoep_layers`` (a checkpoint's ``ds_autoep_layers``) is
-    checked first. ``checkpoint_engine`` is anything with ``load(path, map_location=...)``.
+    checked first. With ``folding_spec`` (a folded AutoEP+AutoTP layout,
+    :class:`~shardwise.autoep.folding.ParallelFoldingSpec`) each expert file's folding record is checked
+    against it (``checkpoint_mp_rank`` the TP rank); without, a file with a record is refused. ``checkpoint_engine`` is anything with ``load(path, map_location=...)``.
 
     Raises:
-        RuntimeError: malformed ``autoep_layers``, or ``old_moe_load`` with AutoEP layers.
+        RuntimeError: malformed ``autoep_layers``, ``old_moe_load`` with AutoEP layers, or a folding
+            record missing, unexpected or of another layout.
         FileNotFoundError: an expert file is missing.
     """
     if checkpoint_mp_rank is None:
         checkpoint_mp_rank = 0 if mpu is None else int(mpu.get_model_parallel_rank())
-    if folding_spec is not None and getattr(folding_spec, "tp_size", 1) > 1:
-        raise NotImplementedError("load_moe_state_dict(folding_spec=...) with tensor-parallel folding: "
-                                  "shardwise keeps AutoEP experts whole on their rank; fix: pass folding_spec=None")
+    folded = folding_spec is not None and int(getattr(folding_spec, "tp_size", 1)) > 1
+
+    def checked(saved: Mapping[str, Any], path: str, ep_rank: int) -> dict[str, Any]:
+        """An expert file's tensors, its folding record checked against ``folding_spec`` (then dropped)."""
+        validate_runtime_folding(
+            saved, folding_spec=folding_spec if folded else None, family="routed_expert",  # type: ignore[arg-type]
+            zero_partition_group="edp", zero_partition_count=getattr(folding_spec, "edp_size", None) if folded else None,
+            tp_rank=checkpoint_mp_rank if folded else None, ep_rank=ep_rank if folded else None, where=path)
+        return {k: v for k, v in saved.items() if k != FOLDING_METADATA_KEY}
+
     load: Callable[..., Any] = checkpoint_engine.load if checkpoint_engine is not None else _torch_load
     layers = [] if model is None else moe_layers(model)
     if autoep_layers is not None:
@@ -356,7 +394,7 @@ def load_moe_state_dict(checkpoint_path: str | os.PathLike[str], tag: object, st
             if not os.path.exists(path):
                 raise FileNotFoundError(f"expert file {path} is missing (layer {record.layer_id} "
                                         f"{record.module_path!r}, expert {expert})")
-            saved = load(path, map_location="cpu")
+            saved = checked(load(path, map_location="cpu"), path, int(ep_rank))
             if record.kind == "moe":
                 _rename_into(state_dict, saved, expert, local)
                 continue

@@ -40,7 +40,7 @@ class DeepSpeedMoEFiles:
 
     def __init__(self, tag_dir: Path, model_states: Mapping[str, Any], load: Any) -> None:
         self.tag_dir, self._load = Path(tag_dir), load
-        self.files = {where: load(path) for where, path in sorted(expert_files(self.tag_dir).items())}
+        self.files = {where: load(path) for where, path in sorted(expert_files(self.tag_dir, load).items())}
         self.layers: list[MoELayerRecord] = layers_from_deepspeed(model_states, self.files)
         optim = {int(m.group(1)): p for p in self.tag_dir.glob("expp_rank_*_optim_states.pt")
                  if (m := _OPTIM_FILE.match(p.name))}
@@ -49,7 +49,7 @@ class DeepSpeedMoEFiles:
     @classmethod
     def open(cls, tag_dir: Path, model_states: Mapping[str, Any], load: Any) -> DeepSpeedMoEFiles | None:
         """The MoE files of ``tag_dir``, or None when the checkpoint has no MoE layers."""
-        if not isinstance(model_states.get("num_experts"), list) or not expert_files(Path(tag_dir)):
+        if not isinstance(model_states.get("num_experts"), list) or not expert_files(Path(tag_dir), load):
             return None
         return cls(tag_dir, model_states, load)
 

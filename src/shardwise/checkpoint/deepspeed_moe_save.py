@@ -12,7 +12,8 @@ resumes with its optimizer.
 
 Not written (and said once in the log): at ZeRO stage 3 (DeepSpeed keeps AutoEP experts in its
 partitioned optimizer files there), with tensor, model or pipeline parallelism (one ``mp_rank_00``
-file holds the whole model here).
+file holds the whole model here), except for AutoEP folded over AutoTP, whose per-lane files with
+their layout record :mod:`~shardwise.checkpoint.folded_files` writes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.checkpoint import folded_files
 from shardwise.checkpoint import universal_names as names
 from shardwise.checkpoint.deepspeed_moe import (
     MoELayerRecord,
@@ -33,6 +35,7 @@ from shardwise.checkpoint.deepspeed_moe import (
     moe_layers,
     split_experts,
 )
+from shardwise.checkpoint.folded_files import FoldedRun
 from shardwise.comm import groups
 from shardwise.moe.naming import global_expert_names
 from shardwise.utils.logging import logger
@@ -59,18 +62,27 @@ def _first_experts(module: nn.Module, layers: list[MoELayerRecord]) -> dict[int,
 
 
 def side_files(
-    module: nn.Module, *, zero_stage: int, mp_world_size: int, dp_world_size: int, common: Mapping[str, Any]
+    module: nn.Module, *, zero_stage: int, mp_world_size: int, dp_world_size: int, common: Mapping[str, Any],
+    folding: FoldedRun | None = None, optimizer: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """This rank's DeepSpeed MoE files of ``module``: ``{file name: what torch.save writes}`` (CPU
     copies, so an asynchronous save may write them later); ``{}`` without MoE layers or where they
     are not written (see the module docstring). ``common`` is the save's common state (counters,
-    scheduler, client state, config)."""
+    scheduler, client state, config). A folded AutoEP+AutoTP run (``folding``) writes one set per
+    tensor-parallel lane, with the layout record (:mod:`~shardwise.checkpoint.folded_files`;
+    ``optimizer``: its torch optimizer, for stage 0's optimizer file)."""
     layers = moe_layers(module)
     if not layers:
         return {}
     if zero_stage == 3:
         _say_once("ZeRO stage 3 (use `shardwise checkpoint to-deepspeed` or to-universal)")
         return {}
+    if folding is not None:
+        state = {global_expert_names(module).get(k, k): v for k, v in module.state_dict().items()}
+        main, experts = split_experts(folded_files.local_copies(state), layers, _first_experts(module, layers))
+        add_router_aliases(main, layers)
+        main_file = _main_file(module, main, layers, dp_world_size, common) if folding.model_writer else None
+        return folded_files.side_files(folding, module, layers, main, experts, main_file, optimizer, zero_stage)
     if mp_world_size > 1 or groups.get_pipeline_parallel_world_size() > 1:  # (AutoEP's own cuts of the stacked
         _say_once("tensor, model or pipeline parallelism")  # expert weights are not tensor parallelism)
         return {}

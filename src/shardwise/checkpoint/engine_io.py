@@ -19,6 +19,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.autoep.layer import AutoEPMoELayer
+from shardwise.checkpoint import folded_files
 from shardwise.checkpoint.checkpointer import Checkpointer, CheckpointOptions, TrainingState
 from shardwise.checkpoint.module_state import copy_whole_state
 from shardwise.checkpoint.optimizer_state import OptimizerState
@@ -164,6 +165,7 @@ def training_state(engine: CheckpointedEngine) -> TrainingState:
         pending_micro_batches=engine.pending_micro_batches,
         ds_config=engine.config.to_ds_dict(),
         process_group=None,
+        folding=folded_files.folded_run(topology),
     )
 
 

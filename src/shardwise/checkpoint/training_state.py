@@ -21,13 +21,16 @@ import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import nn
 
 from shardwise.checkpoint.optimizer_state import OptimizerState
 from shardwise.comm.group_type import Group
 from shardwise.moe.naming import global_expert_names
+
+if TYPE_CHECKING:
+    from shardwise.checkpoint.folded_files import FoldedRun
 
 
 @runtime_checkable
@@ -119,6 +122,8 @@ class TrainingState:
             (a save then warns: those gradients are not saved).
         ds_config: the resolved config, saved for reference.
         process_group: group for DCP and the collectives (None: the world).
+        folding: this rank's place in a folded AutoEP + AutoTP layout (None: not folded); such a
+            save records the layout and such a load checks it (:mod:`~shardwise.checkpoint.folded_files`).
     """
 
     module: nn.Module
@@ -132,6 +137,7 @@ class TrainingState:
     pending_micro_batches: int = 0
     ds_config: dict[str, object] = field(default_factory=dict)
     process_group: Group = None
+    folding: FoldedRun | None = None
 
     @property
     def counters(self) -> dict[str, int]:

@@ -42,6 +42,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "shardwise.compat.universal",
         "shardwise.compat.constants",
         "shardwise.autoep.universal",
+        "shardwise.checkpoint.folding_metadata",
     ),
     "deepspeed.runtime.engine": ("shardwise.engine",),
     "deepspeed.runtime.lr_schedules": ("shardwise.compat.lr_schedules", "shardwise.schedulers"),
@@ -85,6 +86,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.module_inject": ("shardwise.compat.autotp",),
     "deepspeed.module_inject.layers": ("shardwise.compat.autotp",),
     "deepspeed.module_inject.tp_shard": ("shardwise.compat.autotp",),
+    "deepspeed.module_inject.auto_tp": ("shardwise.compat.autotp",),
     "deepspeed.module_inject.autotp_config": ("shardwise.tensor_parallel.specs", "shardwise.tensor_parallel.presets"),
     "deepspeed.runtime.tensor_parallel": ("shardwise.tensor_parallel.model_init",),
     "deepspeed.moe.sharded_moe": ("shardwise.moe.layer", "shardwise.moe.gating", "shardwise.moe.dispatch"),
@@ -103,7 +105,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.moe.ep_repack": ("shardwise.autoep.repack",),
     "deepspeed.moe.ep_tp_dispatch": ("shardwise.autoep.tp_dispatch",),
     "deepspeed.moe.fused_expert_layout": ("shardwise.autoep.fused_layout",),
-    "deepspeed.checkpoint.autoep_universal": ("shardwise.autoep.universal",),
+    "deepspeed.checkpoint.autoep_universal": (
+        "shardwise.autoep.universal",
+        "shardwise.checkpoint.folding_metadata",
+        "shardwise.checkpoint.universal_experts",
+    ),
 }
 
 RENAMES: dict[str, str] = {
@@ -142,6 +148,23 @@ RENAMES: dict[str, str] = {
             "runtime.zero.partition_parameters.partitioned_param_data_shape",
             "sequence.fpdt_layer._FPDTGPUOffloadingAttentionImpl_",
             "sequence.fpdt_layer.FPDT_InputConstruct",
+        )
+    },
+    **{
+        f"deepspeed.module_inject.auto_ep_folding.{name}": f"shardwise.compat.unavailable:{name}"
+        for name in (
+            "mark_autoep_folding_router_parameter",
+            "mark_autoep_folding_partial_router_parameter",
+            "mark_autoep_folding_sp_sharded_layernorm_parameter",
+            "autoep_folding_gradient_reduction_strategy",
+            "reduce_autoep_folding_gradient",
+            "apply_folding_correction_to_grad_buffer",
+            "is_autoep_folding_gradient_corrected",
+            "clear_autoep_folding_gradient_corrected",
+            "AUTOEP_FOLDING_GRAD_REDUCE_SKIP",
+            "AUTOEP_FOLDING_GRAD_REDUCE_SUM",
+            "AUTOEP_FOLDING_GRAD_REDUCE_AVERAGE",
+            "AUTOEP_FOLDING_GRAD_REDUCE_EXPERT_TP_CANCEL",
         )
     },
 }

@@ -142,7 +142,7 @@ def apply_autoep(
     (:mod:`shardwise.autoep.convert`); parameter lists and a client optimizer built before are re-pointed
     at the kept experts. Nothing without the section (or with ``autoep_size`` 1)."""
     raw = read_config_source(source)[0] if isinstance(source, (str, os.PathLike, Mapping)) else {}
-    config = autoep_config(raw.get("expert_parallel"), topology)
+    config = autoep_config(raw, topology, mpu)
     if config is None:
         return topology, model_parameters
     if mpu is not None:

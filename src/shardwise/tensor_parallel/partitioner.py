@@ -27,11 +27,11 @@ from shardwise.tensor_parallel.layers import (
 )
 from shardwise.tensor_parallel.specs import LayerSpec, PartitionPlan
 
-__all__ = ["SplitReport", "heuristic_kind", "split_model"]
+__all__ = ["Partitioner", "SplitReport", "heuristic_kind", "split_model"]
 
 # DeepSpeed's AutoTP name rules for layers inside a stack of transformer blocks (nn.ModuleList):
 _ROW_NAMES = frozenset({"o_proj", "down_proj", "out_proj", "dense_4h_to_h", "w2", "c_proj", "fc2", "wo"})
-_SKIP_NAMES = frozenset({"gate", "router", "q_a_proj", "kv_a_proj_with_mqa", "shared_expert_gate"})
+_SKIP_NAMES = frozenset({"gate", "router", "q_a_proj", "kv_a_proj_with_mqa", "shared_expert_gate", "shared_experts_gate"})
 _NORM_KEYS = frozenset({"LayerNorm", "layer_norm", "ln_1", "ln_2"})
 
 
@@ -126,6 +126,111 @@ def _shared_weights(model: nn.Module) -> set[int]:
     return {key for key, count in seen.items() if count > 1}
 
 
+class Partitioner:
+    """The walk behind :func:`split_model` (DeepSpeed's ``AutoTP`` module walk): every child of a
+    module either is replaced by a tensor-parallel layer, gets a gradient all-reduce, or is walked
+    into; an AutoEP layer (``_is_autoep_layer``) keeps its router and routed experts whole (AutoEP
+    places them by expert) and only its shared experts are split, like any dense MLP.
+
+    Args: as :func:`split_model`; :attr:`report` collects what was split.
+    """
+
+    def __init__(self, model: nn.Module, tp: TPGroup, plan: PartitionPlan | None, *, source: str = "config",
+                 model_type: str | None = None, kv_heads: int | None = None) -> None:
+        self.tp, self.plan, self.model_type, self.kv_heads = tp, plan, model_type, kv_heads
+        self.report = SplitReport(source=source if plan is not None else "names")
+        self.names_plan = plan if plan is not None else PartitionPlan()
+        self.shared = _shared_weights(model)
+
+    def _replace_module(self, r_module: nn.Module, prev_name: str = "", in_stack: bool = False) -> nn.Module:
+        """Split ``r_module``'s children (their names prefixed by ``prev_name``) in place; returns it."""
+        for key, child in list(r_module._modules.items()):
+            if child is None:
+                continue
+            name = f"{prev_name}.{key}" if prev_name else key
+            if getattr(child, "_is_autoep_layer", False):
+                self._replace_autoep_shared_experts(child, name)
+                continue
+            self._replace_child(r_module, key, child, name, in_stack)
+        return r_module
+
+    def _replace_autoep_shared_experts(self, autoep_layer: nn.Module, autoep_name: str) -> None:
+        """Split an AutoEP layer's ``shared_experts`` and ``shared_experts_gate`` (router and routed
+        experts stay whole: every tensor-parallel lane routes alike)."""
+        for key in ("shared_experts", "shared_experts_gate"):
+            child = getattr(autoep_layer, key, None)
+            if isinstance(child, nn.Module):
+                self._replace_child(autoep_layer, key, child, f"{autoep_name}.{key}", True)
+
+    def _replace_child(self, parent: nn.Module, key: str, child: nn.Module, name: str, in_stack: bool) -> None:
+        tp, report = self.tp, self.report
+        if isinstance(child, TensorParallelLayer):
+            return
+        kind, spec = self._decide(child, name, parent, key, in_stack)
+        if kind in (None, "skip"):
+            self._replace_module(child, name, in_stack or isinstance(child, nn.ModuleList))
+            return
+        if kind == "grad_allreduce":
+            _grad_allreduce_hooks(child, tp)
+            report.kinds[name] = kind
+            return
+        if id(child.weight) in self.shared:
+            raise ValueError(
+                f"tensor parallelism would split {name}.weight, which another module shares (tied "
+                "embeddings); untie it (e.g. tie_word_embeddings=False) or leave it whole with a layer spec "
+                f'{{"patterns": ["{name}\\\\.weight$"], "partition_type": "skip"}}'
+            )
+        replacement = self._replace(child, name, kind, spec)
+        for attr in ("weight", "bias"):
+            old = getattr(child, attr, None)
+            if isinstance(old, nn.Parameter):
+                report.replaced[id(old)] = getattr(replacement, attr)
+                report.originals.append(old)
+        setattr(parent, key, replacement)
+        report.kinds[name] = kind
+
+    def _decide(self, child: nn.Module, name: str, parent: nn.Module, key: str,
+                in_stack: bool) -> tuple[str | None, LayerSpec | None]:
+        plan, model_type = self.plan, self.model_type
+        weight = getattr(child, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or not isinstance(child, nn.Linear | nn.Embedding):
+            if plan is not None and isinstance(weight, nn.Parameter):
+                spec = plan.find(f"{name}.weight", model_type)
+                if spec is not None and spec.partition_type != "skip":
+                    raise ValueError(f"tensor_parallel: layer spec {spec.patterns} matches {name}.weight of a "
+                                     f"{type(child).__name__}; only nn.Linear and nn.Embedding are split")
+                if spec is not None and spec.grad_allreduce:
+                    return "grad_allreduce", spec
+            return None, None
+        if plan is None:
+            if isinstance(child, nn.Embedding):
+                return None, None
+            return heuristic_kind(name, in_stack, parent, key, self.names_plan), None
+        spec = plan.find(f"{name}.weight", model_type)
+        if spec is None:
+            if plan.strict_mode and isinstance(child, nn.Linear):
+                raise ValueError(f"tensor_parallel.partition_config.strict_mode: no layer spec matches "
+                                 f"{name}.weight; add a spec for it (partition_type 'skip' keeps it whole)")
+            return None, None
+        if isinstance(child, nn.Embedding) and spec.partition_type != "skip":
+            return "embedding", spec
+        return _kind_of_spec(spec), spec
+
+    def _replace(self, child: nn.Module, name: str, kind: str, spec: LayerSpec | None) -> nn.Module:
+        tp, kv_heads = self.tp, self.kv_heads
+        if kind == "embedding":  # _decide returns "embedding" for an nn.Embedding only
+            return ParallelEmbedding(cast(nn.Embedding, child), tp, name, dim=self.names_plan.embedding_partition_dim)
+        linear = cast(nn.Linear, child)  # every other kind is an nn.Linear's
+        dim = 1 if kind == "row" else 0
+        total = linear.weight.shape[dim]
+        attention = ("attn" in name or "attention" in name) and kv_heads and total % kv_heads == 0
+        unit = total // kv_heads if attention and kv_heads else 1
+        if kind == "row":
+            return RowParallelLinear(linear, tp, name, sub_sizes=_sub_sizes(spec, linear, 1), unit=unit)
+        return ColumnParallelLinear(linear, tp, name, gather_output=kind == "column+gather",
+                                    sub_sizes=_sub_sizes(spec, linear, 0), unit=unit)
+
+
 def split_model(model: nn.Module, tp: TPGroup, plan: PartitionPlan | None, *, source: str = "config",
                 model_type: str | None = None, kv_heads: int | None = None) -> SplitReport:
     """Replace ``model``'s layers in place with tensor-parallel ones over ``tp``.
@@ -143,80 +248,9 @@ def split_model(model: nn.Module, tp: TPGroup, plan: PartitionPlan | None, *, so
         ValueError: a weight shared between modules would be split (untie it or skip it), an
             unmatched linear under ``strict_mode``, or no layer to split by the name rules.
     """
-    report = SplitReport(source=source if plan is not None else "names")
-    names_plan = plan if plan is not None else PartitionPlan()
-    shared = _shared_weights(model)
-
-    def visit(parent: nn.Module, prefix: str, in_stack: bool) -> None:
-        for key, child in list(parent._modules.items()):
-            if child is None:
-                continue
-            name = f"{prefix}{key}"
-            if isinstance(child, TensorParallelLayer):
-                continue
-            kind, spec = _decide(child, name, parent, key, in_stack)
-            if kind in (None, "skip"):
-                visit(child, name + ".", in_stack or isinstance(child, nn.ModuleList))
-                continue
-            if kind == "grad_allreduce":
-                _grad_allreduce_hooks(child, tp)
-                report.kinds[name] = kind
-                continue
-            if id(child.weight) in shared:
-                raise ValueError(
-                    f"tensor parallelism would split {name}.weight, which another module shares (tied "
-                    "embeddings); untie it (e.g. tie_word_embeddings=False) or leave it whole with a layer spec "
-                    f'{{"patterns": ["{name}\\\\.weight$"], "partition_type": "skip"}}'
-                )
-            replacement = _replace(child, name, kind, spec)
-            for attr in ("weight", "bias"):
-                old = getattr(child, attr, None)
-                if isinstance(old, nn.Parameter):
-                    report.replaced[id(old)] = getattr(replacement, attr)
-                    report.originals.append(old)
-            setattr(parent, key, replacement)
-            report.kinds[name] = kind
-
-    def _decide(child: nn.Module, name: str, parent: nn.Module, key: str,
-                in_stack: bool) -> tuple[str | None, LayerSpec | None]:
-        weight = getattr(child, "weight", None)
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or not isinstance(child, nn.Linear | nn.Embedding):
-            if plan is not None and isinstance(weight, nn.Parameter):
-                spec = plan.find(f"{name}.weight", model_type)
-                if spec is not None and spec.partition_type != "skip":
-                    raise ValueError(f"tensor_parallel: layer spec {spec.patterns} matches {name}.weight of a "
-                                     f"{type(child).__name__}; only nn.Linear and nn.Embedding are split")
-                if spec is not None and spec.grad_allreduce:
-                    return "grad_allreduce", spec
-            return None, None
-        if plan is None:
-            if isinstance(child, nn.Embedding):
-                return None, None
-            return heuristic_kind(name, in_stack, parent, key, names_plan), None
-        spec = plan.find(f"{name}.weight", model_type)
-        if spec is None:
-            if plan.strict_mode and isinstance(child, nn.Linear):
-                raise ValueError(f"tensor_parallel.partition_config.strict_mode: no layer spec matches "
-                                 f"{name}.weight; add a spec for it (partition_type 'skip' keeps it whole)")
-            return None, None
-        if isinstance(child, nn.Embedding) and spec.partition_type != "skip":
-            return "embedding", spec
-        return _kind_of_spec(spec), spec
-
-    def _replace(child: nn.Module, name: str, kind: str, spec: LayerSpec | None) -> nn.Module:
-        if kind == "embedding":  # _decide returns "embedding" for an nn.Embedding only
-            return ParallelEmbedding(cast(nn.Embedding, child), tp, name, dim=names_plan.embedding_partition_dim)
-        linear = cast(nn.Linear, child)  # every other kind is an nn.Linear's
-        dim = 1 if kind == "row" else 0
-        total = linear.weight.shape[dim]
-        attention = ("attn" in name or "attention" in name) and kv_heads and total % kv_heads == 0
-        unit = total // kv_heads if attention and kv_heads else 1
-        if kind == "row":
-            return RowParallelLinear(linear, tp, name, sub_sizes=_sub_sizes(spec, linear, 1), unit=unit)
-        return ColumnParallelLinear(linear, tp, name, gather_output=kind == "column+gather",
-                                    sub_sizes=_sub_sizes(spec, linear, 0), unit=unit)
-
-    visit(model, "", False)
+    walker = Partitioner(model, tp, plan, source=source, model_type=model_type, kv_heads=kv_heads)
+    walker._replace_module(model)
+    report = walker.report
     if plan is None and not any(k == "row" for k in report.kinds.values()) and tp.size > 1:
         raise ValueError(
             f"tensor parallelism: {type(model).__name__} has no layer DeepSpeed's name rules split by rows "

@@ -333,4 +333,5 @@ def expert_layout(topology: Topology) -> ExpertLayout:
         edp_group=topology.group_of("edp"),
         edp_rank=topology.rank_in("edp"),
         edp_size=topology.size_of("edp"),
+        spans_model_parallel=topology.dims.fold_ep and topology.size_of("tp") > 1,
     )

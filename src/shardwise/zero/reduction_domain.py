@@ -40,7 +40,10 @@ class ReductionDomain:
     """The ranks a set of parameters is replicated over: ``group`` (None: the world, or nothing to
     reduce when ``world_size == 1``), this rank's ``rank`` in it, and ``spread_group``: the group over
     which ranks hold *different* parameters of this domain (the expert-parallel group; None for
-    dense parameters), whose partial gradient norms add up."""
+    dense parameters), whose partial gradient norms add up. ``spans_model_parallel``: the spread group
+    crosses the tensor-parallel lanes (AutoEP folded over AutoTP), so each lane holds other parameters
+    of the domain and its norm is whole after the spread sum (not counted on one lane and summed over
+    the lanes as replicated parameters are)."""
 
     name: str
     group: Group
@@ -48,6 +51,7 @@ class ReductionDomain:
     world_size: int
     spread_group: Group = None
     spread_size: int = 1
+    spans_model_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class ExpertLayout:
     edp_group: Group
     edp_rank: int
     edp_size: int
+    spans_model_parallel: bool = False  # expert groups across the tensor-parallel lanes (folded)
 
 
 def domain_of(param: torch.Tensor, data: ReductionDomain, experts: ExpertLayout | None) -> ReductionDomain:
@@ -91,6 +96,7 @@ def domain_of(param: torch.Tensor, data: ReductionDomain, experts: ExpertLayout 
         world_size=experts.edp_size,
         spread_group=experts.ep_group,
         spread_size=experts.ep_size,
+        spans_model_parallel=experts.spans_model_parallel,
     )
 
 

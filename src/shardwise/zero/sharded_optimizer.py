@@ -347,21 +347,25 @@ class ZeroOptimizer(ZeroStrategy):
         domains = distinct(self.domains)
         parts = {name: torch.zeros((), dtype=torch.float32, device=device) for name in domains}
         for flat, is_tp, domain in zip(self.groups, self.tp_flags, self.domains):
-            if not (is_tp or mp_rank0):
+            if not (is_tp or mp_rank0 or domain.spans_model_parallel):
                 continue  # replicated across model-parallel ranks: count it once
             parts[domain.name] += squared_norm(flat.grad).to(device)
         summed = self.policy.stage >= 1 or local_gradients  # shards (or local gradients) add up
         total = torch.zeros((), dtype=torch.float32, device=device)
+        whole = torch.zeros((), dtype=torch.float32, device=device)  # already summed over every lane
         for name, part in parts.items():
             domain = domains[name]
             if summed and domain.world_size > 1:
                 collectives.all_reduce(part, op="sum", group=domain.group)
             if domain.spread_size > 1:  # other experts on the other expert-parallel ranks
                 collectives.all_reduce(part, op="sum", group=domain.spread_group)
-            total += part
+            if domain.spans_model_parallel:
+                whole += part
+            else:
+                total += part
         if self.policy.mp_size > 1:
             collectives.all_reduce(total, op="sum", group=self.policy.mp_group)
-        return total
+        return total + whole
 
     def step(self, loss_scale: float = 1.0) -> StepResult:
         """One optimizer step at an accumulation boundary (every rank must call it)."""
