@@ -114,12 +114,16 @@ bench-setup:
 ## DS_PYTHON: an interpreter with DeepSpeed 0.19.8 (default: .venv-ds, created as bench-setup does);
 ## INTEROP_ARGS: extra driver flags (see --help): --stages, --dtypes, --optimizers, --worlds SAVE:RESUME...,
 ## --writers deepspeed|shardwise, --json FILE; e.g. "--stages 2 --dtypes fp32 --optimizers Muon --worlds 3:2".
+## Then DeepSpeed's per-expert MoE checkpoint files both ways (benchmarks/moe_checkpoint_interop.py, 14 bitwise
+## checks; DS_TESTS=<DeepSpeed checkout>/tests adds its AutoEP test model).
 DS_PYTHON ?=
 INTEROP_ARGS ?=
 test-interop: $(STAMP)
 	$(if $(DS_PYTHON),,$(MAKE) --no-print-directory bench-setup)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/universal_interop.py \
 		--ds-python "$(if $(DS_PYTHON),$(DS_PYTHON),$(DS_VENV)/bin/python)" $(INTEROP_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/moe_checkpoint_interop.py \
+		--ds-python "$(if $(DS_PYTHON),$(DS_PYTHON),$(DS_VENV)/bin/python)" $(if $(DS_TESTS),--ds-tests "$(DS_TESTS)")
 
 ## deepspeed-suite: DeepSpeed's own unit tests against shardwise's `deepspeed` package, a per-file table.
 ## DS_TESTS: a DeepSpeed checkout's tests/ directory, kept outside this repository (required);

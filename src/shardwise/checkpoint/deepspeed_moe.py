@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from shardwise.autoep.layer import AutoEPMoELayer
-from shardwise.checkpoint.folding_metadata import FOLDING_METADATA_KEY
+from shardwise.checkpoint.folding_metadata import FOLDING_METADATA_KEY, validate_runtime_folding
 from shardwise.moe.layer import MoE
 
 MOE_EXPERTS = "deepspeed_moe.experts.deepspeed_experts."
@@ -342,17 +342,27 @@ def load_moe_state_dict(checkpoint_path: str | os.PathLike[str], tag: object, st
 
     ``old_moe_load`` reads DeepSpeed's older ``expert_<E>_...`` files (no layer index; every layer's
     copy of expert ``E`` in one file). ``autoep_layers`` (a checkpoint's ``ds_autoep_layers``) is
-    checked first. ``checkpoint_engine`` is anything with ``load(path, map_location=...)``.
+    checked first. With ``folding_spec`` (a folded AutoEP+AutoTP layout,
+    :class:`~shardwise.autoep.folding.ParallelFoldingSpec`) each expert file's folding record is checked
+    against it (``checkpoint_mp_rank`` the TP rank); without, a file with a record is refused. ``checkpoint_engine`` is anything with ``load(path, map_location=...)``.
 
     Raises:
-        RuntimeError: malformed ``autoep_layers``, or ``old_moe_load`` with AutoEP layers.
+        RuntimeError: malformed ``autoep_layers``, ``old_moe_load`` with AutoEP layers, or a folding
+            record missing, unexpected or of another layout.
         FileNotFoundError: an expert file is missing.
     """
     if checkpoint_mp_rank is None:
         checkpoint_mp_rank = 0 if mpu is None else int(mpu.get_model_parallel_rank())
-    if folding_spec is not None and getattr(folding_spec, "tp_size", 1) > 1:
-        raise NotImplementedError("load_moe_state_dict(folding_spec=...) with tensor-parallel folding: "
-                                  "shardwise keeps AutoEP experts whole on their rank; fix: pass folding_spec=None")
+    folded = folding_spec is not None and int(getattr(folding_spec, "tp_size", 1)) > 1
+
+    def checked(saved: Mapping[str, Any], path: str, ep_rank: int) -> dict[str, Any]:
+        """An expert file's tensors, its folding record checked against ``folding_spec`` (then dropped)."""
+        validate_runtime_folding(
+            saved, folding_spec=folding_spec if folded else None, family="routed_expert",  # type: ignore[arg-type]
+            zero_partition_group="edp", zero_partition_count=getattr(folding_spec, "edp_size", None) if folded else None,
+            tp_rank=checkpoint_mp_rank if folded else None, ep_rank=ep_rank if folded else None, where=path)
+        return {k: v for k, v in saved.items() if k != FOLDING_METADATA_KEY}
+
     load: Callable[..., Any] = checkpoint_engine.load if checkpoint_engine is not None else _torch_load
     layers = [] if model is None else moe_layers(model)
     if autoep_layers is not None:
@@ -384,7 +394,7 @@ def load_moe_state_dict(checkpoint_path: str | os.PathLike[str], tag: object, st
             if not os.path.exists(path):
                 raise FileNotFoundError(f"expert file {path} is missing (layer {record.layer_id} "
                                         f"{record.module_path!r}, expert {expert})")
-            saved = load(path, map_location="cpu")
+            saved = checked(load(path, map_location="cpu"), path, int(ep_rank))
             if record.kind == "moe":
                 _rename_into(state_dict, saved, expert, local)
                 continue

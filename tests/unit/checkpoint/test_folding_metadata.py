@@ -96,3 +96,31 @@ def test_consolidate_joins_expert_files_and_refuses_folded_tp_shards(tmp_path) -
         expert_files(tmp_path)  # the importer's and to-universal's finder: the same refusal
     with pytest.raises(RuntimeError, match="ds_autoep_layers"):
         consolidate_autoep_expert_files(tmp_path, tmp_path / "out", None)
+
+
+def test_load_moe_state_dict_checks_the_expert_files_records(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from torch import nn
+
+    from shardwise.checkpoint.deepspeed_moe import (
+        expert_ckpt_name,
+        load_moe_state_dict,
+        moe_layers,
+        split_experts,
+    )
+    from shardwise.moe.layer import MoE
+
+    model = nn.Sequential(MoE(3, nn.Linear(3, 3), num_experts=2, ep_size=1))
+    _, files = split_experts(model.state_dict(), moe_layers(model))
+    (tmp_path / "t").mkdir()
+    spec = build_folding_spec(world_size=4, pp_size=1, tp_size=2, ep_size=2)
+    record = _record(tp_size=2, tp_rank=0, ep_size=2, ep_rank=0, zero_partition_count=spec.edp_size)
+    for (layer, expert), tensors in files.items():
+        torch.save({**tensors, fm.FOLDING_METADATA_KEY: record}, expert_ckpt_name(tmp_path, layer, expert, "t"))
+    got: dict[str, torch.Tensor] = {}
+    load_moe_state_dict(tmp_path, "t", got, old_moe_load=False, model=model, folding_spec=spec, checkpoint_mp_rank=0)
+    assert fm.FOLDING_METADATA_KEY not in got and len(got) == 4  # two experts' weight and bias, record dropped
+    with pytest.raises(RuntimeError, match="requires a folded runtime"):
+        load_moe_state_dict(tmp_path, "t", {}, old_moe_load=False, model=model)
+    wider = build_folding_spec(world_size=8, pp_size=1, tp_size=2, ep_size=4)
+    with pytest.raises(RuntimeError, match="mismatch for ep_size"):
+        load_moe_state_dict(tmp_path, "t", {}, old_moe_load=False, model=model, folding_spec=wider, checkpoint_mp_rank=0)

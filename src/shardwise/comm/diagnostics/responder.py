@@ -168,6 +168,16 @@ def _excepthook(exc_type: Any, exc: BaseException, tb: Any) -> None:
     (_previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
 
 
+def _has_queues(store: object) -> bool:
+    """Whether ``store`` serves queues: a TCP store does; a FileStore (``init_method="file://..."``) has
+    the methods but raises "queue support is not implemented" when one is called."""
+    try:
+        store.queue_len(f"{STORE_KEY}/probe")  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def install(diagnose: Callable[[BaseException], str | None], group: Group = None) -> bool:
     """Start answering status requests for the default process group (idempotent), and log
     ``diagnose(exc)`` for an exception nobody caught.
@@ -187,7 +197,7 @@ def install(diagnose: Callable[[BaseException], str | None], group: Group = None
                 return True
             uninstall()  # the group it served was destroyed (outside shardwise) and a new one made
         store = dist.distributed_c10d._get_default_store()
-        if not hasattr(store, "queue_pop"):
+        if not _has_queues(store):
             return False
         state = ResponderState(store, dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
     except Exception as exc:  # private API moved, or no store: no responder
