@@ -87,7 +87,8 @@ def _config(stage: int, tp: int, ep: int) -> dict[str, Any]:
     return config
 
 
-def _run(stage: int, tp: int, ep: int, replica: int, replicas: int, tokens: int) -> tuple[Any, list[float]]:
+def _run(rank: int, stage: int, tp: int, ep: int, replica: int, replicas: int,
+         tokens: int = 10) -> tuple[Any, list[float]]:
     import torch
 
     import shardwise
@@ -153,11 +154,11 @@ def train_folded(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     replicas, replica = world // tp, rank // tp
     key = f"{tp}-{tokens}"
     if key not in _REFERENCE:  # the plain run, once per spawn, tp and batch (folded runs reset the layout after it)
-        plain, losses = _run(0, 1, 1, replica, replicas, tokens)
+        plain, losses = _run(rank, 0, 1, 1, replica, replicas, tokens)
         _REFERENCE[key] = (losses, {n: p.detach().clone() for n, p in plain.module.named_parameters()})
         plain.destroy()
     plain_losses, plain_params = _REFERENCE[key]
-    engine, losses = _run(stage, tp, ep, replica, replicas, tokens)
+    engine, losses = _run(rank, stage, tp, ep, replica, replicas, tokens)
     whole = _whole_parameters(engine, tp)
     layers = [m for m in engine.module.modules() if getattr(m, "folding_group_handles", None) is not None]
     differences = {name: float((whole[name] - plain_params[name]).abs().max()) for name in plain_params}
