@@ -75,10 +75,10 @@ def folded_routed_output(layer: AutoEPMoELayer, x: Tensor, top_scores: Tensor, s
         routed = (routed.float() * scores.index_select(0, mine).reshape(-1, 1)).to(routed.dtype)
     counts = torch.bincount(local.expert_indices, minlength=layer.num_experts)
     expert_output = layer.experts_over_ranks(routed, counts, local.expert_indices)
-    share = combine_lane_rows(expert_output, ctx)
+    share = combine_lane_rows(expert_output.float(), ctx)  # in fp32 through the TP sum, rounded once after
     if expert_output.shape[0] == 0 and expert_output.requires_grad:
         # A lane that owns no assignment must still run every collective of the backward, in the same
         # order as the others (the all-to-alls' and both f's): keep its empty results and scores in the
         # graph (an empty sum is an exact 0).
         share = share + expert_output.sum() + scores.index_select(0, local.extra["routes"]).sum()
-    return reduce_from_group(share, tp_group, tp_size)  # g
+    return reduce_from_group(share, tp_group, tp_size).to(x.dtype)  # g

@@ -191,8 +191,9 @@ def validate_folding_global(
     folded = spec.tp_size > 1
     if folded and zero_stage == 3:
         raise ValueError(f"zero_optimization.stage=3 with AutoEP+AutoTP folding (tensor_parallel.autotp_size="
-                         f"{spec.tp_size}, expert_parallel.autoep_size={spec.ep_size}) is not supported: ZeRO-3 "
-                         "over folded expert and tensor-parallel groups is a separate composition lane, not built; "
+                         f"{spec.tp_size}, expert_parallel.autoep_size={spec.ep_size}) is not supported: sharding "
+                         "parameters over the folded expert and tensor-parallel groups is a separate ZeRO-3 "
+                         "composition lane, not built; "
                          "fix: use zero_optimization.stage 0, 1 or 2, or tensor_parallel.autotp_size=1")
     if deepcompile_enabled and folded:
         raise ValueError("compile.deepcompile: DeepCompile with AutoEP+AutoTP folding is not supported; "
