@@ -238,7 +238,11 @@ class AutoEPMoELayer(nn.Module):
         self.tp_group = folding_group_handles.tp_group
         self.tp_size = tp_size
         self.tp_rank = list(folding_group_handles.tp_ranks).index(dist.get_rank()) if tp_size > 1 else 0
-        self.ep_rank = dist.get_rank(group=self.ep_group)
+        ep_rank = dist.get_rank(group=self.ep_group)
+        if ep_rank != self.ep_rank:
+            raise ValueError(f"AutoEPMoELayer holds the experts of expert-parallel rank {self.ep_rank}, but this rank is "
+                             f"{ep_rank} of the folding handles' ep group {folding_group_handles.ep_ranks}; fix: build "
+                             "the layer with ep_rank from the same layout (shardwise.autoep.convert does)")
 
     def experts_over_ranks(self, routed: Tensor, counts: Tensor, selected: Tensor) -> Tensor:
         """Rows ``routed`` (in expert order, ``counts`` per global expert) through their experts over the
