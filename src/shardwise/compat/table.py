@@ -92,7 +92,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.moe.sharded_moe": ("shardwise.moe.layer", "shardwise.moe.gating", "shardwise.moe.dispatch"),
     "deepspeed.module_inject.auto_ep": ("shardwise.autoep.detect",),
     "deepspeed.module_inject.auto_ep_config": ("shardwise.autoep.config", "shardwise.autoep.presets"),
-    "deepspeed.module_inject.auto_ep_folding": ("shardwise.autoep.folding",),
+    "deepspeed.module_inject.auto_ep_folding": ("shardwise.autoep.folding", "shardwise.compat.folding_corrections"),
     "deepspeed.module_inject.auto_ep_layer": ("shardwise.autoep.layer",),
     "deepspeed.module_inject.auto_ep_preset_adapters": ("shardwise.autoep.presets",),
     "deepspeed.module_inject.auto_ep_presets": ("shardwise.autoep.presets",),
@@ -148,23 +148,6 @@ RENAMES: dict[str, str] = {
             "runtime.zero.partition_parameters.partitioned_param_data_shape",
             "sequence.fpdt_layer._FPDTGPUOffloadingAttentionImpl_",
             "sequence.fpdt_layer.FPDT_InputConstruct",
-        )
-    },
-    **{
-        f"deepspeed.module_inject.auto_ep_folding.{name}": f"shardwise.compat.unavailable:{name}"
-        for name in (
-            "mark_autoep_folding_router_parameter",
-            "mark_autoep_folding_partial_router_parameter",
-            "mark_autoep_folding_sp_sharded_layernorm_parameter",
-            "autoep_folding_gradient_reduction_strategy",
-            "reduce_autoep_folding_gradient",
-            "apply_folding_correction_to_grad_buffer",
-            "is_autoep_folding_gradient_corrected",
-            "clear_autoep_folding_gradient_corrected",
-            "AUTOEP_FOLDING_GRAD_REDUCE_SKIP",
-            "AUTOEP_FOLDING_GRAD_REDUCE_SUM",
-            "AUTOEP_FOLDING_GRAD_REDUCE_AVERAGE",
-            "AUTOEP_FOLDING_GRAD_REDUCE_EXPERT_TP_CANCEL",
         )
     },
 }

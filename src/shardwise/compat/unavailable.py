@@ -67,26 +67,3 @@ partitioned_param_data_shape = unavailable_function(
 _FPDTGPUOffloadingAttentionImpl_ = unavailable_class("deepspeed.sequence.fpdt_layer._FPDTGPUOffloadingAttentionImpl_", _FPDT)
 FPDT_InputConstruct = unavailable_class("deepspeed.sequence.fpdt_layer.FPDT_InputConstruct", _FPDT)
 
-# DeepSpeed's AutoEP+AutoTP folding corrects gradients after backward, per parameter family (router
-# AVERAGE over TP, partial router SUM, routed experts divided by tp_size). shardwise's folded layer
-# computes every gradient exactly on every TP lane in autograd (shardwise.autoep.folded: Megatron's
-# f/g around the lane's share of the routed assignments), so there is no such step to mark for or call.
-_FOLDING = ("shardwise's folded AutoEP layer gives every parameter its exact gradient on every tensor-parallel "
-            "lane during backward (shardwise.autoep.folded), so no per-family gradient correction runs after it; "
-            "drop the call")
-_FOLDING_FUNCTIONS = (
-    "mark_autoep_folding_router_parameter",
-    "mark_autoep_folding_partial_router_parameter",
-    "mark_autoep_folding_sp_sharded_layernorm_parameter",
-    "autoep_folding_gradient_reduction_strategy",
-    "reduce_autoep_folding_gradient",
-    "apply_folding_correction_to_grad_buffer",
-    "is_autoep_folding_gradient_corrected",
-    "clear_autoep_folding_gradient_corrected",
-)
-for _name in _FOLDING_FUNCTIONS:
-    globals()[_name] = unavailable_function(f"deepspeed.module_inject.auto_ep_folding.{_name}", _FOLDING)
-AUTOEP_FOLDING_GRAD_REDUCE_SKIP = "skip"  # DeepSpeed's names of those corrections (importable; nothing reads them)
-AUTOEP_FOLDING_GRAD_REDUCE_SUM = "sum"
-AUTOEP_FOLDING_GRAD_REDUCE_AVERAGE = "average"
-AUTOEP_FOLDING_GRAD_REDUCE_EXPERT_TP_CANCEL = "expert_tp_cancel"
