@@ -2,10 +2,10 @@
 
     python benchmarks/autoep_folding_bench.py --ds-python /work/venv-ds/bin/python [--quick] [--ep 2 4]
 
-Workload: 4 gloo ranks, a Mixtral-shaped model (``autoep_folding_worker.build_model``: per layer a
+Workload: 4 gloo ranks, a Mixtral-shaped model (the folded test's, ``tests/distributed/autoep_folding_cases.build_model``: per layer a
 column/row-parallel dense pair and a sparse block of 8 experts, top-2), ``tensor_parallel.autotp_size=2``
-and ``expert_parallel.autoep_size`` = each ``--ep`` (2: expert groups inside a TP pair's data-parallel
-neighbours; 4: one expert group across both TP lanes), fp32, torch's Adam, ZeRO stage 1; each
+and ``expert_parallel.autoep_size`` = each ``--ep`` (folded expert groups are runs of consecutive ranks:
+2: each TP pair is an expert group; 4: one expert group across both TP pairs), fp32, torch's Adam, ZeRO stage 1; each
 data-parallel replica its own batch, the same on its two TP lanes.
 
 Reported per peer (rank 0): the bytes handed to ``all_to_all_single`` in one step (the dispatch:

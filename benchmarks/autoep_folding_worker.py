@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "distributed"))
+import autoep_folding_cases as cases  # the test's model (it imports only torch)
+
 SENT = {"bytes": 0}
 _original = dist.all_to_all_single
 
@@ -33,55 +36,10 @@ dist.all_to_all_single = _counting  # both libraries call it through the module 
 
 
 def build_model(spec: dict) -> nn.Module:
-    """Mixtral's layout (``model.layers[i].mlp.gate`` / ``.experts.gate_up_proj`` / ``.down_proj``, what
-    both libraries' ``preset_model: mixtral`` detects) with a column/row-parallel pair for the dense part."""
-    hidden, ffn, experts, top_k = spec["hidden"], spec["ffn"], spec["experts"], spec["k"]
-
-    class Experts(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, hidden) * hidden**-0.5)
-            self.down_proj = nn.Parameter(torch.randn(experts, hidden, ffn) * ffn**-0.5)
-
-    class SparseBlock(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate = nn.Linear(hidden, experts, bias=False)
-            self.experts = Experts()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:  # replaced by both libraries' AutoEP layer
-            raise RuntimeError("the MoE block was not converted")
-
-    class Layer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.input_layernorm = nn.LayerNorm(hidden)
-            self.up = nn.Linear(hidden, 4 * hidden)
-            self.down = nn.Linear(4 * hidden, hidden)
-            self.post_attention_layernorm = nn.LayerNorm(hidden)
-            self.mlp = SparseBlock()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = x + self.down(torch.relu(self.up(self.input_layernorm(x))))
-            return x + self.mlp(self.post_attention_layernorm(x))
-
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.config = type("Config", (), {"model_type": "mixtral", "num_local_experts": experts,
-                                              "num_experts_per_tok": top_k, "hidden_size": hidden,
-                                              "intermediate_size": ffn})()
-            self.model = nn.Module()
-            self.model.layers = nn.ModuleList([Layer() for _ in range(spec["layers"])])
-            self.lm_head = nn.Linear(hidden, hidden, bias=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for layer in self.model.layers:
-                x = layer(x)
-            return self.lm_head(x)
-
-    torch.manual_seed(0)
-    return Model()
+    """The folded test's Mixtral-shaped model (``tests/distributed/autoep_folding_cases.build_model``: what
+    both libraries' ``preset_model: mixtral`` converts, with a column/row-parallel dense pair) at this size."""
+    return cases.build_model(hidden=spec["hidden"], ffn=spec["ffn"], experts=spec["experts"], top_k=spec["k"],
+                             out=spec["hidden"], layers=spec["layers"], dense=4 * spec["hidden"], init_scale=0.05)
 
 
 def config(spec: dict) -> dict:

@@ -9,14 +9,14 @@ from typing import Any
 
 
 def _fresh(stage: int, tp: int, ep: int) -> Any:
-    from autoep_folding_cases import _config, _model
+    from autoep_folding_cases import _config, build_model
 
     import shardwise
     from shardwise.comm import groups, mesh
 
     mesh.reset_layout()
     groups.clear_topology()
-    engine, *_ = shardwise.initialize(model=_model(), config=_config(stage, tp, ep))
+    engine, *_ = shardwise.initialize(model=build_model(), config=_config(stage, tp, ep))
     return engine
 
 

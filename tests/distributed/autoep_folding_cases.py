@@ -10,41 +10,46 @@ HIDDEN, FFN, EXPERTS, TOP_K, OUT, STEPS, LR = 16, 24, 4, 2, 8, 3, 0.05
 _REFERENCE: dict[str, Any] = {}
 
 
-def _model() -> Any:
+def build_model(hidden: int = HIDDEN, ffn: int = FFN, experts: int = EXPERTS, top_k: int = TOP_K, out: int = OUT,
+                layers: int = 2, dense: int = 2 * HIDDEN, init_scale: float = 0.3) -> Any:
+    """Mixtral's module layout (``model.layers[i].mlp.gate`` / ``.experts.gate_up_proj`` / ``.down_proj``,
+    what ``preset_model: mixtral`` detects, in shardwise and DeepSpeed alike) with a dense pair ``up``/``down``
+    (``hidden -> dense -> hidden``) that the folded config splits column/row; seeded, so every call is the same
+    model (expert weights ``init_scale`` x N(0, 1)). Only torch is imported (``benchmarks/autoep_folding_worker.py`` builds it under DeepSpeed too)."""
     import torch
     from torch import nn
 
     class Experts(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.gate_up_proj = nn.Parameter(torch.randn(EXPERTS, 2 * FFN, HIDDEN) * 0.3)
-            self.down_proj = nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN) * 0.3)
+            self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, hidden) * init_scale)
+            self.down_proj = nn.Parameter(torch.randn(experts, hidden, ffn) * init_scale)
 
     class SparseBlock(nn.Module):  # Mixtral's routing: softmax, top-k, renormalised, weights after
         def __init__(self) -> None:
             super().__init__()
-            self.gate = nn.Linear(HIDDEN, EXPERTS, bias=False)
+            self.gate = nn.Linear(hidden, experts, bias=False)
             self.experts = Experts()
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            flat = x.reshape(-1, HIDDEN)
-            scores, chosen = torch.topk(torch.softmax(self.gate(flat), dim=-1), TOP_K, dim=-1)
+            flat = x.reshape(-1, hidden)
+            scores, chosen = torch.topk(torch.softmax(self.gate(flat), dim=-1), top_k, dim=-1)
             scores = scores / scores.sum(dim=-1, keepdim=True)
-            out = torch.zeros_like(flat)
-            for e in range(EXPERTS):
+            result_sum = torch.zeros_like(flat)
+            for e in range(experts):
                 token, slot = (chosen == e).nonzero(as_tuple=True)
                 gate, up = (flat[token] @ self.experts.gate_up_proj[e].T).chunk(2, dim=-1)
                 result = (nn.functional.silu(gate) * up) @ self.experts.down_proj[e].T
-                out.index_add_(0, token, result * scores[token, slot].unsqueeze(-1))
-            return out.view_as(x)
+                result_sum.index_add_(0, token, result * scores[token, slot].unsqueeze(-1))
+            return result_sum.view_as(x)
 
     class Layer(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.input_layernorm = nn.LayerNorm(HIDDEN)
-            self.up = nn.Linear(HIDDEN, 2 * HIDDEN)  # column-parallel under the folded config
-            self.down = nn.Linear(2 * HIDDEN, HIDDEN)  # row-parallel
-            self.post_attention_layernorm = nn.LayerNorm(HIDDEN)
+            self.input_layernorm = nn.LayerNorm(hidden)
+            self.up = nn.Linear(hidden, dense)  # column-parallel under the folded config
+            self.down = nn.Linear(dense, hidden)  # row-parallel
+            self.post_attention_layernorm = nn.LayerNorm(hidden)
             self.mlp = SparseBlock()
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,12 +59,12 @@ def _model() -> Any:
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.config = type("Config", (), {"model_type": "mixtral", "num_local_experts": EXPERTS,
-                                              "num_experts_per_tok": TOP_K, "hidden_size": HIDDEN,
-                                              "intermediate_size": FFN})()
+            self.config = type("Config", (), {"model_type": "mixtral", "num_local_experts": experts,
+                                              "num_experts_per_tok": top_k, "hidden_size": hidden,
+                                              "intermediate_size": ffn})()
             self.model = nn.Module()
-            self.model.layers = nn.ModuleList([Layer(), Layer()])
-            self.lm_head = nn.Linear(HIDDEN, OUT, bias=False)
+            self.model.layers = nn.ModuleList([Layer() for _ in range(layers)])
+            self.lm_head = nn.Linear(hidden, out, bias=False)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for layer in self.model.layers:
@@ -96,7 +101,7 @@ def _run(rank: int, stage: int, tp: int, ep: int, replica: int, replicas: int,
 
     mesh.reset_layout()
     groups.clear_topology()
-    engine, *_ = shardwise.initialize(model=_model(), config=_config(stage, tp, ep))
+    engine, *_ = shardwise.initialize(model=build_model(), config=_config(stage, tp, ep))
     losses = []
     for step in range(STEPS):
         generator = torch.Generator().manual_seed(100 + step * replicas + replica)  # one batch per replica

@@ -21,7 +21,6 @@ from shardwise.autoep.folded import folded_routed_output
 from shardwise.autoep.presets import MoELayerSpec
 from shardwise.autoep.repack import gathered_source, repack_expert_requires_grad_flags, repack_expert_weights
 from shardwise.autoep.router import TokenChoiceTopKRouter, count_tokens_per_expert
-from shardwise.comm import torch_api
 from shardwise.comm.group_type import Group
 from shardwise.moe.dispatch import AllToAllV
 
@@ -48,7 +47,7 @@ def _plan_from_counts(counts: Tensor, ep_size: int, num_local_experts: int, ep_g
         total = int(counts.sum())
         return SplitPlan([total], [total], counts, counts.view(1, num_local_experts))
     received = torch.empty_like(counts)
-    torch_api.all_to_all_single(received, counts, group=ep_group)  # one exchange: [ep, L] per rank
+    dist.all_to_all_single(received, counts, group=ep_group)  # one exchange: [ep, L] per rank
     by_source = received.view(ep_size, num_local_experts)
     return SplitPlan(counts.view(ep_size, num_local_experts).sum(dim=1).tolist(), by_source.sum(dim=1).tolist(),
                      by_source.sum(dim=0), by_source)

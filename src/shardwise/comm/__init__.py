@@ -58,6 +58,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "broadcast_into": ("shardwise.comm.collectives", "broadcast_into"),
     "all_reduce_max_flag": ("shardwise.comm.collectives", "all_reduce_max_flag"),
     "choose_algorithm": ("shardwise.comm.collectives", "choose_algorithm"),
+    "all_to_all_single": ("shardwise.comm.torch_api", "all_to_all_single"),
     "ReduceOp": ("torch.distributed", "ReduceOp"),
     # comms logger (``comms_logger`` section)
     "configure": ("shardwise.comm.comms_logger", "configure"),

@@ -126,7 +126,7 @@ def test_split_plan_from_one_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
         sent.append(tensor.clone())
         output.copy_(others.reshape(-1))
 
-    monkeypatch.setattr(layer_module.torch_api, "all_to_all_single", exchange)
+    monkeypatch.setattr(layer_module.dist, "all_to_all_single", exchange)
     plan = compute_split_plan(torch.repeat_interleave(torch.arange(4), counts.long()), 4, 2, 2, None)
     assert len(sent) == 1 and torch.equal(sent[0], counts)
     assert plan.input_splits == [3, 6] and plan.output_splits == [3, 7]
