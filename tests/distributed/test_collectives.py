@@ -418,7 +418,12 @@ _INIT_SCRIPT = r"""
 import json, os, sys, warnings
 warnings.simplefilter("error")  # e.g. FutureWarnings from deprecated collective names
 import torch
+import torch.distributed as dist
 from shardwise import comm
+
+drains = []  # destroy_process_group's drain of point-to-point messages (monitored_barrier calls)
+_monitored_barrier = dist.monitored_barrier
+dist.monitored_barrier = lambda *a, **k: drains.append(1) or _monitored_barrier(*a, **k)
 
 
 def phase():
@@ -436,8 +441,10 @@ def phase():
         "avg": t.tolist(), "gathered": gathered.tolist(),
         "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")},
     }
+    before = len(drains)
     comm.destroy_process_group()
     assert not comm.is_initialized()
+    result["drains"] = len(drains) - before
     return result
 
 
@@ -507,6 +514,7 @@ def test_init_distributed_mpirun_environment_then_single_process() -> None:
         assert (got["rank"], got["world"], got["local_rank"]) == (rank, 2, rank)
         assert got["avg"] == [1.5] * 4
         assert got["gathered"] == [0.0, 3.0, 6.0, 9.0]  # arange(4) * (1 + 2)
+        assert got["drains"] == 1  # 2 gloo ranks exchanged point to point: teardown waits for both
         assert got["env"] == {
             "RANK": str(rank),
             "WORLD_SIZE": "2",
@@ -517,4 +525,5 @@ def test_init_distributed_mpirun_environment_then_single_process() -> None:
         assert (one["rank"], one["world"], one["local_rank"]) == (0, 1, 0)
         assert one["avg"] == [1.0] * 4
         assert one["gathered"] == [0.0, 1.0, 2.0, 3.0]
+        assert one["drains"] == 0  # a world of one sent nothing: no barrier
         assert one["env"] == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}

@@ -62,6 +62,14 @@ _TAG_SPAN = 1 << 28
 _calls: dict[Any, int] = {}
 
 
+def take_sent() -> bool:
+    """Whether this process posted exchange messages since the last call (and forget them): the
+    teardown drains the transport first (:func:`shardwise.comm.init.destroy_process_group`)."""
+    sent = bool(_calls)
+    _calls.clear()
+    return sent
+
+
 def _next_tag_block(group: dist.ProcessGroup | None) -> int:
     key = group if group is not None else dist.group.WORLD
     count = _calls.get(key, 0)
