@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from rank_processes import run_json_ranks
+from rank_processes import best_of_alternating, run_json_ranks
 
 WORKER = Path(__file__).resolve().parent / "autoep_folding_worker.py"
 FULL = {"hidden": 256, "ffn": 512, "experts": 8, "k": 2, "layers": 2, "tokens": 512, "tp": 2, "stage": 1,
@@ -46,13 +46,10 @@ def main() -> None:
     args = parser.parse_args()
     for ep in args.ep:
         spec = {**(QUICK if args.quick else FULL), "ep": ep}
-        best: dict[str, dict] = {}
-        for order in (("shardwise", "deepspeed"), ("deepspeed", "shardwise")):
-            for peer in order:
-                python = sys.executable if peer == "shardwise" else args.ds_python
-                rank0 = run_peer(peer, python, spec, args.timeout)
-                if peer not in best or rank0["cpu_ms_min"] < best[peer]["cpu_ms_min"]:
-                    best[peer] = rank0
+        best = best_of_alternating(
+            lambda peer, spec=spec: run_peer(peer, sys.executable if peer == "shardwise" else args.ds_python, spec,
+                                             args.timeout)
+        )
         print(f"workload: {json.dumps(spec)} on {WORLD} ranks")
         print(f"{'peer':10} | {'a2a bytes/step':>14} | {'cpu ms (min)':>12} | {'wall ms (median)':>16} | loss first -> last")
         for peer, r in best.items():

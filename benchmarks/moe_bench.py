@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from rank_processes import run_json_ranks
+from rank_processes import best_of_alternating, run_json_ranks
 
 WORKER = Path(__file__).resolve().parent / "moe_worker.py"
 FULL = {"hidden": 256, "ffn": 1024, "experts": 8, "ep": 2, "k": 2, "batch": 8, "seq": 128, "layers": 2,
@@ -43,13 +43,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
     spec = QUICK if args.quick else FULL
-    best: dict[str, dict] = {}
-    for order in (("shardwise", "deepspeed"), ("deepspeed", "shardwise")):
-        for peer in order:
-            python = sys.executable if peer == "shardwise" else args.ds_python
-            rank0 = run_peer(peer, python, spec, args.timeout)[0]
-            if peer not in best or rank0["cpu_ms_min"] < best[peer]["cpu_ms_min"]:
-                best[peer] = rank0
+    best = best_of_alternating(
+        lambda peer: run_peer(peer, sys.executable if peer == "shardwise" else args.ds_python, spec, args.timeout)[0]
+    )
     print(f"workload: {json.dumps(spec)}")
     print(f"{'peer':10} | {'a2a bytes/step':>14} | {'theory':>10} | {'cpu ms (min)':>12} | {'wall ms (median)':>16}")
     for peer, r in best.items():
