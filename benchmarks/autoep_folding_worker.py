@@ -12,7 +12,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,18 +20,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "distributed"))
 import autoep_folding_cases as cases  # the test's model (it imports only torch)
-
-SENT = {"bytes": 0}
-_original = dist.all_to_all_single
-
-
-def _counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-    tensor = kwargs["input"] if "input" in kwargs else args[1]
-    SENT["bytes"] += tensor.numel() * tensor.element_size()
-    return _original(*args, **kwargs)
-
-
-dist.all_to_all_single = _counting  # both libraries call it through the module at call time
+from a2a_timing import timed_steps
 
 
 def build_model(spec: dict) -> nn.Module:
@@ -74,20 +62,14 @@ def main() -> None:
     gen = torch.Generator().manual_seed(rank // tp)  # one batch per data-parallel replica, the same on its TP lanes
     x = torch.randn(1, spec["tokens"], spec["hidden"], generator=gen)
     target = torch.randn(1, spec["tokens"], spec["hidden"], generator=gen)
-    cpu, wall, sent, losses = [], [], [], []
-    for step in range(spec["warmup"] + spec["steps"]):
-        before = SENT["bytes"]
-        dist.barrier()
-        c0, w0 = time.process_time(), time.perf_counter()
+    def step() -> float:
         loss = ((engine(x) - target) ** 2).mean()
         engine.backward(loss)
         engine.step()
-        c1, w1 = time.process_time(), time.perf_counter()
-        losses.append(float(loss))
-        if step >= spec["warmup"]:
-            cpu.append(c1 - c0)
-            wall.append(w1 - w0)
-            sent.append(SENT["bytes"] - before)
+        return float(loss)
+
+    timed = timed_steps(step, spec["warmup"], spec["steps"])
+    cpu, wall, sent, losses = timed["cpu"], timed["wall"], timed["sent"], timed["losses"]
     print(json.dumps({
         "rank": rank, "peer": args.peer, "cpu_ms_min": 1e3 * min(cpu), "wall_ms_median": 1e3 * statistics.median(wall),
         "a2a_bytes_per_step": sent[-1], "losses": losses,

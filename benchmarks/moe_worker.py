@@ -12,24 +12,11 @@ import math
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-SENT = {"bytes": 0, "calls": 0}
-_original = dist.all_to_all_single
-
-
-def _counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-    tensor = kwargs["input"] if "input" in kwargs else args[1]
-    SENT["bytes"] += tensor.numel() * tensor.element_size()
-    SENT["calls"] += 1
-    return _original(*args, **kwargs)
-
-
-dist.all_to_all_single = _counting  # both libraries call it through the module at call time
+from a2a_timing import SENT, timed_steps
 
 
 def main() -> None:
@@ -77,19 +64,14 @@ def main() -> None:
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(spec["batch"], spec["seq"], hidden, generator=gen)
-    cpu, wall, sent = [], [], []
-    for step in range(spec["warmup"] + spec["steps"]):
-        before = SENT["bytes"]
-        dist.barrier()
-        c0, w0 = time.process_time(), time.perf_counter()
+    def step() -> float:
         loss = engine(x)
         engine.backward(loss)
         engine.step()
-        c1, w1 = time.process_time(), time.perf_counter()
-        if step >= spec["warmup"]:
-            cpu.append(c1 - c0)
-            wall.append(w1 - w0)
-            sent.append(SENT["bytes"] - before)
+        return float(loss)
+
+    timed = timed_steps(step, spec["warmup"], spec["steps"])
+    cpu, wall, sent, loss = timed["cpu"], timed["wall"], timed["sent"], timed["losses"][-1]
     tokens = spec["batch"] * spec["seq"]
     cap = max(math.ceil(tokens / spec["experts"] * 1.0 * spec["k"]), 0)
     # two all-to-alls forward and two backward per layer, but the first layer's input needs no
