@@ -7,7 +7,7 @@ Each rule returns ``ConfigError``s naming the key that should change, so a user 
 from __future__ import annotations
 
 from shardwise.config.compile_rules import compile_errors
-from shardwise.config.errors import ConfigError
+from shardwise.config.errors import AssertedConfigError, ConfigError
 from shardwise.config.loss_scale_rules import dynamic_scale_settings
 from shardwise.config.model import ShardwiseConfig
 
@@ -107,6 +107,17 @@ def _communication_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
         ):
             if refused:
                 errors.append(ConfigError("gradient_allreduce_op", f"'sum' {rule}", "use 'mean'", value="sum"))
+    if zero.stage in (1, 2) and zero.allgather_bucket_size % 2:
+        # DeepSpeed refuses an odd bucket at stages 1-2 (its 16-bit all-gather chunks must start 4-byte
+        # aligned). shardwise would run it, but a config that passes here must also run on DeepSpeed.
+        errors.append(
+            AssertedConfigError(
+                "zero_optimization.allgather_bucket_size",
+                "allgather_bucket_size must be a multiple of nccl_start_alignment_factor (2) at stages 1-2",
+                f"use an even size, e.g. {zero.allgather_bucket_size + 1} (16-bit chunks start 4-byte aligned)",
+                value=zero.allgather_bucket_size,
+            )
+        )
     if not zero.compute_grad_norm and cfg.gradient_clipping > 0:
         errors.append(
             ConfigError(

@@ -698,6 +698,18 @@ def test_compute_grad_norm_false_only_at_stage_1_or_2(stage: int) -> None:
     assert "stage 1 or 2" in err.rule
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_odd_allgather_bucket_refused_at_stages_1_2(stage: int) -> None:
+    err = _error({"zero_optimization": {"stage": stage, "allgather_bucket_size": 1001}})
+    assert err.key == "zero_optimization.allgather_bucket_size" and err.value == 1001
+    assert isinstance(err, AssertionError) and "1002" in err.fix
+
+
+@pytest.mark.parametrize(("stage", "size"), [(0, 1001), (3, 1001), (2, 1000)])
+def test_allgather_bucket_accepted(stage: int, size: int) -> None:
+    assert _load({"zero_optimization": {"stage": stage, "allgather_bucket_size": size}}) is not None
+
+
 def test_legacy_stage1_rejected() -> None:
     err = _error({"zero_optimization": {"legacy_stage1": True}})
     assert "legacy_stage1" in err.rule
