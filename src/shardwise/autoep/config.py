@@ -181,8 +181,8 @@ def validate_autoep_config(
     for key, supported in (("row_weighting_impl", ("auto", "eager")), ("gate_up_impl", ("separate",)),
                            ("comm_backend", ("comm",))):
         if getattr(config, key) not in supported:
-            raise _fail(key, getattr(config, key), f"shardwise supports {list(supported)} (its experts run "
-                        "as a loop of matrix products over torch's all-to-all)", "leave the key out")
+            raise _fail(key, getattr(config, key), f"shardwise supports {list(supported)} (its experts run the "
+                        "gate and up projections as two products, over torch's all-to-all)", "leave the key out")
     if config.expert_activation is not None and config.expert_activation not in EXPERT_ACTIVATIONS:
         raise _fail("expert_activation", config.expert_activation, f"one of {list(EXPERT_ACTIVATIONS)}",
                     "name the experts' activation or leave it out (the preset's)")
