@@ -27,6 +27,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from shardwise.launcher.exports import env_file_paths
 from shardwise.launcher.failures import (
     RUN_DIR_VAR,
     format_failure_summary,
@@ -39,13 +40,12 @@ from shardwise.launcher.planner import (
     LaunchOptions,
     LaunchPlan,
     describe_plan,
-    env_file_paths,
     find_deepspeed_config,
     load_pool,
-    max_restarts,
     plan_launch,
 )
 from shardwise.launcher.runners import RunnerCommand, build_commands, check_backend, run_commands
+from shardwise.launcher.torchrun_command import max_restarts
 from shardwise.utils.logging import logger, set_log_level
 
 __all__ = ["build_parser", "main", "options_from_args"]

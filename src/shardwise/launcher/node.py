@@ -20,8 +20,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from shardwise.launcher.planner import torchrun_prefix
 from shardwise.launcher.resources import assign_ranks, decode_world_info
+from shardwise.launcher.torchrun_command import torchrun_prefix
 
 __all__ = ["main", "node_command"]
 

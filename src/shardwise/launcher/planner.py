@@ -31,20 +31,20 @@ What a plan decides:
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from shardwise.launcher.exports import collect_exports
 from shardwise.launcher.hostfile import read_hostfile
 from shardwise.launcher.resources import (
     NodePlan,
     assign_ranks,
     encode_world_info,
     include_from_visible_devices,
-    parse_env_file,
     select_resources,
 )
+from shardwise.launcher.torchrun_command import endpoint, torchrun_args
 
 __all__ = [
     "DEFAULT_HOSTFILE",
@@ -52,19 +52,11 @@ __all__ = [
     "LaunchOptions",
     "LaunchPlan",
     "NodeLaunch",
-    "agent_restarts",
-    "collect_exports",
     "describe_plan",
-    "env_file_paths",
     "find_deepspeed_config",
     "load_pool",
-    "max_restarts",
     "plan_launch",
-    "rdzv_id",
     "resolve_resources",
-    "torchrun_args",
-    "torchrun_prefix",
-    "worker_args",
 ]
 
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -72,10 +64,6 @@ LOCAL = "local"
 LAUNCHERS = ("pdsh", "ssh", "openmpi", "mpich", "impi", "mvapich", "slurm", LOCAL)
 """Every ``--launcher`` value; ``local`` runs all nodes on this machine."""
 
-# DeepSpeed forwards variables with these prefixes to remote nodes (spec 9.4); we add ours.
-EXPORT_PREFIXES = ("NCCL", "PYTHON", "MLFLOW", "MV2", "UCX", "SHARDWISE", "TORCH_", "DEEPSPEED_TIMEOUT")
-# Never forwarded: they describe this machine or this process, not the job.
-_NO_EXPORT = frozenset({"PYTHONHOME", "PYTHONSTARTUP", "PYTHONEXECUTABLE", "SHARDWISE_RUN_DIR"})
 _BINARIES_OF = {"openmpi": "mpirun", "mpich": "mpirun", "impi": "mpirun", "mvapich": "mpirun", "slurm": "srun"}
 _LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
@@ -251,60 +239,6 @@ def resolve_resources(
     return select_resources(pool, include, exclude, num_nodes, num_gpus)
 
 
-def env_file_paths(environ: Mapping[str, str], cwd: str, home: str) -> list[str]:
-    """The env files read, lowest precedence first: home then cwd, DeepSpeed's then ours.
-
-    Example:
-        >>> env_file_paths({}, "/w", "/h")
-        ['/h/.deepspeed_env', '/w/.deepspeed_env', '/h/.shardwise_env', '/w/.shardwise_env']
-    """
-    ds_name = environ.get("DS_ENV_FILE", "").strip() or ".deepspeed_env"
-    paths: list[str] = []
-    for name in (ds_name, ".shardwise_env"):
-        for base in (home, cwd):
-            path = name if os.path.isabs(name) else os.path.join(base, name)
-            if path not in paths:
-                paths.append(path)
-    return paths
-
-
-def collect_exports(
-    environ: Mapping[str, str],
-    env_files: Mapping[str, str],
-    *,
-    remote: bool,
-    cwd: str,
-) -> dict[str, str]:
-    """The variables exported on every node.
-
-    Args:
-        environ: this machine's environment.
-        env_files: ``{path: text}`` of the env files that exist, lowest precedence first.
-        remote: whether nodes start through ssh/pdsh/mpi/slurm (then prefixed variables
-            and a ``PYTHONPATH`` starting with ``cwd`` are forwarded, as DeepSpeed does);
-            local nodes inherit this environment anyway.
-        cwd: the working directory.
-
-    Raises:
-        ValueError: a malformed env file line (the message names the file and line).
-
-    Example:
-        >>> collect_exports({"NCCL_DEBUG": "INFO", "HOME": "/h"}, {"x": "A=1"}, remote=True, cwd="/w")
-        {'NCCL_DEBUG': 'INFO', 'PYTHONPATH': '/w', 'A': '1'}
-    """
-    exports: dict[str, str] = {}
-    if remote:
-        skip = {"NCCL_IB_HCA", "UCX_NET_DEVICES"} if environ.get("AISC_JOB_NAME") else set()
-        for key, value in environ.items():
-            if key.startswith(EXPORT_PREFIXES) and key not in _NO_EXPORT and key not in skip:
-                exports[key] = value
-        existing = environ.get("PYTHONPATH", "")
-        exports["PYTHONPATH"] = f"{cwd}:{existing}" if existing else cwd
-    for path, text in env_files.items():
-        exports.update(parse_env_file(text, source=path))
-    return exports
-
-
 def find_deepspeed_config(user_args: Sequence[str]) -> str | None:
     """The ``--deepspeed_config`` (or ``--deepspeed-config``) path among the script's arguments.
 
@@ -321,157 +255,6 @@ def find_deepspeed_config(user_args: Sequence[str]) -> str | None:
             if arg.startswith(flag + "="):
                 return arg.split("=", 1)[1]
     return None
-
-
-def worker_args(options: LaunchOptions) -> list[str]:
-    """The worker entry (module and flags) that wraps the user's script on every rank.
-
-    Example:
-        >>> worker_args(LaunchOptions("train.py", ("--lr", "1")))
-        ['-m', 'shardwise.launcher.worker', '--', 'train.py', '--lr', '1']
-    """
-    flags = ["-m", "shardwise.launcher.worker"]
-    if options.no_local_rank:
-        flags.append("--no_local_rank")
-    if options.module:
-        flags.append("--module")
-    if options.no_python:
-        flags.append("--no_python")
-    if options.bind_cores_to_rank:
-        flags.append("--bind_cores_to_rank")
-    if options.bind_core_list:
-        flags.append(f"--bind_core_list={options.bind_core_list}")
-    return [*flags, "--", options.user_script, *options.user_args]
-
-
-def torchrun_prefix(
-    *,
-    python: str,
-    nnodes: str,
-    nproc_per_node: int,
-    rendezvous: str,
-    master_addr: str,
-    master_port: int,
-    node_rank: str | int,
-    rdzv_id: str,
-    max_restarts: int,
-    log_dir: str | None = None,
-) -> list[str]:
-    """``python -u -m shardwise.launcher.agent`` (torchrun) and its options, up to the program to run.
-
-    Static rendezvous: ``--master-addr``/``--master-port``/``--node-rank`` fix the node's
-    rank (hostfile order). c10d: ``--rdzv-endpoint``/``--rdzv-id``, ranks assigned at join.
-
-    Example:
-        >>> torchrun_prefix(python="python", nnodes="1:2", nproc_per_node=1, rendezvous="c10d",
-        ...                 master_addr="h0", master_port=29500, node_rank=0, rdzv_id="job", max_restarts=3)[4:]
-        ['--nnodes=1:2', '--nproc-per-node=1', '--rdzv-backend=c10d', '--rdzv-endpoint=h0:29500', '--rdzv-id=job', '--rdzv-conf=is_host=true', '--max-restarts=3']
-    """
-    argv = [
-        python,
-        "-u",
-        "-m",
-        "shardwise.launcher.agent",
-        f"--nnodes={nnodes}",
-        f"--nproc-per-node={nproc_per_node}",
-    ]
-    if rendezvous == "static":
-        argv += [
-            "--rdzv-backend=static",
-            f"--master-addr={master_addr}",
-            f"--master-port={master_port}",
-            f"--node-rank={node_rank}",
-        ]
-    else:
-        argv += [
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={_endpoint(master_addr, master_port)}",
-            f"--rdzv-id={rdzv_id}",
-            # Only the first node's agent hosts the rendezvous store. torch otherwise lets every agent
-            # whose machine owns the endpoint address race to host it, and with several agents on one
-            # machine the winner may be a node that later leaves, taking the store with it.
-            f"--rdzv-conf=is_host={'true' if str(node_rank) == '0' else 'false'}",
-        ]
-    argv.append(f"--max-restarts={max_restarts}")
-    if log_dir:
-        argv += [f"--log-dir={log_dir}", "--redirects=3"]
-    return argv
-
-
-def max_restarts(options: LaunchOptions) -> int:
-    """torchrun's ``--max-restarts``: 0 for a fixed-size run (fail fast), 3 for an elastic one."""
-    if options.max_restarts is not None:
-        return options.max_restarts
-    return 3 if options.elastic_training else 0
-
-
-def agent_restarts(options: LaunchOptions, rendezvous: str, nnodes: str) -> int:
-    """torchrun's ``--max-restarts`` on each node: :func:`max_restarts`, except 0 for a
-    fixed-size job over several nodes (static rendezvous), which the launcher restarts as a
-    whole instead: torch's static rendezvous never tells the other agents that one node
-    restarted its ranks, so they would first wait out the collective timeout (and a node whose
-    rank hangs would never restart at all).
-
-    Example:
-        >>> options = LaunchOptions("t.py", max_restarts=2)
-        >>> agent_restarts(options, "static", "1"), agent_restarts(options, "static", "3")
-        (2, 0)
-    """
-    if rendezvous == "static" and nnodes.isdigit() and int(nnodes) > 1:
-        return 0
-    return max_restarts(options)
-
-
-def rdzv_id(options: LaunchOptions) -> str:
-    """The rendezvous id shared by every node of the job."""
-    return options.rdzv_id or f"shardwise-{options.master_port}"
-
-
-def torchrun_args(
-    options: LaunchOptions,
-    node: NodePlan,
-    *,
-    master_addr: str,
-    rendezvous: str,
-    nnodes: str,
-    node_rank: str | None = None,
-) -> list[str]:
-    """One node's full ``python -u -m shardwise.launcher.agent ... -m shardwise.launcher.worker ...`` command.
-
-    Args:
-        options: the launch options.
-        node: the node's plan (its slot count is ``--nproc-per-node``).
-        master_addr: the rendezvous host.
-        rendezvous: ``"static"`` (fixed node ranks) or ``"c10d"`` (elastic).
-        nnodes: ``"N"`` or ``"min:max"``.
-        node_rank: text for ``--node-rank``; default the node's rank.
-
-    Example:
-        >>> node = assign_ranks({"a": [0, 1], "b": [0, 1]})[1]
-        >>> args = torchrun_args(LaunchOptions("t.py", python="python"), node, master_addr="a",
-        ...                      rendezvous="static", nnodes="2")
-        >>> args[4:9]
-        ['--nnodes=2', '--nproc-per-node=2', '--rdzv-backend=static', '--master-addr=a', '--master-port=29500']
-        >>> args[9:]
-        ['--node-rank=1', '--max-restarts=0', '-m', 'shardwise.launcher.worker', '--', 't.py']
-    """
-    prefix = torchrun_prefix(
-        python=options.python,
-        nnodes=nnodes,
-        nproc_per_node=node.local_size,
-        rendezvous=rendezvous,
-        master_addr=master_addr,
-        master_port=options.master_port,
-        node_rank=node.node_rank if node_rank is None else node_rank,
-        rdzv_id=rdzv_id(options),
-        max_restarts=agent_restarts(options, rendezvous, nnodes),
-        log_dir=options.each_rank_log,
-    )
-    return prefix + worker_args(options)
-
-
-def _endpoint(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _choose_runner(options: LaunchOptions, resources: Mapping[str, list[int]]) -> str:
@@ -618,7 +401,7 @@ def describe_plan(plan: LaunchPlan) -> str:
     lines = [
         f"world info: {json.dumps(plan.resources)}",
         f"{len(plan.nodes)} node(s), {plan.world_size} process(es), runner {plan.runner}, "
-        f"{plan.rendezvous} rendezvous at {_endpoint(plan.master_addr, plan.master_port)}"
+        f"{plan.rendezvous} rendezvous at {endpoint(plan.master_addr, plan.master_port)}"
         + (f", nnodes {plan.nnodes}" if ":" in plan.nnodes else ""),
     ]
     for launch in plan.nodes:

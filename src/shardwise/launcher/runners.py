@@ -46,14 +46,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from shardwise.launcher.lifeline import preexec_die_with
-from shardwise.launcher.planner import (
-    DEFAULT_HOSTFILE,
-    LOCAL,
-    LaunchPlan,
-    agent_restarts,
-    rdzv_id,
-    worker_args,
-)
+from shardwise.launcher.planner import DEFAULT_HOSTFILE, LOCAL, LaunchPlan
+from shardwise.launcher.torchrun_command import agent_restarts, rdzv_id, worker_args
 from shardwise.utils.logging import logger
 
 __all__ = ["MVAPICH_HOSTFILE", "RunnerCommand", "build_commands", "check_backend", "run_commands"]

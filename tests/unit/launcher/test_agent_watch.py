@@ -11,7 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from shardwise.launcher import agent
-from shardwise.launcher.planner import LaunchOptions, agent_restarts, assign_ranks, torchrun_args
+from shardwise.launcher.planner import LaunchOptions, assign_ranks
+from shardwise.launcher.torchrun_command import agent_restarts, torchrun_args
 
 
 def test_only_a_fixed_size_multi_node_job_is_watched() -> None:

@@ -32,6 +32,7 @@ from shardwise.comm.diagnostics import (
     summarize_frames,
     why_cannot_arrive,
 )
+from shardwise.launcher.exports import collect_exports, env_file_paths
 from shardwise.launcher.failures import (
     FailureRecord,
     format_failure_summary,
@@ -42,8 +43,6 @@ from shardwise.launcher.failures import (
 from shardwise.launcher.node import node_command
 from shardwise.launcher.planner import (
     LaunchOptions,
-    collect_exports,
-    env_file_paths,
     find_deepspeed_config,
     plan_launch,
     resolve_resources,
