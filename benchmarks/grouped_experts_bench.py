@@ -1,5 +1,6 @@
 """``expert_parallel.use_grouped_mm``: AutoEP's local experts as one ``torch._grouped_mm`` per projection
-against the loop of one matrix product per expert (``use_grouped_mm: false``), forward and backward,
+against the loop of one matrix product per expert (``use_grouped_mm: false``), and with the gate and up
+projections as one grouped product (``gate_up_impl: "fused"``), forward and backward,
 bf16, on this machine's CPU (where torch's grouped GEMM is itself a loop of per-group products, so
 what it saves is the Python loop and the autograd nodes; on a Hopper GPU it is one fused kernel)::
 
@@ -49,9 +50,11 @@ def main() -> None:
     counts = torch.multinomial(torch.ones(args.experts), args.tokens, replacement=True, generator=generator)
     counts = torch.bincount(counts, minlength=args.experts)
     x = torch.randn(args.tokens, args.hidden, generator=generator).to(torch.bfloat16)
-    paths = {"grouped_mm": _experts(args, True), "loop": _experts(args, False)}
+    paths = {"grouped_mm": _experts(args, True), "loop": _experts(args, False), "fused": _experts(args, True)}
+    paths["fused"].fused_gate_up = True  # gate_up_impl="fused": gate and up as one grouped product
     results = {name: _step(experts, x, counts) for name, experts in paths.items()}
     identical = all(torch.equal(a, b) for a, b in zip(results["grouped_mm"], results["loop"], strict=True))
+    fused_forward = torch.equal(results["fused"][0], results["grouped_mm"][0])
     best = dict.fromkeys(paths, float("inf"))
     for _ in range(args.repeats):
         for name, experts in paths.items():
@@ -63,6 +66,7 @@ def main() -> None:
     for name, seconds in best.items():
         print(f"  {name:10s} {seconds * 1e3:8.2f} ms (forward + backward, least of {args.repeats})")
     print(f"  grouped / loop: {best['grouped_mm'] / best['loop']:.2f}; bit-identical: {identical}")
+    print(f"  fused / grouped: {best['fused'] / best['grouped_mm']:.2f}; same forward: {fused_forward}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from shardwise.autoep.experts import GATE_UP_IMPLS
 from shardwise.autoep.folding import build_folding_spec, validate_folding_global
 
 UNSET: Any = object()
@@ -178,11 +179,17 @@ def validate_autoep_config(
     _check_choice(config, "score_apply", SCORE_APPLY)
     _check_choice(config, "score_func", SCORE_FUNCS)
     _check_choice(config, "combine_impl", COMBINE_IMPLS)
-    for key, supported in (("row_weighting_impl", ("auto", "eager")), ("gate_up_impl", ("separate",)),
-                           ("comm_backend", ("comm",))):
+    _check_choice(config, "gate_up_impl", GATE_UP_IMPLS)
+    if config.gate_up_impl == "fused" and not config.use_grouped_mm:
+        raise _fail("gate_up_impl", "fused", "runs the gate and up projections as one grouped product, but "
+                    "use_grouped_mm=false selects the loop of one product per expert (DeepSpeed refuses it too)",
+                    "set use_grouped_mm to true, or leave gate_up_impl out")
+    for key, supported, why in (
+        ("row_weighting_impl", ("auto", "eager"), "the combine weights rows in eager PyTorch"),
+        ("comm_backend", ("comm",), "tokens travel over torch's all-to-all; DeepEP is a compiled extension"),
+    ):
         if getattr(config, key) not in supported:
-            raise _fail(key, getattr(config, key), f"shardwise supports {list(supported)} (its experts run the "
-                        "gate and up projections as two products, over torch's all-to-all)", "leave the key out")
+            raise _fail(key, getattr(config, key), f"shardwise supports {list(supported)} ({why})", "leave the key out")
     if config.expert_activation is not None and config.expert_activation not in EXPERT_ACTIVATIONS:
         raise _fail("expert_activation", config.expert_activation, f"one of {list(EXPERT_ACTIVATIONS)}",
                     "name the experts' activation or leave it out (the preset's)")

@@ -16,6 +16,9 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 """``expert_activation`` name -> the function on the gate projection (``act(x w1^T) * (x w3^T)``)."""
 
+GATE_UP_IMPLS = ("separate", "fused")
+"""``gate_up_impl`` values: the gate and up projections as two products, or as one (see GroupedExperts)."""
+
 
 class GroupedExperts(nn.Module):
     """``num_experts`` gated MLPs: ``forward(x [N, H], counts [E]) -> [N, H]``, where ``x`` holds the
@@ -28,13 +31,22 @@ class GroupedExperts(nn.Module):
     sizes, and torch builds without the op, run the loop: one matrix product per projection and
     expert. Both give bit-identical results where both run (the CPU kernel is the same per-group
     products). :attr:`kernel` says which ran last; the first forward logs it.
+
+    ``gate_up_impl="fused"`` computes the gate and up projections as one product against ``w1`` and
+    ``w3`` concatenated (rebuilt each call; the parameters keep their layout, so checkpoints do not
+    change): one GEMM of ``2F`` columns forward, and one input-gradient GEMM backward that adds both
+    projections' contributions before rounding. The forward is bit-identical to ``"separate"``; the
+    input gradient differs by that rounding.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True,
-                 activation: str = "swiglu", **_: object) -> None:
+                 activation: str = "swiglu", gate_up_impl: str = "separate", **_: object) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"expert_activation = {activation!r}: one of {sorted(ACTIVATIONS)}; fix: choose one")
+        if gate_up_impl not in GATE_UP_IMPLS:
+            raise ValueError(f"gate_up_impl = {gate_up_impl!r}: one of {list(GATE_UP_IMPLS)}; fix: choose one")
+        self.fused_gate_up = gate_up_impl == "fused"
         self.num_experts, self.use_grouped_mm, self.activation = num_experts, use_grouped_mm, activation
         self.kernel: str | None = None
         """``"grouped_mm"`` or ``"loop"``: how the last forward ran (None before the first)."""
@@ -57,8 +69,12 @@ class GroupedExperts(nn.Module):
         if counts.device.type == "cpu" and int(counts.sum()) != x.shape[0]:
             raise ValueError(f"GroupedExperts: counts sum to {int(counts.sum())} rows but x has {x.shape[0]}")
         offs = torch.cumsum(counts.to(x.device), 0, dtype=torch.int32)
-        gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)
-        up = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
+        if self.fused_gate_up:
+            gate_up = torch._grouped_mm(x, torch.cat([self.w1, self.w3], dim=1).transpose(-2, -1), offs=offs)
+            gate, up = gate_up.chunk(2, dim=-1)
+        else:
+            gate = torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)
+            up = torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(ACTIVATIONS[self.activation](gate) * up, self.w2.transpose(-2, -1), offs=offs)
 
     def _loop(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
@@ -68,7 +84,11 @@ class GroupedExperts(nn.Module):
         for e, count in enumerate(num_tokens_per_expert.tolist()):
             rows = x[start:start + count]
             start += count
-            hidden = act(nn.functional.linear(rows, self.w1[e])) * nn.functional.linear(rows, self.w3[e])
+            if self.fused_gate_up:
+                gate, up = nn.functional.linear(rows, torch.cat([self.w1[e], self.w3[e]])).chunk(2, dim=-1)
+            else:
+                gate, up = nn.functional.linear(rows, self.w1[e]), nn.functional.linear(rows, self.w3[e])
+            hidden = act(gate) * up
             outputs.append(nn.functional.linear(hidden, self.w2[e]))
         if start != x.shape[0]:
             raise ValueError(f"GroupedExperts: counts sum to {start} rows but x has {x.shape[0]}")

@@ -193,7 +193,7 @@ class AutoEPMoELayer(nn.Module):
         flags = repack_expert_requires_grad_flags(experts_source, spec, ep_rank, ep_size)
         weights = repack_expert_weights(experts_source, spec, ep_rank, ep_size)
         self.experts = GroupedExperts(spec.hidden_size, spec.ffn_hidden_size, self.num_local_experts,
-                                      config.use_grouped_mm, spec.expert_activation)
+                                      config.use_grouped_mm, spec.expert_activation, config.gate_up_impl)
         for name, tensor, flag in zip(("w1", "w2", "w3"), weights, flags):
             setattr(self.experts, name, nn.Parameter(tensor, requires_grad=flag))
         self.shared_experts = getattr(source_module, spec.shared_experts_name, None) \

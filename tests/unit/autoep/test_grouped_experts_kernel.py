@@ -48,3 +48,35 @@ def test_grouped_mm_runs_only_where_torch_takes_it() -> None:
 def test_counts_must_cover_the_rows() -> None:
     with pytest.raises(ValueError, match="counts sum to 3 rows but x has 4"):
         _experts(torch.bfloat16, True)(torch.zeros(4, 16, dtype=torch.bfloat16), torch.tensor([1, 1, 1, 0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # the grouped kernel, then the loop
+def test_fused_gate_up_forward_equals_separate_and_gradients_agree(dtype: torch.dtype) -> None:
+    counts = torch.tensor([5, 0, 9, 2])
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    fused = GroupedExperts(16, 32, 4, gate_up_impl="fused")
+    separate = GroupedExperts(16, 32, 4)
+    for weight in (separate.w1, separate.w2, separate.w3):
+        torch.nn.init.normal_(weight, std=0.2, generator=torch.Generator().manual_seed(2))
+    fused.load_state_dict(separate.state_dict())  # same parameters: w1 and w3 stay separate
+    fused, separate = fused.to(dtype), separate.to(dtype)
+    got, want = _run(fused, x, counts), _run(separate, x, counts)
+    assert torch.equal(got[0], want[0])  # each output column is the same dot product
+    # the input gradient adds the gate's and the up projection's parts inside one GEMM (one rounding
+    # instead of two): within one rounding of the gradient's magnitude in the dtype
+    eps = torch.finfo(dtype).eps
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert (a.float() - b.float()).abs().max() <= 4 * eps * b.float().abs().max()
+
+
+def test_fused_gate_up_needs_grouped_mm() -> None:
+    from shardwise.autoep.config import AutoEPConfig, validate_autoep_config
+
+    def validate(**keys: object) -> None:
+        validate_autoep_config(AutoEPConfig(enabled=True, **keys), world_size=1, pp_size=1, tp_size=1, sp_size=1)
+
+    with pytest.raises(ValueError, match=r"gate_up_impl = 'fused'.*use_grouped_mm to true"):
+        validate(gate_up_impl="fused", use_grouped_mm=False)
+    with pytest.raises(ValueError, match=r"gate_up_impl = 'packed'.*one of"):
+        validate(gate_up_impl="packed")
+    validate(gate_up_impl="fused")
