@@ -123,7 +123,7 @@ _COUNTED = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "SKIPPED"
 
 
 def run_file(python: Path, tests: Path, rel: str, env: dict[str, str], timeout: int,
-             outcomes: dict[str, str], grace: float = WATCHDOG_GRACE) -> FileResult:
+             outcomes: dict[str, str], grace: float = WATCHDOG_GRACE, log: Path | None = None) -> FileResult:
     """Run one file as DeepSpeed's CPU CI does, filling ``outcomes`` (test id -> outcome), and count them.
 
     A test that hangs past pytest-timeout ends the whole session under ``--forked``; one that hangs
@@ -139,6 +139,9 @@ def run_file(python: Path, tests: Path, rel: str, env: dict[str, str], timeout: 
                    "-v", "-rN", f"unit/{rel}", *(f"--deselect={test}" for test in outcomes)]
         proc = run_watched(command, cwd=tests, env=env, limit=2 * timeout + grace)
         lines = [_ANSI.sub("", line) for line in proc.lines]
+        if log is not None:  # every session's raw output, for the first error of each failure
+            with log.open("a") as sink:
+                sink.write(f"### {python} {rel}\n" + "\n".join(lines) + "\n")
         running, finished, before = None, False, len(outcomes)
         for line in lines:
             if match := _OUTCOME.match(line):
@@ -174,12 +177,12 @@ def run_file(python: Path, tests: Path, rel: str, env: dict[str, str], timeout: 
 
 
 def run_side(python: Path, tests: Path, files: list[str], env: dict[str, str], timeout: int,
-             outcomes: dict[str, str], label: str) -> list[FileResult]:
+             outcomes: dict[str, str], label: str, log: Path | None = None) -> list[FileResult]:
     """Run every file on one interpreter, printing progress to stderr; ``outcomes`` gets every test's."""
     results = []
     for rel in files:
         per_file: dict[str, str] = {}
-        result = run_file(python, tests, rel, env, timeout, per_file)
+        result = run_file(python, tests, rel, env, timeout, per_file, log=log)
         outcomes.update(per_file)
         print(f"[{label}] {rel}: {result.passed} passed, {result.failed} failed, {result.skipped} skipped, "
               f"{result.error} error {result.note}", file=sys.stderr, flush=True)
@@ -219,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control-python", type=Path, help="an interpreter with real DeepSpeed and the tools")
     parser.add_argument("--no-shardwise", action="store_true", help="run only the control side")
     parser.add_argument("--outcomes", type=Path, help="write {side: {test id: outcome}} as JSON here")
+    parser.add_argument("--log", type=Path, help="append every pytest session's output here (failures' tracebacks)")
     parser.add_argument("--compare-with", type=Path,
                         help="an --outcomes file with a 'deepspeed' side: list what it passes and shardwise does not")
     args = parser.parse_args(argv)
@@ -240,11 +244,11 @@ def main(argv: list[str] | None = None) -> int:
             python = tools_python(args.tools_venv.resolve())
             outcomes["shardwise"] = {}
             columns["shardwise"] = run_side(python, tests, args.files, env, args.timeout, outcomes["shardwise"],
-                                            "shardwise")
+                                            "shardwise", args.log)
         if args.control_python:
             columns["deepspeed"] = run_side(
                 args.control_python, tests, args.files, base_env, args.timeout,
-                outcomes.setdefault("deepspeed", {}), "deepspeed"
+                outcomes.setdefault("deepspeed", {}), "deepspeed", args.log
             )
     if not columns:
         parser.error("nothing to run: --no-shardwise without --control-python")
