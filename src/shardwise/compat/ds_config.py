@@ -1,5 +1,6 @@
 """``deepspeed.runtime.config``: ``DeepSpeedConfig`` (a ds_config read and validated by shardwise, with
-DeepSpeed's attribute names), ``deepspeed.runtime.precision_config.get_bfloat16_config``, and the
+DeepSpeed's attribute names), ``deepspeed.runtime.precision_config``'s section models and readers
+(``DeepSpeedFP16Config`` / ``DeepSpeedBF16Config`` are shardwise's ``fp16`` / ``bf16`` sections), and the
 optimizer-name constants. ``expert_parallel_config`` is the ``expert_parallel`` section as
 :class:`~shardwise.autoep.config.AutoEPConfig` (a ``load_balance_coeff`` other than null refused).
 
@@ -20,7 +21,7 @@ from shardwise.compat.zero_config import DeepSpeedZeroConfig
 from shardwise.config import load_config
 from shardwise.config.loading import read_config_source
 from shardwise.config.resolve import ResolvedConfig
-from shardwise.config.sections.precision import BF16Config
+from shardwise.config.sections.precision import BF16Config, FP16Config
 
 ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER = "adagrad", "adam", "adamw", "lamb"
 ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER = "onebitadam", "zerooneadam", "onebitlamb"
@@ -31,10 +32,19 @@ DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB
 TORCH_ADAM_PARAM, ADAM_W_MODE, ADAM_W_MODE_DEFAULT = "torch_adam", "adam_w_mode", True
 
 
+DeepSpeedFP16Config = FP16Config
+DeepSpeedBF16Config = BF16Config
+
+
 def get_bfloat16_config(param_dict: dict[str, Any]) -> BF16Config:
     """The ``bf16`` section (or its old name ``bfloat16``) of a config dict, validated."""
     section = param_dict.get("bf16", param_dict.get("bfloat16", {}))
     return BF16Config(**section)
+
+
+def get_float16_config(param_dict: dict[str, Any]) -> FP16Config:
+    """The ``fp16`` section of a config dict, validated."""
+    return FP16Config(**param_dict.get("fp16", {}))
 
 
 class DeepSpeedConfig:

@@ -1,5 +1,5 @@
 """DeepSpeed's config classes over shardwise's validation: DeepSpeedConfig, DeepSpeedZeroConfig,
-DeepSpeedConfigModel, get_bfloat16_config."""
+DeepSpeedConfigModel, get_bfloat16_config, DeepSpeedFP16Config."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import pytest
 from pydantic import Field, ValidationError
 
 from shardwise.compat.config_model import DeepSpeedConfigModel
-from shardwise.compat.ds_config import DeepSpeedConfig, get_bfloat16_config
+from shardwise.compat.ds_config import (
+    DeepSpeedConfig,
+    DeepSpeedFP16Config,
+    get_bfloat16_config,
+    get_float16_config,
+)
 from shardwise.compat.zero_config import (
     DeepSpeedZeroConfig,
     DeepSpeedZeroOffloadOptimizerConfig,
@@ -95,3 +100,25 @@ def test_get_bfloat16_config() -> None:
     assert get_bfloat16_config({"bf16": {"enabled": True}}).enabled
     assert get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled
     assert not get_bfloat16_config({}).enabled
+
+
+@pytest.mark.parametrize("field", ["loss_scale_window", "min_loss_scale"])
+def test_fp16_section_checks_dynamic_scaling_fields_when_built(field: str) -> None:
+    for bad in (0, -1, True, None, "abc", float("inf"), float("nan")):
+        with pytest.raises(ValidationError, match=field):
+            DeepSpeedFP16Config(enabled=True, loss_scale=0, **{field: bad})
+    assert getattr(DeepSpeedFP16Config(enabled=True, loss_scale=0, **{field: 7}), field) == 7
+    # unused (static scale, or fp16 off): kept as written
+    assert getattr(DeepSpeedFP16Config(enabled=True, loss_scale=128, **{field: 0}), field) == 0
+    assert getattr(DeepSpeedFP16Config(enabled=False, loss_scale=0, **{field: -1}), field) == -1
+
+
+def test_fp16_section_loss_scale_must_be_a_number() -> None:
+    for bad in ([], {}):
+        with pytest.raises(ValidationError, match="must be a number"):
+            DeepSpeedFP16Config(loss_scale=bad)
+    for bad in (-1, float("inf"), float("nan"), True):
+        with pytest.raises(ValidationError):
+            DeepSpeedFP16Config(loss_scale=bad)
+    assert DeepSpeedFP16Config(loss_scale="3").loss_scale == 3.0
+    assert get_float16_config({"fp16": {"enabled": True}}).dynamic and not get_float16_config({}).enabled

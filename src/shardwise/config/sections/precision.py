@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from shardwise.config.sections.base import OpenSection, Section
 
@@ -14,9 +14,12 @@ class FP16Config(Section):
     """``fp16``: half precision with dynamic (``loss_scale: 0``) or static loss scaling.
 
     The dynamic-scaling settings (``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
-    ``min_loss_scale``) are only type-checked here. Their ranges are checked where they are
-    used, by :func:`shardwise.precision.build_loss_scaler`, and only when the run scales
-    dynamically (``shardwise.config.checks``), as in DeepSpeed.
+    ``min_loss_scale``) are checked where they are used, by
+    :func:`shardwise.precision.build_loss_scaler`, and only when the run scales dynamically
+    (``shardwise.config.checks``), as in DeepSpeed. As DeepSpeed's ``DeepSpeedFP16Config`` does, the
+    section itself also refuses a ``loss_scale_window`` or ``min_loss_scale`` that is not a finite
+    positive number when it is enabled and dynamic; a static scale or a disabled section keeps them
+    as written (unused).
     """
 
     enabled: bool = False
@@ -36,8 +39,22 @@ class FP16Config(Section):
     def _finite_not_bool(cls, value: object) -> object:
         if isinstance(value, bool):
             raise ValueError("loss_scale must be a number (0 for dynamic scaling), not a boolean")
+        if not isinstance(value, int | float | str):
+            raise ValueError(f"loss_scale must be a number (0 for dynamic scaling), not {type(value).__name__}")
         if isinstance(value, int | float) and not math.isfinite(value):
             raise ValueError("loss_scale must be finite")
+        return value
+
+    @field_validator("loss_scale_window", "min_loss_scale")
+    @classmethod
+    def _positive_when_dynamic(cls, value: float, info: ValidationInfo) -> float:
+        # ``enabled`` and ``loss_scale`` are declared first, so they are in ``info.data`` when valid.
+        dynamic = info.data.get("enabled") and info.data.get("loss_scale") == 0
+        if dynamic and not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"{info.field_name} must be a finite number > 0 under dynamic loss scaling "
+                "(fp16 enabled with loss_scale 0)"
+            )
         return value
 
     @property
