@@ -17,6 +17,7 @@ from typing import Any
 from shardwise.autoep.config import AutoEPConfig, parse_autoep_config
 from shardwise.comm import get_rank, get_world_size, is_initialized
 from shardwise.compat.monitors import DeepSpeedMonitorConfig
+from shardwise.compat.runtime_constants import get_top_level_setting
 from shardwise.compat.zero_config import DeepSpeedZeroConfig
 from shardwise.config import load_config
 from shardwise.config.loading import read_config_source
@@ -40,6 +41,16 @@ def get_bfloat16_config(param_dict: dict[str, Any]) -> BF16Config:
     """The ``bf16`` section (or its old name ``bfloat16``) of a config dict, validated."""
     section = param_dict.get("bf16", param_dict.get("bfloat16", {}))
     return BF16Config(**section)
+
+
+def get_gradient_clipping(param_dict: dict[str, Any]) -> float:
+    """``gradient_clipping`` of a config dict (absent: the default, 1.0)."""
+    return get_top_level_setting(param_dict, "gradient_clipping")  # type: ignore[no-any-return]
+
+
+def get_log_level(param_dict: dict[str, Any]) -> str | None:
+    """``log_level`` of a config dict, as written (absent: None, the logger's level left alone)."""
+    return get_top_level_setting(param_dict, "log_level")  # type: ignore[no-any-return]
 
 
 def get_float16_config(param_dict: dict[str, Any]) -> FP16Config:

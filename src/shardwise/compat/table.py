@@ -53,6 +53,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.runtime.utils": ("shardwise.compat.runtime_utils",),
     "deepspeed.runtime.config": ("shardwise.compat.ds_config", "shardwise.config"),
     "deepspeed.runtime.precision_config": ("shardwise.compat.ds_config",),
+    "deepspeed.runtime.constants": ("shardwise.compat.runtime_constants",),
     "deepspeed.runtime.config_utils": ("shardwise.compat.config_model",),
     "deepspeed.runtime.activation_checkpointing.checkpointing": ("shardwise.checkpointing",),
     "deepspeed.runtime.pipe": ("shardwise.pipe",),

@@ -122,3 +122,28 @@ def test_fp16_section_loss_scale_must_be_a_number() -> None:
             DeepSpeedFP16Config(loss_scale=bad)
     assert DeepSpeedFP16Config(loss_scale="3").loss_scale == 3.0
     assert get_float16_config({"fp16": {"enabled": True}}).dynamic and not get_float16_config({}).enabled
+
+
+def test_top_level_readers_and_constants() -> None:
+    from shardwise.compat import runtime_constants as constants
+    from shardwise.compat.ds_config import get_gradient_clipping, get_log_level
+
+    assert constants.GRADIENT_CLIPPING == "gradient_clipping" and constants.GRADIENT_CLIPPING_DEFAULT == 1.0
+    assert constants.LOG_LEVEL == "log_level" and constants.LOG_LEVEL_DEFAULT is None
+    assert constants.TRAIN_BATCH_SIZE_DEFAULT is None and constants.PRESCALE_GRADIENTS_DEFAULT is False
+    assert not hasattr(constants, "ZERO_OPTIMIZATION_DEFAULT")  # sections are not plain values
+    assert get_gradient_clipping({}) == 1.0 and get_gradient_clipping({"gradient_clipping": 0.0}) == 0.0
+    assert get_log_level({}) is None and get_log_level({"log_level": "ERROR"}) == "ERROR"
+    with pytest.raises(KeyError, match="zero_optimization"):
+        constants.get_top_level_setting({}, "zero_optimization")
+
+
+def test_engine_log_level_accessor() -> None:
+    from shardwise.config import load_config
+    from shardwise.runtime.ds_accessors import DeepSpeedAccessors
+
+    engine = DeepSpeedAccessors()
+    engine._config = load_config({"train_batch_size": 1, "log_level": "Error"}, world_size=1)
+    assert engine.log_level() == "ERROR"
+    engine._config = load_config({"train_batch_size": 1}, world_size=1)
+    assert engine.log_level() is None and engine.gradient_clipping() == 1.0
