@@ -7,6 +7,7 @@ shardwise's ZeRO strategies check overflow themselves (:mod:`shardwise.zero.step
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -57,6 +58,16 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
     for part in range(num_parts):
         bounds.append(bounds[-1] + size + (1 if part < extra else 0))
     return bounds
+
+
+def prefix_sum_inc(weights: Iterable[float]) -> list[float]:
+    """Inclusive prefix sums: element ``i`` is the sum of ``weights[0..i]``.
+
+    Example:
+        >>> prefix_sum_inc([3, 4, 5])
+        [3, 7, 12]
+    """
+    return list(itertools.accumulate(weights))
 
 
 def _fits(weights: Sequence[float], start: int, parts: int, limit: float) -> bool:

@@ -147,6 +147,7 @@ RENAMES: dict[str, str] = {
             "runtime.bf16_optimizer.BF16_Optimizer",
             "runtime.zero.partition_parameters.MultipleAllGatherHandles",
             "runtime.zero.partition_parameters.partitioned_param_data_shape",
+            "runtime.utils.PartitionedTensor",
             "sequence.fpdt_layer._FPDTGPUOffloadingAttentionImpl_",
             "sequence.fpdt_layer.FPDT_InputConstruct",
         )

@@ -61,6 +61,10 @@ BF16_Optimizer = unavailable_class("deepspeed.runtime.bf16_optimizer.BF16_Optimi
 MultipleAllGatherHandles = unavailable_class(
     "deepspeed.runtime.zero.partition_parameters.MultipleAllGatherHandles",
     "shardwise's stage 3 gathers through FSDP2; use deepspeed.zero.GatheredParameters to read full parameters")
+PartitionedTensor = unavailable_class(
+    "deepspeed.runtime.utils.PartitionedTensor",
+    "shard a tensor over a group with torch.distributed.tensor.distribute_tensor(tensor, mesh, [Shard(0)]) "
+    "and read it whole with .full_tensor()")
 partitioned_param_data_shape = unavailable_function(
     "deepspeed.runtime.zero.partition_parameters.partitioned_param_data_shape",
     "stage-3 parameters are FSDP2 DTensors; read param.to_local().shape for this rank's shard")

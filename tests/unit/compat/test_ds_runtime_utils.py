@@ -25,6 +25,11 @@ def test_partition_balanced(weights: list[float], parts: int, spread: float) -> 
     assert bounds == sorted(bounds) and _spread(weights, bounds) == spread
 
 
+def test_prefix_sum_inc() -> None:
+    assert ru.prefix_sum_inc([3, 4, 5]) == [3, 7, 12]
+    assert ru.prefix_sum_inc([0.5, 0.25]) == [0.5, 0.75] and ru.prefix_sum_inc([]) == []
+
+
 def test_partition_uniform() -> None:
     assert ru.partition_uniform(10, 4) == [0, 3, 6, 8, 10]
     assert ru.partition_uniform(2, 4) == [0, 1, 2, 2, 2]

@@ -212,6 +212,10 @@ def test_unavailable_parts_import_and_fail_with_their_names(deepspeed_package: o
     with pytest.raises(NotImplementedError, match=r"DeepSpeedZeroOptimizer_Stage3.*engine\.optimizer"):
         DeepSpeedZeroOptimizer_Stage3()
     assert not isinstance(object(), DeepSpeedZeroOptimizer_Stage3)
+    from deepspeed.runtime.utils import PartitionedTensor  # type: ignore[import-not-found]
+
+    with pytest.raises(NotImplementedError, match=r"runtime\.utils\.PartitionedTensor.*distribute_tensor"):
+        PartitionedTensor([0.0, 1.0], group=None)
 
 
 def test_a_forwarded_module_has_its_first_sources_file(deepspeed_package: object) -> None:
