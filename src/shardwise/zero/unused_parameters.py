@@ -13,8 +13,11 @@ from typing import Any
 _SHOWN = 20
 
 
-class UnusedParametersError(RuntimeError):
-    """Trainable parameters got no gradient while ``ignore_unused_parameters`` is false."""
+class UnusedParametersError(RuntimeError, AssertionError):
+    """Trainable parameters got no gradient while ``ignore_unused_parameters`` is false.
+
+    Also an ``AssertionError``: DeepSpeed raises that type for this mistake, and its callers catch it.
+    """
 
 
 def unused_parameters_error(names: Sequence[str]) -> UnusedParametersError:

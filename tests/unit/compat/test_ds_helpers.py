@@ -80,3 +80,11 @@ def test_deepspeed_only_arguments_that_change_nothing_are_named(monkeypatch: pyt
     assert "DeepSpeedCPUAdam(fp32_optimizer_states=False)" in said[0] and "fp32" in said[0]
     assert "DeepSpeedCPUAdagrad(amsgrad=True)" in said[1]
     assert "DeepSpeedCPULion(fp32_optimizer_states=False)" in said[2]
+
+
+def test_unused_parameters_error_is_deepspeeds_assertion_error() -> None:
+    from shardwise.zero.unused_parameters import unused_parameters_error
+
+    error = unused_parameters_error(["head.bias"])
+    assert isinstance(error, AssertionError) and isinstance(error, RuntimeError)
+    assert "ignore_unused_parameters" in error.args[0] and "head.bias" in error.args[0]
