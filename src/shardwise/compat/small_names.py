@@ -1,6 +1,6 @@
 """Small DeepSpeed names with no other home: ``deepspeed.utils.torch.required_torch_version``,
 ``deepspeed.utils.numa.parse_range_list``, ``deepspeed.OnDevice``,
-``deepspeed.runtime.zero.utils.ZeRORuntimeException``."""
+``deepspeed.runtime.zero.utils.ZeRORuntimeException``, ``deepspeed.sequence.layer._torchembed_available``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ import torch
 from shardwise.config.errors import ZeRORuntimeException
 from shardwise.launcher.worker import parse_core_list
 
-__all__ = ["OnDevice", "ZeRORuntimeException", "parse_range_list", "required_torch_version"]
+__all__ = ["FUSED_ROTARY_AVAILABLE", "OnDevice", "ZeRORuntimeException", "parse_range_list", "required_torch_version"]
+
+FUSED_ROTARY_AVAILABLE = False
+"""Whether ``apply_rotary_pos_emb`` runs a fused kernel (DeepSpeed's ``_torchembed_available``, true when
+its optional ``torchembed`` package is installed). Always false: shardwise's rotary embedding
+(:func:`shardwise.sequence.layer.apply_rotary_pos_emb`) is plain PyTorch, with no compiled kernels."""
 
 
 def required_torch_version(min_version: str | None = None, max_version: str | None = None) -> bool:

@@ -125,6 +125,7 @@ RENAMES: dict[str, str] = {
     "deepspeed.ops.__compatible_ops__": "shardwise.compat.op_builder:COMPATIBLE_OPS",
     "deepspeed.utils.torch.required_torch_version": "shardwise.compat.small_names:required_torch_version",
     "deepspeed.utils.numa.parse_range_list": "shardwise.compat.small_names:parse_range_list",
+    "deepspeed.sequence.layer._torchembed_available": "shardwise.compat.small_names:FUSED_ROTARY_AVAILABLE",
     "deepspeed.runtime.zero.utils.ZeRORuntimeException": "shardwise.compat.small_names:ZeRORuntimeException",
     "deepspeed.utils.RepeatingLoader": "shardwise.data:RepeatingLoader",
     "deepspeed.tp_model_init": "shardwise.tensor_parallel.model_init:tp_model_init",

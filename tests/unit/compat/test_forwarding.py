@@ -237,3 +237,15 @@ def test_dunder_names_come_only_from_the_table(deepspeed_package: object) -> Non
     assert deepspeed.ops.__compatible_ops__ is COMPATIBLE_OPS
     with pytest.raises(AttributeError):
         deepspeed.ops.__no_such_dunder__  # noqa: B018
+
+
+def test_names_added_by_the_wider_suite_sweep_reach_their_homes(deepspeed_package: object) -> None:
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT  # type: ignore[import-not-found]
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config  # type: ignore[import-not-found]
+    from deepspeed.sequence.layer import _torchembed_available, apply_rotary_pos_emb  # type: ignore[import-not-found]
+
+    from shardwise.config.sections.precision import FP16Config
+    from shardwise.sequence import layer
+
+    assert GRADIENT_CLIPPING_DEFAULT == 1.0 and DeepSpeedFP16Config is FP16Config
+    assert _torchembed_available is False and apply_rotary_pos_emb is layer.apply_rotary_pos_emb
