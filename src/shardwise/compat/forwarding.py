@@ -123,7 +123,11 @@ class ForwardingModule(ModuleType):
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # The import system binds each imported ``deepspeed.<path>`` submodule on its parent: local.
+        # The import system binds each imported ``deepspeed.<path>`` submodule on its parent: local,
+        # unless the parent re-exports a same-named object (a RENAMES entry: ``deepspeed.utils``'s
+        # ``z3_leaf_module`` is the function, as DeepSpeed's package binds it after the submodule).
+        if isinstance(value, ForwardingModule) and f"{self.__name__}.{name}" in table.RENAMES:
+            return
         local = name.startswith("__") or isinstance(value, ForwardingModule)
         owner = None if local else _owner(self.__name__, name)
         if owner is None:

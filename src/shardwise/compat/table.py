@@ -50,6 +50,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.runtime.zero.partition_parameters": ("shardwise.compat.partition_parameters",),
     "deepspeed.runtime.zero.config": ("shardwise.compat.zero_config",),
     "deepspeed.runtime.zero.offload_config": ("shardwise.compat.zero_config",),
+    "deepspeed.runtime.zero.leaf_module_config": ("shardwise.compat.zero_config",),
     "deepspeed.runtime.utils": ("shardwise.compat.runtime_utils",),
     "deepspeed.runtime.config": ("shardwise.compat.ds_config", "shardwise.config"),
     "deepspeed.runtime.precision_config": ("shardwise.compat.ds_config",),
@@ -126,6 +127,8 @@ RENAMES: dict[str, str] = {
     "deepspeed.utils.torch.required_torch_version": "shardwise.compat.small_names:required_torch_version",
     "deepspeed.utils.numa.parse_range_list": "shardwise.compat.small_names:parse_range_list",
     "deepspeed.sequence.layer._torchembed_available": "shardwise.compat.small_names:FUSED_ROTARY_AVAILABLE",
+    # a submodule's name re-exported by its package as a function: the package attribute is the function
+    "deepspeed.utils.z3_leaf_module": "shardwise.zero.leaf_modules:z3_leaf_module",
     "deepspeed.runtime.zero.utils.ZeRORuntimeException": "shardwise.compat.small_names:ZeRORuntimeException",
     "deepspeed.utils.RepeatingLoader": "shardwise.data:RepeatingLoader",
     "deepspeed.tp_model_init": "shardwise.tensor_parallel.model_init:tp_model_init",

@@ -5,7 +5,9 @@
 :func:`~shardwise.config.compat.normalize_legacy`: ``cpu_offload``, ``cpu_offload_param``,
 ``stage3_gather_fp16_weights_on_model_save``, the short stage-3 names) and reads with DeepSpeed's
 attribute names too (``prefetch_bucket_size``, ``gather_16bit_weights_on_model_save``...;
-``overlap_comm`` resolved: on at stage 3 unless set).
+``overlap_comm`` resolved: on at stage 3 unless set). ``deepspeed.runtime.zero.leaf_module_config`` is here
+too: ``DeepSpeedZeroLeafModuleConfig`` is shardwise's ``zero_optimization.leaf_module`` section and the
+``DEFAULT_LEAF_MODULE_*`` lists its defaults.
 """
 
 from __future__ import annotations
@@ -13,17 +15,37 @@ from __future__ import annotations
 from typing import Any
 
 from shardwise.config.compat import STAGE3_ALIASES, normalize_legacy
-from shardwise.config.sections.zero import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from shardwise.config.sections.zero import (
+    DEFAULT_LEAF_MODULE_CLASSES as _LEAF_CLASSES,
+)
+from shardwise.config.sections.zero import (
+    AioConfig,
+    LeafModuleConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    ZeroConfig,
+)
 from shardwise.utils.logging import logger
 
 __all__ = [
+    "DEFAULT_LEAF_MODULE_CLASSES",
+    "DEFAULT_LEAF_MODULE_NAMES",
+    "DEFAULT_LEAF_MODULE_NAME_SUFFIXES",
     "DeepSpeedZeroConfig",
+    "DeepSpeedZeroLeafModuleConfig",
     "DeepSpeedZeroOffloadOptimizerConfig",
     "DeepSpeedZeroOffloadParamConfig",
     "OffloadDeviceEnum",
     "ZeroStageEnum",
     "read_zero_config_deprecated",
 ]
+
+
+DeepSpeedZeroLeafModuleConfig = LeafModuleConfig
+DEFAULT_LEAF_MODULE_CLASSES: list[str] = list(_LEAF_CLASSES)
+DEFAULT_LEAF_MODULE_NAMES: list[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
+"""The ``leaf_module`` section's defaults as lists (what the section holds), by DeepSpeed's names."""
 
 
 class ZeroStageEnum:

@@ -249,3 +249,29 @@ def test_names_added_by_the_wider_suite_sweep_reach_their_homes(deepspeed_packag
 
     assert GRADIENT_CLIPPING_DEFAULT == 1.0 and DeepSpeedFP16Config is FP16Config
     assert _torchembed_available is False and apply_rotary_pos_emb is layer.apply_rotary_pos_emb
+
+
+def test_a_package_attribute_reexported_over_its_submodule(deepspeed_package: object) -> None:
+    """``deepspeed.utils.z3_leaf_module`` is the function (DeepSpeed's package binds it after the
+    submodule), whether or not the submodule was imported first; the submodule still imports."""
+    import deepspeed.utils.z3_leaf_module  # type: ignore[import-not-found]  # noqa: F401
+    from deepspeed.utils import z3_leaf_module  # type: ignore[import-not-found]
+    from deepspeed.utils.z3_leaf_module import set_z3_leaf_modules  # type: ignore[import-not-found]
+
+    from shardwise.zero import leaf_modules
+
+    assert z3_leaf_module is leaf_modules.z3_leaf_module and callable(z3_leaf_module)
+    assert set_z3_leaf_modules is leaf_modules.set_z3_leaf_modules
+
+
+def test_leaf_module_config_names(deepspeed_package: object) -> None:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # type: ignore[import-not-found]
+    from deepspeed.runtime.zero.leaf_module_config import (  # type: ignore[import-not-found]
+        DEFAULT_LEAF_MODULE_CLASSES,
+        DEFAULT_LEAF_MODULE_NAMES,
+        DeepSpeedZeroLeafModuleConfig,
+    )
+
+    config = DeepSpeedZeroConfig()
+    assert config.leaf_module.classes == DEFAULT_LEAF_MODULE_CLASSES and config.leaf_module.names == DEFAULT_LEAF_MODULE_NAMES
+    assert DeepSpeedZeroLeafModuleConfig(names="tail").names == ["tail"]
