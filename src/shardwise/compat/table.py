@@ -51,6 +51,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.runtime.zero.config": ("shardwise.compat.zero_config",),
     "deepspeed.runtime.zero.offload_config": ("shardwise.compat.zero_config",),
     "deepspeed.runtime.zero.leaf_module_config": ("shardwise.compat.zero_config",),
+    "deepspeed.runtime.zero.tiling": ("shardwise.zero.tiling",),
     "deepspeed.runtime.utils": ("shardwise.compat.runtime_utils",),
     "deepspeed.runtime.config": ("shardwise.compat.ds_config", "shardwise.config"),
     "deepspeed.runtime.precision_config": ("shardwise.compat.ds_config",),
@@ -129,6 +130,8 @@ RENAMES: dict[str, str] = {
     "deepspeed.sequence.layer._torchembed_available": "shardwise.compat.small_names:FUSED_ROTARY_AVAILABLE",
     # a submodule's name re-exported by its package as a function: the package attribute is the function
     "deepspeed.utils.z3_leaf_module": "shardwise.zero.leaf_modules:z3_leaf_module",
+    **{f"deepspeed.{package}.{name}": f"shardwise.zero.tiling:{name}"
+       for package in ("zero", "runtime.zero") for name in ("TiledLinear", "TiledLinearReturnBias")},
     "deepspeed.runtime.zero.utils.ZeRORuntimeException": "shardwise.compat.small_names:ZeRORuntimeException",
     "deepspeed.utils.RepeatingLoader": "shardwise.data:RepeatingLoader",
     "deepspeed.tp_model_init": "shardwise.tensor_parallel.model_init:tp_model_init",
