@@ -33,7 +33,7 @@ from shardwise.runtime.ds_accessors import DeepSpeedAccessors
 from shardwise.runtime.nonfinite import NonFiniteSteps, scaler_adapts
 from shardwise.runtime.step_hooks import ForwardContext, StepHooks, StepOutcome
 from shardwise.utils.logging import logger
-from shardwise.zero.strategy import StepResult, ZeroStrategy
+from shardwise.zero.strategy import GradientSyncRefused, StepResult, ZeroStrategy
 
 
 class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
@@ -214,9 +214,9 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         """Accumulate gradients locally without reducing them, where the ZeRO strategy declares it can."""
         optimizer = self._require_optimizer("no_sync")
         if not optimizer.gradient_sync_toggle:
-            raise RuntimeError(optimizer.gradient_sync_refusal)
+            raise GradientSyncRefused(optimizer.gradient_sync_refusal)
         if self._in_no_sync:
-            raise RuntimeError("no_sync() contexts cannot be nested")
+            raise GradientSyncRefused("no_sync() contexts cannot be nested")
         self._in_no_sync = True
         optimizer.set_gradient_sync(False)
         try:

@@ -46,7 +46,7 @@ def test_no_sync_then_synced_backward_equals_accumulation():
         for result in ranks:
             assert result["max_diff"] < 1e-7, stage
     errors = run_distributed(cases.no_sync_refused_at_stage_2, 2, args=(2,), timeout=300)
-    assert all("stage 2" in e["error"] for e in errors)
+    assert all("stage 2" in e["error"] and e["assertion"] for e in errors)
 
 
 def test_averaging_options_and_wire_dtypes_give_the_same_mean():

@@ -26,7 +26,7 @@ from shardwise.zero.state_layout import GradientLayout, StateLayout
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["StepResult", "ZeroStrategy", "sharded_gradients_refusal"]
+__all__ = ["GradientSyncRefused", "StepResult", "ZeroStrategy", "sharded_gradients_refusal"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,13 @@ class ZeroStrategy(Protocol):
         """Where each parameter's reduced gradient sits now, in the same holdings as
         :meth:`state_layout`; ``unavailable`` says why there is none (``deepspeed.utils.safe_get_full_grad``)."""
         ...
+
+
+class GradientSyncRefused(RuntimeError, AssertionError):
+    """``no_sync()`` refused (gradients sharded every micro step, or a nested ``no_sync()``).
+
+    Also an ``AssertionError``: DeepSpeed raises that type for both, and its callers catch it.
+    """
 
 
 def sharded_gradients_refusal(stage: int) -> str:
