@@ -59,4 +59,23 @@ def set_log_level(level: str | int) -> None:
     get_logger().setLevel(level.upper() if isinstance(level, str) else level)
 
 
+_LEVEL_NAMES = ("debug", "info", "warning", "error", "critical")
+
+
+def set_log_level_from_string(log_level_str: str, custom_logger: logging.Logger | None = None) -> None:
+    """Set a logger's level and its handlers' from a name (``"info"``); default: the library logger.
+
+    Raises:
+        ValueError: a name that is not one of debug, info, warning, error, critical.
+    """
+    name = log_level_str.lower() if isinstance(log_level_str, str) else log_level_str
+    if name not in _LEVEL_NAMES:
+        raise ValueError(f"log level {log_level_str!r}: must be one of {', '.join(_LEVEL_NAMES)}")
+    target = get_logger() if custom_logger is None else custom_logger
+    level = getattr(logging, name.upper())
+    target.setLevel(level)
+    for handler in target.handlers:
+        handler.setLevel(level)
+
+
 logger = get_logger()

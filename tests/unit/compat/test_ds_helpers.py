@@ -88,3 +88,20 @@ def test_unused_parameters_error_is_deepspeeds_assertion_error() -> None:
     error = unused_parameters_error(["head.bias"])
     assert isinstance(error, AssertionError) and isinstance(error, RuntimeError)
     assert "ignore_unused_parameters" in error.args[0] and "head.bias" in error.args[0]
+
+
+def test_set_log_level_from_string_sets_logger_and_handlers() -> None:
+    import logging
+
+    from shardwise.utils.logging import set_log_level_from_string
+
+    custom = logging.getLogger("shardwise-test-custom-level")
+    handler = logging.StreamHandler()
+    custom.addHandler(handler)
+    try:
+        set_log_level_from_string("Error", custom_logger=custom)
+        assert custom.level == logging.ERROR and handler.level == logging.ERROR
+        with pytest.raises(ValueError, match="must be one of debug"):
+            set_log_level_from_string("loud", custom_logger=custom)
+    finally:
+        custom.removeHandler(handler)
