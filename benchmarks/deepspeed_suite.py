@@ -71,8 +71,9 @@ DEFAULT_FILES = (
 )
 """The files of issue 38: the ones that exercise DeepSpeed's public training API (relative to ``tests/unit``)."""
 
-TOOLS = ("pytest<8.4", "pytest-forked", "pytest-timeout")
-"""What DeepSpeed's CPU CI runs its tests with."""
+TOOLS = ("pytest<8.4", "pytest-forked", "pytest-timeout", "py-cpuinfo")
+"""What DeepSpeed's CPU CI runs its tests with, and py-cpuinfo, which its ops tests import (``cpuinfo``;
+DeepSpeed installs it as a dependency, so the control side has it)."""
 
 
 @dataclass
