@@ -35,7 +35,10 @@ def client_reads(rank: int, world: int, stage: int) -> dict[str, Any]:
             pending.append(engine.pending_micro_batches)
         overflow.append(optimizer.overflow)
     full = engine._zero3_consolidated_16bit_state_dict()
+    summed = torch.tensor([float(rank + 1)])
+    shardwise.comm.inference_all_reduce(summed)  # deepspeed.comm's inference all-reduce: a plain sum
     return {
+        "inference_all_reduce": float(summed),
         "pending": pending,
         "overflow": overflow,
         "stage_from_config": engine.config.get("zero_optimization", {}).get("stage"),

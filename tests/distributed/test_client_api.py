@@ -20,6 +20,7 @@ def test_client_reads_at_stages_1_and_3() -> None:
             assert result["stage_from_config"] == stage and result["fp16_in_config"]
             assert result["gather_on_save"] is True and result["steps_per_print"] is None
             assert result["accessors"] == (True, False, 0.0, 1)
+            assert result["inference_all_reduce"] == 3.0
             if rank == 1:
                 assert result["full"] == {}  # the full dict is rank 0's; rank 1 took part in the gathers
     full_1, full_3 = by_stage[1][0]["full"], by_stage[3][0]["full"]

@@ -49,6 +49,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     # collectives
     "CommHandle": ("shardwise.comm.collectives", "CommHandle"),
     "all_reduce": ("shardwise.comm.collectives", "all_reduce"),
+    "inference_all_reduce": ("shardwise.comm.collectives", "inference_all_reduce"),
     "reduce_scatter_flat": ("shardwise.comm.collectives", "reduce_scatter_flat"),
     "reduce_scatter_ranges": ("shardwise.comm.collectives", "reduce_scatter_ranges"),
     "all_gather_flat": ("shardwise.comm.collectives", "all_gather_flat"),

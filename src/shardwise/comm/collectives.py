@@ -187,6 +187,21 @@ def all_reduce(
     return _run(work, async_op, _copy_back(finish, staged, tensor), record)
 
 
+def inference_all_reduce(
+    tensor: torch.Tensor,
+    op: str | dist.ReduceOp | dist.ReduceOp.RedOpType = "sum",
+    group: dist.ProcessGroup | None = None,
+    **_deepspeed_options: object,
+) -> None:
+    """DeepSpeed's ``deepspeed.comm.inference_all_reduce``: :func:`all_reduce` in place, waited for.
+
+    DeepSpeed routes it to a shared-memory kernel on CPU where it can; shardwise has one all-reduce
+    path, so the result is the same reduction. DeepSpeed's ``async_op``/``prof``/``log_name``/``debug``
+    arguments are accepted and change nothing (DeepSpeed waits here too).
+    """
+    all_reduce(tensor, op=op, group=group)
+
+
 def reduce_scatter_flat(
     output: torch.Tensor,
     input: torch.Tensor,  # torch's parameter name, shadowing the builtin on purpose
