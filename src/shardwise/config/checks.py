@@ -150,6 +150,18 @@ def _unsupported_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
                 value=True,
             )
         )
+    if not cfg.managed_gradient_accumulation:
+        errors.append(
+            ConfigError(
+                "managed_gradient_accumulation",
+                "false (the script owns the accumulation boundary: every step() ends a window, after any "
+                "number of backward() calls) is not implemented; the engine counts micro batches against "
+                "gradient_accumulation_steps",
+                "remove the key (or set it to true), set gradient_accumulation_steps, and call backward() "
+                "and step() once per micro batch",
+                value=False,
+            )
+        )
     if cfg.zero_optimization.mics_shard_size > 0:
         errors.append(
             ConfigError(
