@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
@@ -39,7 +40,7 @@ class FP16Config(Section):
     def _finite_not_bool(cls, value: object) -> object:
         if isinstance(value, bool):
             raise ValueError("loss_scale must be a number (0 for dynamic scaling), not a boolean")
-        if not isinstance(value, int | float | str):
+        if not isinstance(value, numbers.Real | str):  # numpy scalars are Real too
             raise ValueError(f"loss_scale must be a number (0 for dynamic scaling), not {type(value).__name__}")
         if isinstance(value, int | float) and not math.isfinite(value):
             raise ValueError("loss_scale must be finite")
