@@ -42,6 +42,7 @@ class ShardPolicy:
     param_offload: OffloadSpec | None = None
     rank: int = 0
     world_size: int = 1
+    experts: Any = None  # ExpertSharding with expert parallelism (shardwise.zero.expert_units), else None
 
 
 class ShardedModel:
