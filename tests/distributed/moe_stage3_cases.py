@@ -100,8 +100,9 @@ def _data(case: dict[str, Any], rank: int, steps: int) -> list[Any]:
 
     if case["model"] == "moe":
         return batches(rank, steps)
-    generator = torch.Generator().manual_seed(rank)
-    return [torch.randint(0, VOCAB, (2, 12), generator=generator) for _ in range(steps)]
+    # one batch per rank, again at every step: the loss then falls step after step (it trains)
+    batch = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(rank))
+    return [batch] * steps
 
 
 def _loss(engine: Any, case: dict[str, Any], batch: Any) -> Any:
