@@ -128,7 +128,11 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         engine.step()
         losses.append(loss.item())
         norms.append(float(engine.get_global_grad_norm()))
-    out = {"loss": losses, "norm": norms, "params": whole_params(model), "experts": expert_elements(model)}
+    from shardwise.moe.utils import is_moe_param
+
+    families = sorted({str(getattr(p, "ds_zero_placement_family", None)) for p in model.parameters() if is_moe_param(p)})
+    out = {"loss": losses, "norm": norms, "params": whole_params(model), "experts": expert_elements(model),
+           "families": families}
     engine.destroy()
     return out
 

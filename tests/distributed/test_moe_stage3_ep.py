@@ -48,11 +48,14 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[object, list[dic
               for name, (zero, _, _) in REFUSALS.items()]
     resume = [{"kind": "resume", "model": m, "save_ep": s, "load_ep": load, "dir": str(root / f"{m}{s}{load}")}
               for m, s, load in (("moe", 2, 2), ("moe", 2, 1), ("autoep", 1, 2))]
-    cases = [*train, *refuse, *resume]
+    bf16 = [{"kind": "train", "model": "moe", "ep": 2, "bf16": True, "stage": stage} for stage in (2, 3)]
+    cases = [*train, *refuse, *resume, *bf16]
     results = run_distributed_cases(run_case, cases, world_size=2, timeout=600)
     out: dict[object, list[dict]] = {}
     for case, result in zip(cases, results, strict=True):
         key = case.get("refuse") or (case["kind"], case["model"], case.get("ep") or (case["save_ep"], case["load_ep"]))
+        if case.get("bf16"):
+            key = ("bf16", case["stage"])
         out[key] = result
     return out
 
@@ -86,6 +89,8 @@ def test_stage3_ep2_trains_like_ep1_on_two_ranks(two_ranks: dict, model: str) ->
         logical2, stored2 = b["experts"]
         assert logical2 * 2 == logical1  # each rank computes half of the experts...
         assert stored2 == logical2  # ...whole: its expert-data-parallel group is itself
+        # DeepSpeed's markers survive FSDP2's new parameters (is_moe_param above reads allreduce=False)
+        assert b["families"] == (["autoep_expert"] if model == "autoep" else ["None"])
 
 
 def test_stage3_autoep2_trains_like_autoep1_on_four_ranks(four_ranks: dict) -> None:
@@ -93,6 +98,22 @@ def test_stage3_autoep2_trains_like_autoep1_on_four_ranks(four_ranks: dict) -> N
     for a, b in zip(four_ranks[1], four_ranks[2]):
         assert b["experts"][0] * 2 == a["experts"][0]
         assert b["experts"][1] * 2 == b["experts"][0]  # sharded over its two expert-data-parallel ranks
+
+
+def test_stage3_ep2_bf16_is_stage2_ep2_bitwise(two_ranks: dict) -> None:
+    # bf16: stage 2 with ep=2 is checked against ep=1 (test_moe_expert_parallel); stage 3 computes the
+    # same 16-bit forward and backward and reduces the same fp32 sums of two addends, so its weights
+    # rounded to bf16 (stage 2 holds bf16 weights, stage 3 fp32 masters) and its losses are the same bits
+    stage2, stage3 = two_ranks[("bf16", 2)], two_ranks[("bf16", 3)]
+    for a, b in zip(stage2, stage3):
+        assert a["loss"] == b["loss"]
+        assert b["norm"] == pytest.approx(a["norm"], rel=1e-6)
+    rounded2 = {k: v.bfloat16() for k, v in _merged(stage2).items()}
+    rounded3 = {k: v.bfloat16() for k, v in _merged(stage3).items()}
+    assert sorted(rounded2) == sorted(rounded3)
+    for name, value in rounded2.items():
+        assert torch.equal(rounded3[name], value), name
+    assert any(not torch.equal(v.float(), v.bfloat16().float()) for v in _merged(stage3).values())  # fp32 masters
 
 
 @pytest.mark.parametrize("name", sorted(REFUSALS))

@@ -108,9 +108,14 @@ def _inside(name: str, root: str) -> bool:
 
 
 def merge_units(
-    names: Sequence[str], numels: Sequence[int], roots: Sequence[str], nodes: Mapping[str, ModuleNode]
+    names: Sequence[str],
+    numels: Sequence[int],
+    roots: Sequence[str],
+    nodes: Mapping[str, ModuleNode],
+    registration: Sequence[str],
 ) -> tuple[list[str], list[int]]:
-    """The unit list with the expert roots in it, in execution order, and each unit's own elements.
+    """The unit list with the expert roots in it, in execution order, and each unit's own elements
+    (``registration``: every module name in ``named_modules()`` order).
 
     Units the policy chose inside an expert root are dropped (the root is the unit); an expert root
     inside a chosen unit follows it (it runs within that unit's forward), and that unit's size no
@@ -120,7 +125,7 @@ def merge_units(
     placed: set[str] = set()
     out_names: list[str] = []
     out_numels: list[int] = []
-    order = {name: i for i, name in enumerate(nodes)}
+    order = {name: i for i, name in enumerate(registration)}
     for name, numel in kept:
         inner = [r for r in roots if _inside(r, name) and r != name]
         out_names.append(name)

@@ -109,9 +109,13 @@ class _Tracker:
         self.owners[id(new)] = owners
 
 
+_LAYOUT_ATTRIBUTES = frozenset({"ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status"})  # set afresh per parameter
+
+
 def _user_marks(p: nn.Parameter) -> dict[str, Any]:
-    """``p``'s user attributes (not shardwise's or placeholder ones)."""
-    return {key: attr for key, attr in vars(p).items() if not key.startswith(("_shardwise", "ds_"))}
+    """``p``'s user attributes (DeepSpeed's markers such as ``allreduce``, ``group_name``,
+    ``ds_zero_placement_family`` included), not shardwise's own or a placeholder's layout."""
+    return {key: a for key, a in vars(p).items() if not key.startswith("_shardwise") and key not in _LAYOUT_ATTRIBUTES}
 
 
 def _real(p: nn.Parameter, value: torch.Tensor) -> nn.Parameter:
@@ -242,7 +246,7 @@ def _plan_units(
     roots: list[str] = []
     if policy.experts is not None:  # expert parallelism: each expert root is a unit of its own
         roots = expert_roots(model, nodes)
-        names, numels = merge_units(names, numels, roots, nodes)
+        names, numels = merge_units(names, numels, roots, nodes, [n for n, _ in model.named_modules()])
     keep = reshard_plan(numels, settings.max_live_numel, settings.max_reuse_distance)
     hpz = settings.hpz_partition_size
     use_hpz = hpz_active(hpz, policy.world_size)  # ZeRO++ hpZ: FSDP2 reshards onto groups of hpz ranks
