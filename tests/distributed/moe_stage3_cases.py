@@ -169,5 +169,10 @@ def save_then_resume(rank: int, world: int, case: dict[str, Any]) -> dict[str, A
 
 
 def run_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """Dispatch: ``case["kind"]`` is ``"train"`` or ``"resume"``."""
+    """Dispatch: ``case["kind"]`` is ``"train"``, ``"resume"`` or ``"full_grads"`` (moe_edge_cases'
+    ``safe_get_full_grad`` / ``safe_get_full_fp32_param`` of every expert, by global index)."""
+    if case["kind"] == "full_grads":
+        from moe_edge_cases import full_expert_gradients
+
+        return full_expert_gradients(rank, world, case)
     return save_then_resume(rank, world, case) if case["kind"] == "resume" else train(rank, world, case)

@@ -49,13 +49,16 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[object, list[dic
     resume = [{"kind": "resume", "model": m, "save_ep": s, "load_ep": load, "dir": str(root / f"{m}{s}{load}")}
               for m, s, load in (("moe", 2, 2), ("moe", 2, 1), ("autoep", 1, 2))]
     bf16 = [{"kind": "train", "model": "moe", "ep": 2, "bf16": True, "stage": stage} for stage in (2, 3)]
-    cases = [*train, *refuse, *resume, *bf16]
+    full = [{"kind": "full_grads", "model": "moe", "stage": 3, "ep": ep} for ep in (1, 2)]
+    cases = [*train, *refuse, *resume, *bf16, *full]
     results = run_distributed_cases(run_case, cases, world_size=2, timeout=600)
     out: dict[object, list[dict]] = {}
     for case, result in zip(cases, results, strict=True):
         key = case.get("refuse") or (case["kind"], case["model"], case.get("ep") or (case["save_ep"], case["load_ep"]))
         if case.get("bf16"):
             key = ("bf16", case["stage"])
+        elif case["kind"] == "full_grads":
+            key = ("full_grads", case["ep"])
         out[key] = result
     return out
 
@@ -114,6 +117,17 @@ def test_stage3_ep2_bf16_is_stage2_ep2_bitwise(two_ranks: dict) -> None:
     for name, value in rounded2.items():
         assert torch.equal(rounded3[name], value), name
     assert any(not torch.equal(v.float(), v.bfloat16().float()) for v in _merged(stage3).values())  # fp32 masters
+
+
+def test_safe_get_full_of_an_expert_at_stage3_ep2_is_that_expert_at_ep1(two_ranks: dict) -> None:
+    # DeepSpeed's safe_get_full_grad / safe_get_full_fp32_param: an expert parameter gathered over its
+    # expert-data-parallel group, by global expert index
+    ep1, ep2 = two_ranks[("full_grads", 1)], two_ranks[("full_grads", 2)]
+    owned = {**ep2[0], **ep2[1]}
+    assert sorted(owned) == sorted(ep1[0])
+    for key, value in ep1[0].items():
+        torch.testing.assert_close(owned[key], value, rtol=1e-6, atol=1e-7, msg=key)
+    assert any(float(v.abs().sum()) > 0 for k, v in owned.items() if k.startswith("grad"))
 
 
 @pytest.mark.parametrize("name", sorted(REFUSALS))
