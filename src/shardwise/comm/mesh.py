@@ -264,6 +264,4 @@ def expert_data_parallel_mesh(device_type: str) -> DeviceMesh:
     group = topology.group_of("edp")
     if topology.size_of("edp") == 1:
         group = _singleton(get_rank(), get_world_size())
-    elif group is None:
-        group = get_world_group()
-    return DeviceMesh.from_group(group, device_type, mesh_dim_names=("edp_shard",))
+    return DeviceMesh.from_group(group or get_world_group(), device_type, mesh_dim_names=("edp_shard",))

@@ -315,12 +315,13 @@ def _apply_fully_shard(
     targets: list[tuple[nn.Module, bool | int]] = [(modules[n], r) for n, r in zip(plan.names, plan.reshard)]
     # expert units first: they nest in dense units, and fully_shard wraps the inner modules first
     experts = {id(modules[n]) for n in plan.expert_units}
+    expert_mesh = policy.experts.mesh if policy.experts is not None else None
     order = sorted(targets, key=lambda target: id(target[0]) not in experts)
     for module, reshard in [*order, (model, False)]:
         pending = _materialise(module, tracker, policy)
         fully_shard(
             module,
-            mesh=policy.experts.mesh if id(module) in experts else mesh,
+            mesh=expert_mesh if id(module) in experts else mesh,
             reshard_after_forward=reshard,
             mp_policy=mp,
             offload_policy=offload,
