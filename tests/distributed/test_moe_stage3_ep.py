@@ -11,7 +11,7 @@ of an expert is computed alone, so the forward values are the same; what differs
 the float additions that reduce gradients (an expert's gradient is summed over both ranks' tokens
 by the all-to-all's backward then reduce-scattered over its expert-data-parallel ranks at EP=2,
 reduce-scattered over all ranks at EP=1) and of the squared norm's partial sums: a few ulps of the
-gradient per step, times a learning rate of 0.5 and the momentum's accumulation over 4 steps. We
+gradient per step, times a learning rate of 0.5 and the momentum's accumulation over 3 steps. We
 assert parameters within 1e-6 absolute (measured <= 6e-8) and losses within 1e-6 (measured 0);
 the norm to 1e-6 relative (fp32 partial sums added in another order).
 """
