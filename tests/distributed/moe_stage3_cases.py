@@ -82,6 +82,7 @@ def _engine(case: dict[str, Any], *, fresh: bool = False) -> tuple[Any, Any]:
         "zero_optimization": {"stage": case.get("stage", 3), **case.get("zero", {})},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": case.get("clip", CLIP),
+        **case.get("config", {}),  # more top-level keys (gradient_accumulation_steps, ...)
     }
     if case.get("bf16"):
         config["bf16"] = {"enabled": True}
@@ -127,7 +128,8 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-        norms.append(float(engine.get_global_grad_norm()))
+        norm = engine.get_global_grad_norm()  # None inside an accumulation window
+        norms.append(None if norm is None else float(norm))
     from shardwise.moe.utils import is_moe_param
 
     families = sorted({str(getattr(p, "ds_zero_placement_family", None)) for p in model.parameters() if is_moe_param(p)})
