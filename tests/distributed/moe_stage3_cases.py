@@ -171,9 +171,49 @@ def save_then_resume(rank: int, world: int, case: dict[str, Any]) -> dict[str, A
     return {"saved": saved, "loaded": loaded, "continued": continued, "resumed": resumed}
 
 
+def converted_under_zero_init(rank: int, world: int, case: dict[str, Any]) -> dict[str, bool]:
+    """A Mixtral built under ``zero.Init`` (its parameters partitioned placeholders), its first MoE
+    block's router and experts set to known values, converted by AutoEP at ``case["ep"]`` at stage 3:
+    whether the router and each of this rank's experts hold exactly the source's values."""
+    import torch
+
+    import shardwise
+    from shardwise.comm import groups, mesh
+
+    mesh.reset_layout()
+    groups.clear_topology()
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2, "optimizer": OPTIMIZERS["SGD"], "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+        "expert_parallel": {"enabled": True, "autoep_size": case["ep"], "preset_model": "mixtral"},
+    }
+    with shardwise.zero.Init(config_dict_or_path=config):
+        model = _mixtral(0)
+    block = model.model.layers[0].mlp
+    source = [block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj]
+    with shardwise.zero.GatheredParameters(source, modifier_rank=0):
+        for p in (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj):  # the gathered ones
+            p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    with shardwise.zero.GatheredParameters(source, modifier_rank=None):
+        gate, gate_up, down = (t.detach().clone() for t in
+                               (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj))
+    engine, *_ = shardwise.initialize(model=model, config=config)
+    params, layer, prefix = whole_params(model), model.model.layers[0].mlp, "model.layers.0.mlp."
+    half = gate_up.shape[1] // 2
+    same = {"router": bool(torch.equal(params[prefix + "router.gate.weight"], gate))}
+    for e in range(layer.ep_rank * layer.num_local_experts, (layer.ep_rank + 1) * layer.num_local_experts):
+        same[f"w1.{e}"] = bool(torch.equal(params[f"{prefix}experts.w1#{e}"], gate_up[e, :half]))
+        same[f"w3.{e}"] = bool(torch.equal(params[f"{prefix}experts.w3#{e}"], gate_up[e, half:]))
+        same[f"w2.{e}"] = bool(torch.equal(params[f"{prefix}experts.w2#{e}"], down[e]))
+    engine.destroy()
+    return same
+
+
 def run_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """Dispatch: ``case["kind"]`` is ``"train"``, ``"resume"`` or ``"full_grads"`` (moe_edge_cases'
-    ``safe_get_full_grad`` / ``safe_get_full_fp32_param`` of every expert, by global index)."""
+    """Dispatch: ``case["kind"]`` is ``"train"``, ``"resume"``, ``"zero_init"`` or ``"full_grads"``
+    (moe_edge_cases' ``safe_get_full_grad`` / ``safe_get_full_fp32_param`` of every expert, by global index)."""
+    if case["kind"] == "zero_init":
+        return converted_under_zero_init(rank, world, case)
     if case["kind"] == "full_grads":
         from moe_edge_cases import full_expert_gradients
 

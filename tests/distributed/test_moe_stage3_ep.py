@@ -50,13 +50,15 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[object, list[dic
               for m, s, load in (("moe", 2, 2), ("moe", 2, 1), ("autoep", 1, 2))]
     bf16 = [{"kind": "train", "model": "moe", "ep": 2, "bf16": True, "stage": stage} for stage in (2, 3)]
     full = [{"kind": "full_grads", "model": "moe", "stage": 3, "ep": ep} for ep in (1, 2)]
-    cases = [*train, *refuse, *resume, *bf16, *full]
+    cases = [*train, *refuse, *resume, *bf16, *full, {"kind": "zero_init", "model": "autoep", "ep": 2}]
     results = run_distributed_cases(run_case, cases, world_size=2, timeout=600)
     out: dict[object, list[dict]] = {}
     for case, result in zip(cases, results, strict=True):
         key = case.get("refuse") or (case["kind"], case["model"], case.get("ep") or (case["save_ep"], case["load_ep"]))
         if case.get("bf16"):
             key = ("bf16", case["stage"])
+        elif case["kind"] == "zero_init":
+            key = "zero_init"
         elif case["kind"] == "full_grads":
             key = ("full_grads", case["ep"])
         out[key] = result
@@ -128,6 +130,14 @@ def test_safe_get_full_of_an_expert_at_stage3_ep2_is_that_expert_at_ep1(two_rank
     for key, value in ep1[0].items():
         torch.testing.assert_close(owned[key], value, rtol=1e-6, atol=1e-7, msg=key)
     assert any(float(v.abs().sum()) > 0 for k, v in owned.items() if k.startswith("grad"))
+
+
+def test_autoep_converts_a_zero_init_model_at_stage3_ep2(two_ranks: dict) -> None:
+    # the source block's placeholders are gathered and each rank keeps its own experts' exact values
+    first, second = two_ranks["zero_init"]
+    assert set(first) == {"router", *(f"w{i}.{e}" for e in (0, 1) for i in (1, 2, 3))}
+    assert set(second) == {"router", *(f"w{i}.{e}" for e in (2, 3) for i in (1, 2, 3))}
+    assert all(first.values()) and all(second.values()), (first, second)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSALS))
