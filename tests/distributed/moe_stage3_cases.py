@@ -209,11 +209,37 @@ def converted_under_zero_init(rank: int, world: int, case: dict[str, Any]) -> di
     return same
 
 
+def modify_gathered(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Inside ``GatheredParameters([dense, expert], modifier_rank=0)`` every rank writes its own values
+    into a dense parameter and an expert parameter; what each rank holds afterwards (whole)."""
+    import torch
+
+    import shardwise
+    from shardwise.moe.utils import is_moe_param
+
+    engine, model = _engine(case)
+    dense = next(n for n, p in model.named_parameters() if not is_moe_param(p))
+    expert = next(n for n, p in model.named_parameters() if is_moe_param(p))
+    values = {dense: rank + 1.0, expert: 10.0 * (rank + 1)}
+    # the block puts the whole parameters on the module: read them from there, by name
+    gathered = shardwise.zero.GatheredParameters([model.get_parameter(n) for n in values], modifier_rank=0)
+    with gathered, torch.no_grad():
+        for name, value in values.items():
+            model.get_parameter(name).fill_(value)
+    with shardwise.zero.GatheredParameters([model.get_parameter(n) for n in values]):
+        held = {kind: sorted(set(model.get_parameter(n).detach().flatten().tolist()))
+                for kind, n in (("dense", dense), ("expert", expert))}
+    engine.destroy()
+    return held
+
+
 def run_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """Dispatch: ``case["kind"]`` is ``"train"``, ``"resume"``, ``"zero_init"`` or ``"full_grads"``
+    """Dispatch: ``case["kind"]`` is ``"train"``, ``"resume"``, ``"zero_init"``, ``"modify"`` or ``"full_grads"``
     (moe_edge_cases' ``safe_get_full_grad`` / ``safe_get_full_fp32_param`` of every expert, by global index)."""
     if case["kind"] == "zero_init":
         return converted_under_zero_init(rank, world, case)
+    if case["kind"] == "modify":
+        return modify_gathered(rank, world, case)
     if case["kind"] == "full_grads":
         from moe_edge_cases import full_expert_gradients
 

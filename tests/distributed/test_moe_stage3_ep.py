@@ -50,7 +50,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[object, list[dic
               for m, s, load in (("moe", 2, 2), ("moe", 2, 1), ("autoep", 1, 2))]
     bf16 = [{"kind": "train", "model": "moe", "ep": 2, "bf16": True, "stage": stage} for stage in (2, 3)]
     full = [{"kind": "full_grads", "model": "moe", "stage": 3, "ep": ep} for ep in (1, 2)]
-    cases = [*train, *refuse, *resume, *bf16, *full, {"kind": "zero_init", "model": "autoep", "ep": 2}]
+    modify = {"kind": "modify", "model": "moe", "ep": 2}
+    cases = [*train, *refuse, *resume, *bf16, *full, modify, {"kind": "zero_init", "model": "autoep", "ep": 2}]
     results = run_distributed_cases(run_case, cases, world_size=2, timeout=600)
     out = {_key(case): result for case, result in zip(cases, results, strict=True)}
     assert len(out) == len(cases)  # one key per case
@@ -65,7 +66,7 @@ def _key(case: dict) -> object:
         return ("bf16", case["stage"])
     if case["kind"] == "resume":
         return ("resume", case["model"], (case["save_ep"], case["load_ep"]))
-    if case["kind"] in ("zero_init", "full_grads"):
+    if case["kind"] in ("zero_init", "full_grads", "modify"):
         return (case["kind"], case["ep"])
     return ("train", case["model"], case["ep"])
 
@@ -170,3 +171,12 @@ def test_stage3_ep_checkpoint_resumes_at_any_expert_parallel_size(
     for name, value in continued.items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=bound, msg=name)
 
+
+
+def test_gathered_parameters_modifier_rank_counts_within_the_parameters_group(two_ranks: dict) -> None:
+    # DeepSpeed's rule: modifier_rank is a world rank for a parameter partitioned over every rank, and a
+    # rank of the parameter's own group otherwise. At ep=2 on 2 ranks each expert's group is its rank
+    # alone, so every rank is "rank 0" of its experts and keeps its own edit; the dense one keeps rank 0's
+    held = two_ranks[("modify", 2)]
+    assert [h["dense"] for h in held] == [[1.0], [1.0]]
+    assert [h["expert"] for h in held] == [[10.0], [20.0]]
