@@ -170,13 +170,14 @@ class AutoEPMoELayer(nn.Module):
         route_norm = spec.route_norm if config.route_norm is None else config.route_norm
 
         gate = getattr(source_module, spec.router_name)
-        bias = getattr(gate, "bias", None)
-        correction = getattr(gate, "e_score_correction_bias", None)
         self.router = TokenChoiceTopKRouter(spec.hidden_size, spec.num_experts, spec.num_expert_groups,
                                             spec.num_limited_groups, spec.top_k, spec.score_func, route_norm,
                                             spec.route_scale, spec.gate_bias, spec.group_score_func)
-        self.router.to(device=gate.weight.device, dtype=gate.weight.dtype)
-        with gathered_source([gate.weight, bias, correction]):
+        with gathered_source([gate.weight, getattr(gate, "bias", None), getattr(gate, "e_score_correction_bias", None)]):
+            # inside, zero.Init placeholders are replaced by their gathered values: read them here
+            bias = getattr(gate, "bias", None)
+            correction = getattr(gate, "e_score_correction_bias", None)
+            self.router.to(device=gate.weight.device, dtype=gate.weight.dtype)
             self.router.gate.weight.data.copy_(gate.weight.detach())
             self.router.gate.weight.requires_grad_(gate.weight.requires_grad)
             if spec.gate_bias and bias is not None:

@@ -2,7 +2,8 @@
 bias), and this rank's slice of the experts as stacked ``w1`` / ``w2`` / ``w3``.
 
 Source parameters partitioned by ZeRO-3 construction (``zero.Init``: they carry ``ds_id``) are read
-inside :data:`GatheredParameters` (``modifier_rank=None``: read only), the router's in one block,
+inside :data:`GatheredParameters` (``modifier_rank=None``: read only; the gathered values replace the
+placeholders in their modules while inside, so they are looked up again there), the router's in one block,
 fused experts in one block, a module list one expert at a time in global order (every rank enters
 every block: the gathers are collective).
 """
@@ -94,9 +95,9 @@ def repack_expert_weights(experts_source: nn.Module, spec: Any, ep_rank: int, ep
         picked: list[list[Tensor]] = []
         for e in range(spec.num_experts):
             tensors = _expert_tensors(experts_source, spec, e)
-            with gathered_source(tensors):
+            with gathered_source(tensors):  # the gathered values stand in the module while inside
                 if e in keep:
-                    picked.append([t.detach().clone() for t in tensors])
+                    picked.append([t.detach().clone() for t in _expert_tensors(experts_source, spec, e)])
         everything = [t for e in range(spec.num_experts) for t in _expert_tensors(experts_source, spec, e)]
         _uniform(everything, spec)
         return tuple(torch.stack([p[i] for p in picked]) for i in range(3))  # type: ignore[return-value]
@@ -105,8 +106,8 @@ def repack_expert_weights(experts_source: nn.Module, spec: Any, ep_rank: int, ep
                          "rule: 'fused_3d' or 'module_list'; fix: use a preset that describes the model")
     tensors = _expert_tensors(experts_source, spec)
     _uniform(tensors, spec)
-    with gathered_source(tensors):
-        local = [t.detach()[keep.start:keep.stop].clone() for t in tensors]
+    with gathered_source(tensors):  # the gathered values stand in the module while inside
+        local = [t.detach()[keep.start:keep.stop].clone() for t in _expert_tensors(experts_source, spec)]
     if spec.expert_w3_name is None:  # w1 holds gate and up fused, in either layout
         gate_up, down = local
         return split_fused_gate_up(gate_up, down, f"AutoEP layer {spec.moe_module_name!r}")

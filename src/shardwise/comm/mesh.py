@@ -32,14 +32,25 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shardwise.comm.group_type import Group
 from shardwise.comm.groups import set_topology
-from shardwise.comm.init import get_rank, get_world_size, new_group
+from shardwise.comm.init import get_rank, get_world_group, get_world_size, new_group
 from shardwise.comm.parallel_dims import GROUP_DIMS, ParallelDims
 from shardwise.comm.topology import Topology
 
-__all__ = ["DECLARABLE", "current_layout", "declared_degrees", "ensure_layout", "reset_layout"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "DECLARABLE",
+    "current_layout",
+    "declared_degrees",
+    "ensure_layout",
+    "expert_data_parallel_mesh",
+    "reset_layout",
+]
 
 #: The dimensions a feature may declare (the data dimension is what they leave).
 DECLARABLE: tuple[str, ...] = ("pp", "tp", "sp", "ep")
@@ -231,3 +242,26 @@ def ensure_layout(
             raise
     set_topology(topology)
     return topology
+
+
+def expert_data_parallel_mesh(device_type: str) -> DeviceMesh:
+    """The 1-D ``DeviceMesh`` named ``edp_shard`` over this rank's expert-data-parallel group (the
+    ranks holding the same experts): ZeRO stage 3 shards expert parameters over it. Where that group
+    is one rank (``ep`` equal to the data-parallel size) it is this rank's group of one. Collective
+    (every rank calls it, in the same order: the groups of one are made once, by every rank).
+
+    Raises:
+        ValueError: no layout with expert parallelism (``ep`` > 1) was declared.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    topology = _STATE.topology
+    if topology is None or topology.size_of("ep") == 1:
+        raise ValueError(
+            "expert_data_parallel_mesh: no expert parallelism in the process layout (ep=1); fix: declare "
+            "ep with ensure_layout(ep=...) (MoE layers and the expert_parallel section do) first"
+        )
+    group = topology.group_of("edp")
+    if topology.size_of("edp") == 1:
+        group = _singleton(get_rank(), get_world_size())
+    return DeviceMesh.from_group(group or get_world_group(), device_type, mesh_dim_names=("edp_shard",))

@@ -1,7 +1,7 @@
 """``deepspeed.runtime.utils``: the helpers scripts call: layer partitioning (``partition_uniform``,
 ``partition_balanced``), ``see_memory_usage``, ``clip_grad_norm_``, ``get_weight_norm``, ``call_to_str``,
-``noop_context``. Functions of DeepSpeed's own optimizers (``CheckOverflow``, bucket helpers) are not here:
-shardwise's ZeRO strategies check overflow themselves (:mod:`shardwise.zero.step_math`).
+``noop_context``, ``count_used_parameters_in_backward`` (:mod:`shardwise.utils.backward_graph`). Functions
+of DeepSpeed's own optimizers (``CheckOverflow``, bucket helpers) are not here: shardwise's ZeRO strategies check overflow themselves (:mod:`shardwise.zero.step_math`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ import torch
 from shardwise.comm import get_rank, is_initialized
 from shardwise.compat.accelerator import get_accelerator
 from shardwise.compat.ds_utils import clone_tensors_for_torch_save, move_to_device
+from shardwise.utils.backward_graph import count_used_parameters_in_backward
 from shardwise.utils.logging import logger
 
 __all__ = [
     "call_to_str",
     "clip_grad_norm_",
     "clone_tensors_for_torch_save",
+    "count_used_parameters_in_backward",
     "get_weight_norm",
     "is_model_parallel_parameter",
     "move_to_device",

@@ -26,6 +26,7 @@ from shardwise.comm.topology import Topology
 from shardwise.config.errors import ConfigError
 from shardwise.config.sections.zero import AioConfig, ZeroConfig
 from shardwise.precision.policy import DTYPES, PrecisionPolicy
+from shardwise.zero.expert_units import ExpertSharding, refuse_zero3_expert_parallel
 from shardwise.zero.init_context import stash_of
 from shardwise.zero.offload import (
     OffloadedOptimizer,
@@ -145,14 +146,8 @@ def prepare_module(
     # Tensor parallelism (tensor_parallel.autotp_size, or an mpu's model-parallel layers): FSDP2
     # shards each rank's slices over its data-parallel group, a 2-D layout; the gradient norm
     # counts the split parameters on every tensor-parallel rank (Stage3Policy.tp_param_names).
-    if topology.size_of("ep") > 1 and any(expert_group_name(p) for p in model.parameters()):
-        raise ConfigError(
-            "zero_optimization.stage",
-            f"stage 3 (FSDP2) with expert parallelism (ep={topology.size_of('ep')}): FSDP2 would shard each "
-            "rank's own experts over the whole data-parallel group as if they were the same parameters",
-            "use stage 0, 1 or 2 with MoE layers of ep_size > 1 (or ep_size=1 at stage 3)",
-            value=3,
-        )
+    # Expert parallelism: expert units shard over the expert-data-parallel mesh (zero.expert_units).
+    experts = _expert_sharding(model, zero, topology, device)
     from shardwise.zero.fsdp_wrap import ShardPolicy, shard_model
     from shardwise.zero.stage3_settings import settings_from_zero
 
@@ -166,8 +161,34 @@ def prepare_module(
         param_offload=param_offload_spec(zero, aio),
         rank=topology.shard_rank,
         world_size=topology.shard_size,
+        experts=experts,
     )
     return PreparedModel(model, shard_model(model, policy))
+
+
+def _expert_sharding(
+    model: nn.Module, zero: ZeroConfig, topology: Topology, device: torch.device
+) -> ExpertSharding | None:
+    """Where stage 3 shards a model's expert parameters: None without expert parallelism (``ep`` 1:
+    experts are replicated like dense parameters), else the expert-data-parallel mesh, after the
+    combinations it does not take are refused by name."""
+    ep = topology.size_of("ep")
+    if ep == 1 or not any(expert_group_name(p) for p in model.parameters()):
+        return None
+    refuse_zero3_expert_parallel(
+        ep_size=ep,
+        sequence_parallel_size=topology.size_of("sp"),
+        quantized_gradients=bool(zero.zero_quantized_gradients),
+        hpz_partition_size=int(zero.zero_hpz_partition_size),
+    )
+    from shardwise.comm.mesh import expert_data_parallel_mesh
+
+    return ExpertSharding(
+        mesh=expert_data_parallel_mesh(device.type),
+        group=topology.group_of("edp"),
+        size=topology.size_of("edp"),
+        ep_size=ep,
+    )
 
 
 def _offloaded_factory(factory: OptimizerFactory, spec: OffloadSpec, rank: int) -> OptimizerFactory:

@@ -46,6 +46,7 @@ from shardwise.comm import collectives
 from shardwise.comm import init as comm_init
 from shardwise.comm.fsdp_internals import is_dtensor, set_unshard_async, unit_sharded_params
 from shardwise.utils.logging import logger
+from shardwise.zero.expert_units import expert_roots, is_expert, merge_units, refuse_unshardable_experts
 from shardwise.zero.external_params import is_external
 from shardwise.zero.hpz import hpz_active
 from shardwise.zero.init_context import Init, ZeroParamStatus, gather_stash, stash_of
@@ -96,6 +97,9 @@ class _Tracker:
         self.entries: list[tuple[weakref.ref[nn.Parameter], Owners]] = [
             (weakref.ref(p), self.owners[id(p)]) for p in self.params
         ]
+        # the user's attributes of each parameter (DeepSpeed's markers: ``allreduce``, ``group_name``...),
+        # given to the DTensor parameter FSDP2 puts in its place
+        self.marks: list[dict[str, Any]] = [_user_marks(p) for p in self.params]
 
     def replace(self, old: nn.Parameter, new: nn.Parameter) -> None:
         """Register ``new`` wherever ``old`` was registered."""
@@ -105,12 +109,20 @@ class _Tracker:
         self.owners[id(new)] = owners
 
 
+_LAYOUT_ATTRIBUTES = frozenset({"ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status"})  # set afresh per parameter
+
+
+def _user_marks(p: nn.Parameter) -> dict[str, Any]:
+    """``p``'s user attributes (DeepSpeed's markers such as ``allreduce``, ``group_name``,
+    ``ds_zero_placement_family`` included), not shardwise's own or a placeholder's layout."""
+    return {key: a for key, a in vars(p).items() if not key.startswith("_shardwise") and key not in _LAYOUT_ATTRIBUTES}
+
+
 def _real(p: nn.Parameter, value: torch.Tensor) -> nn.Parameter:
     """A real parameter holding ``value`` with ``p``'s user attributes (not placeholder ones)."""
     new = nn.Parameter(value, requires_grad=p.requires_grad)
-    for key, attr in vars(p).items():
-        if not key.startswith(("_shardwise", "ds_")):
-            setattr(new, key, attr)
+    for key, attr in _user_marks(p).items():
+        setattr(new, key, attr)
     return new
 
 
@@ -126,13 +138,20 @@ def _refuse_meta_without_values(model: nn.Module) -> None:
 
 
 def _broadcast_whole(params: Iterable[nn.Parameter], policy: ShardPolicy) -> None:
-    """Step 1: every rank takes the first data-parallel rank's whole values."""
-    if policy.world_size == 1:
-        return
-    src = comm_init.group_source_rank(policy.process_group)
+    """Step 1: every rank takes the first data-parallel rank's whole values; with expert parallelism,
+    expert parameters the first rank's of their expert-data-parallel group (the other expert-parallel
+    ranks hold other experts)."""
+    experts = policy.experts
     with torch.no_grad():
         for p in params:
-            if stash_of(p) is None:
+            if stash_of(p) is not None:
+                continue
+            if experts is not None and is_expert(p):
+                if experts.size > 1:
+                    src = comm_init.group_source_rank(experts.group)
+                    collectives.broadcast(p.data, src=src, group=experts.group)
+            elif policy.world_size > 1:
+                src = comm_init.group_source_rank(policy.process_group)
                 collectives.broadcast(p.data, src=src, group=policy.process_group)
 
 
@@ -146,7 +165,12 @@ def _place_parameters(tracker: _Tracker, policy: ShardPolicy) -> list[nn.Paramet
     settings = policy.settings
     compute = policy.compute_dtype
     params = tracker.params
-    numels = [p.numel() if p.dim() > 0 else 0 for p in params]
+    # expert parameters (with expert parallelism) are always sharded, over their own group
+    never = policy.experts is not None
+    numels = [
+        settings.persistence_threshold if never and is_expert(p) else (p.numel() if p.dim() > 0 else 0)
+        for p in params
+    ]
     chosen = set(
         choose_persistent(numels, settings.persistence_threshold, settings.model_persistence_threshold)
     )
@@ -199,6 +223,7 @@ class _UnitPlan:
     names: list[str]
     numels: list[int]
     reshard: list[bool | int]
+    expert_units: frozenset[str] = frozenset()  # sharded over the expert-data-parallel mesh
 
 
 def _plan_units(
@@ -218,11 +243,15 @@ def _plan_units(
     )
     names = choose_units(nodes, rules)
     numels = [nodes[n].numel for n in names]
+    roots: list[str] = []
+    if policy.experts is not None:  # expert parallelism: each expert root is a unit of its own
+        roots = expert_roots(model, nodes)
+        names, numels = merge_units(names, numels, roots, nodes, [n for n, _ in model.named_modules()])
     keep = reshard_plan(numels, settings.max_live_numel, settings.max_reuse_distance)
     hpz = settings.hpz_partition_size
     use_hpz = hpz_active(hpz, policy.world_size)  # ZeRO++ hpZ: FSDP2 reshards onto groups of hpz ranks
     reshard: list[bool | int] = [hpz if (r and use_hpz) else r for r in keep]
-    return _UnitPlan(names, numels, reshard)
+    return _UnitPlan(names, numels, reshard, frozenset(roots))
 
 
 def _materialise(
@@ -284,11 +313,15 @@ def _apply_fully_shard(
     ignored = set(persistent)
     modules = dict(model.named_modules())
     targets: list[tuple[nn.Module, bool | int]] = [(modules[n], r) for n, r in zip(plan.names, plan.reshard)]
-    for module, reshard in [*targets, (model, False)]:
+    # expert units first: they nest in dense units, and fully_shard wraps the inner modules first
+    experts = {id(modules[n]) for n in plan.expert_units}
+    expert_mesh = policy.experts.mesh if policy.experts is not None else None
+    order = sorted(targets, key=lambda target: id(target[0]) not in experts)
+    for module, reshard in [*order, (model, False)]:
         pending = _materialise(module, tracker, policy)
         fully_shard(
             module,
-            mesh=mesh,
+            mesh=expert_mesh if id(module) in experts else mesh,
             reshard_after_forward=reshard,
             mp_policy=mp,
             offload_policy=offload,
@@ -343,10 +376,13 @@ def _record_parameters(record: ShardedModel, tracker: _Tracker) -> dict[int, nn.
     unit_param_ids = {id(p) for unit in record.units for p in unit.parameters()}
     record._root_params = {id(p) for p in model.parameters() if id(p) not in unit_param_ids}
     originals: dict[int, nn.Parameter] = {}
-    for ref, entry_owners in tracker.entries:
+    for (ref, entry_owners), marks in zip(tracker.entries, tracker.marks):
         module, name = entry_owners[0]
         current = module._parameters[name]
         assert current is not None, "a parameter disappeared while sharding"
+        for key, attr in marks.items():
+            if not hasattr(current, key):
+                setattr(current, key, attr)
         original = ref()
         if original is not None and original is not current:
             record._original[id(original)] = (ref, current)
@@ -438,6 +474,8 @@ def shard_model(model: nn.Module, policy: ShardPolicy) -> ShardedModel:
     with Init.paused():
         tracker = _Tracker(model)
         _refuse_meta_without_values(model)
+        if policy.experts is not None:
+            refuse_unshardable_experts(model.named_parameters(), zero_init=stash_of)
         _broadcast_whole(tracker.params, policy)
         persistent = _place_parameters(tracker, policy)
         _place_buffers(model, policy)

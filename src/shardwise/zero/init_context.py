@@ -396,8 +396,10 @@ class GatheredParameters:
 
     Args:
         params: a parameter or an iterable of them (placeholders, sharded or ordinary).
-        modifier_rank: global rank whose in-block changes are broadcast and kept;
-            None discards changes.
+        modifier_rank: the rank whose in-block changes are broadcast and kept, as DeepSpeed counts it:
+            a world rank for parameters partitioned over every rank, else the rank within the
+            parameter's own group (its data-parallel group beside tensor or pipeline parallelism,
+            its expert-data-parallel group for an expert at stage 3). None discards changes.
         fwd_module: registers the parameters as external parameters of this module.
         enabled: False makes the block a no-op.
 
@@ -466,7 +468,8 @@ class GatheredParameters:
                 if keep:
                     full = gathered.detach()
                     if comm_init.get_world_size() > 1:
-                        collectives.broadcast(full, src=int(self.modifier_rank), group=_group_of(param))  # type: ignore[arg-type]
+                        group = _group_of(param)
+                        collectives.broadcast(full, src=self._source(group), group=group)
                     self._scatter_back(param, full)
                 _set_on_owners(owners, param)
             if keep:
@@ -486,6 +489,18 @@ class GatheredParameters:
             rank = mesh.get_local_rank()
             local.copy_(_chunk(full.to(local.dtype), mesh.size(), rank))
 
+    def _source(self, group: Group) -> int:
+        """The world rank of ``modifier_rank`` for a parameter partitioned over ``group``."""
+        rank = int(self.modifier_rank)  # type: ignore[arg-type]
+        size = comm_init.get_world_size(group)
+        if not 0 <= rank < size:
+            raise ValueError(f"GatheredParameters: modifier_rank={rank} is not a rank of the parameter's group of "
+                             f"{size}; fix: name a rank from 0 to {size - 1} (within the parameter's group when it "
+                             "is not partitioned over every rank)")
+        if group is None or size == comm_init.get_world_size():
+            return rank
+        return comm_init.get_global_rank(group, rank)
+
     def _broadcast_replicated(self) -> None:
         """Stage 3's unsharded small parameters: keep the modifier's values everywhere."""
         if comm_init.get_world_size() <= 1:
@@ -495,5 +510,6 @@ class GatheredParameters:
             if record is None or _is_sharded(param) or stash_of(param) is not None:
                 continue
             with torch.no_grad():
-                collectives.broadcast(param.data, src=int(self.modifier_rank), group=_group_of(param))  # type: ignore[arg-type]
+                group = _group_of(param)
+                collectives.broadcast(param.data, src=self._source(group), group=group)
             record.refresh_replicated(param)

@@ -285,7 +285,10 @@ def _gather(place: ParamPlace, pick: Pick, group: Group, partitioned: bool) -> t
         shape=param.shape,
         stride=param.stride(),
     )
-    return shard.full_tensor()
+    full = shard.full_tensor()
+    # over a mesh of one rank (an expert's expert-data-parallel group when ep_size is the data-parallel
+    # size) the "gather" is the local tensor itself: a new tensor is promised, never the live value
+    return full.clone() if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr() else full
 
 
 def _scatter(place: ParamPlace, pick: Pick, value: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from shardwise.comm.group_type import Group
 from shardwise.zero.offload import OffloadSpec
 from shardwise.zero.param_swap import ParamSwapper
 from shardwise.zero.stage3_settings import Stage3Settings
+
+if TYPE_CHECKING:
+    from shardwise.zero.expert_units import ExpertSharding
 
 OwnerRefs = list[tuple["weakref.ref[nn.Module]", str]]
 _ANCHOR = "_shardwise_stage3"
@@ -42,6 +45,7 @@ class ShardPolicy:
     param_offload: OffloadSpec | None = None
     rank: int = 0
     world_size: int = 1
+    experts: ExpertSharding | None = None  # with expert parallelism: where experts shard (zero.expert_units)
 
 
 class ShardedModel:

@@ -53,6 +53,7 @@ from shardwise.comm.init import group_source_rank
 from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
 from shardwise.utils.logging import logger
 from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
+from shardwise.zero.expert_units import is_expert
 from shardwise.zero.grad_fold import divide_, scaled_step
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
 from shardwise.zero.optimizer_subset import step_in_sub_groups, steps_per_tensor
@@ -487,7 +488,9 @@ class Stage3Optimizer(ZeroStrategy):
                 else:
                     param = replicated[id(tensor)]
                     holding, separate = Holding.WHOLE, tensor.data_ptr() != param.data_ptr()
-                places.append(ParamPlace(param, tuple(param.shape), holding, separate, tensor=tensor))
+                places.append(
+                    ParamPlace(param, tuple(param.shape), holding, separate, tensor=tensor, split_over=self._split(param))
+                )
         return StateLayout(
             optimizer=optimizer,
             optimizer_name=type(self.optimizer).__name__,
@@ -498,6 +501,14 @@ class Stage3Optimizer(ZeroStrategy):
             device=self.masters[0].device if self.masters else self.record.policy.device,
             process_group=self.policy.process_group,
         )
+
+    def _split(self, param: nn.Parameter) -> tuple[Group, bool] | None:
+        """Where an expert parameter is sharded with expert parallelism (its expert-data-parallel group,
+        and whether over more than one rank); None for the others (the data-parallel group's)."""
+        experts = self.record.policy.experts
+        if experts is None or not is_expert(param):
+            return None
+        return experts.group, experts.size > 1
 
     def release_gathered_parameters(self) -> None:
         """Reshard every unit FSDP2 holds gathered (those kept between micro steps of a window, or
@@ -514,7 +525,10 @@ class Stage3Optimizer(ZeroStrategy):
         if self._grads_ready:
             for param, master in zip(self.sharded, self.masters):
                 acc = self._acc.setdefault(id(param), torch.zeros_like(master))
-                places.append(ParamPlace(param, tuple(param.shape), Holding.LOCAL_SHARD, False, tensor=acc))
+                places.append(
+                    ParamPlace(param, tuple(param.shape), Holding.LOCAL_SHARD, False, tensor=acc,
+                               split_over=self._split(param))
+                )
             self.replicated.bind_grads()
             for param, held in zip(self.replicated.params, self.replicated.accumulators):
                 places.append(ParamPlace(param, tuple(param.shape), Holding.WHOLE, False, tensor=held))

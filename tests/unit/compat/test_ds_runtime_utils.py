@@ -67,3 +67,22 @@ def test_see_memory_usage_logs_only_when_forced(monkeypatch: pytest.MonkeyPatch)
     ru.see_memory_usage("quiet")
     ru.see_memory_usage("after init", force=True)
     assert len(said) == 1 and said[0].startswith("after init | MA ")
+
+
+def test_count_used_parameters_in_backward_counts_what_this_backward_reaches() -> None:
+    from shardwise.compat.runtime_utils import count_used_parameters_in_backward
+
+    used = torch.nn.Parameter(torch.ones(2))
+    shared = torch.nn.Parameter(torch.ones(2))
+    unused = torch.nn.Parameter(torch.ones(2))
+    frozen = torch.ones(2)  # no gradient
+    counts: list[int] = []
+    params = [used, shared, shared, unused, frozen]
+    used.register_hook(lambda grad: counts.append(count_used_parameters_in_backward(params)) or grad)
+    (used * shared).sum().backward()
+    assert counts == [2]  # used and shared (once); not the unused one nor the frozen tensor
+    counts.clear()
+    (used * 3).sum().backward()  # a second backward: only `used` now
+    assert counts == [1]
+    with pytest.raises(RuntimeError, match="no backward pass is running"):
+        count_used_parameters_in_backward(params)
