@@ -45,12 +45,13 @@ def get_bfloat16_config(param_dict: dict[str, Any]) -> BF16Config:
 
 def get_gradient_clipping(param_dict: dict[str, Any]) -> float:
     """``gradient_clipping`` of a config dict (absent: the default, 1.0)."""
-    return get_top_level_setting(param_dict, "gradient_clipping")  # type: ignore[no-any-return]
+    return float(get_top_level_setting(param_dict, "gradient_clipping"))
 
 
 def get_log_level(param_dict: dict[str, Any]) -> str | None:
     """``log_level`` of a config dict, as written (absent: None, the logger's level left alone)."""
-    return get_top_level_setting(param_dict, "log_level")  # type: ignore[no-any-return]
+    level = get_top_level_setting(param_dict, "log_level")
+    return None if level is None else str(level)
 
 
 def get_float16_config(param_dict: dict[str, Any]) -> FP16Config:

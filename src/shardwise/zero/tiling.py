@@ -15,7 +15,7 @@ is the variant for a ``linear_cls`` whose forward returns ``(output, bias)``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -78,7 +78,7 @@ class TiledLinear(nn.Module):
     def forward(self, input_: torch.Tensor | list[torch.Tensor]) -> Any:
         """Each row's tiles summed, the rows concatenated along the last dimension."""
         if self.input_is_already_split:
-            pieces = list(input_)  # type: ignore[arg-type]
+            pieces = list(input_)
             if len(pieces) != self.in_splits:
                 raise RuntimeError(f"expected {self.in_splits} input pieces (in_splits), got {len(pieces)}")
         else:
@@ -86,12 +86,15 @@ class TiledLinear(nn.Module):
             sizes = [b - a for a, b in zip(self.in_parts, self.in_parts[1:], strict=False)]
             pieces = list(torch.split(input_, sizes, dim=-1))
         outputs = []
-        for row in self.linears:
+        for row in self._rows():
             total: Any = None
             for in_id, tile in enumerate(row):
                 total = self._add_tile(total, tile(pieces[in_id]))
             outputs.append(total)
         return self._combine(outputs) if self.combine_out_splits else outputs
+
+    def _rows(self) -> list[list[nn.Module]]:
+        return [list(cast(nn.ModuleList, row)) for row in self.linears]
 
     def _add_tile(self, total: Any, out: Any) -> Any:
         return out if total is None else total + out
@@ -102,26 +105,30 @@ class TiledLinear(nn.Module):
     @torch.no_grad()
     def copy_params_from(self, other: nn.Module) -> None:
         """Copy ``other.weight`` (``[out_features, in_features]``) and ``other.bias`` into the tiles."""
-        weight = other.weight
+        weight = cast(torch.Tensor, other.weight)
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"init_linear.weight has shape {tuple(weight.shape)}; this layer needs "
                              f"{(self.out_features, self.in_features)}")
-        bias = getattr(other, "bias", None)
+        bias = cast("torch.Tensor | None", getattr(other, "bias", None))
         if self.use_bias and bias is None:
             raise ValueError("this layer has a bias (bias=True) but init_linear has none")
-        for out_id, row in enumerate(self.linears):
+        for out_id, row in enumerate(self._rows()):
             r0, r1 = self.out_parts[out_id], self.out_parts[out_id + 1]
             for in_id, tile in enumerate(row):
                 c0, c1 = self.in_parts[in_id], self.in_parts[in_id + 1]
-                tile.weight.copy_(weight[r0:r1, c0:c1])
-                if tile.bias is not None:
-                    tile.bias.copy_(bias[r0:r1])
+                cast(torch.Tensor, tile.weight).copy_(weight[r0:r1, c0:c1])
+                tile_bias = cast("torch.Tensor | None", tile.bias)
+                if tile_bias is not None and bias is not None:
+                    tile_bias.copy_(bias[r0:r1])
 
 
 class TiledLinearReturnBias(TiledLinear):
     """``TiledLinear`` over a ``linear_cls`` whose forward returns ``(output, bias)`` (a layer that
     leaves the bias add to its caller): the outputs are summed and concatenated as in
     ``TiledLinear``; the biases (one per row, from its last tile) are concatenated alike."""
+
+    def _rows(self) -> list[list[nn.Module]]:
+        return [list(cast(nn.ModuleList, row)) for row in self.linears]
 
     def _add_tile(self, total: Any, out: Any) -> Any:
         tensor, bias = out
