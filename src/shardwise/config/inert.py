@@ -188,8 +188,6 @@ INERT_KEYS: tuple[InertKey, ...] = (
         lambda cfg, value, world: cfg.amp.enabled and value != "O1",
     ),
     InertKey("torch_autocast.lower_precision_safe_modules", "autocast applies torch's own per-op rules"),
-    InertKey("data_types.buffer_dtype", "buffers keep the dtype the model gives them"),
-    InertKey("data_types.keep_in_fp32_modules", "every module follows the run's precision"),
     # ZeRO, every stage
     InertKey(
         "zero_optimization.contiguous_gradients",

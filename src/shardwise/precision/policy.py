@@ -46,6 +46,10 @@ class PrecisionPolicy:
     loss_scaler: LossScaler
     check_overflow: bool
     cast_inputs: bool
+    buffer_dtype: torch.dtype | None = None
+    """``data_types.buffer_dtype``: None keeps each buffer's own dtype (see precision.buffer_dtypes)."""
+    keep_in_fp32_modules: str | list[str] = "auto"
+    """``data_types.keep_in_fp32_modules``: buffers kept in fp32 in 16-bit runs."""
 
     @property
     def name(self) -> str:
@@ -131,4 +135,6 @@ def build_precision(
         loss_scaler=scaler,
         check_overflow=fp16_math or (param_dtype == torch.bfloat16 and bf16.check_grad_overflow),
         cast_inputs=fp16.enabled and fp16.auto_cast,
+        buffer_dtype=DTYPES[data_types.buffer_dtype] if data_types.buffer_dtype else None,
+        keep_in_fp32_modules=data_types.keep_in_fp32_modules,
     )

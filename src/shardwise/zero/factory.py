@@ -25,6 +25,7 @@ from torch import nn
 from shardwise.comm.topology import Topology
 from shardwise.config.errors import ConfigError
 from shardwise.config.sections.zero import AioConfig, ZeroConfig
+from shardwise.precision.buffer_dtypes import buffer_targets, cast_for_training
 from shardwise.precision.policy import DTYPES, PrecisionPolicy
 from shardwise.zero.expert_units import ExpertSharding, refuse_zero3_expert_parallel
 from shardwise.zero.init_context import stash_of
@@ -109,7 +110,8 @@ def prepare_module(
 ) -> PreparedModel:
     """Put the model where the ZeRO stage wants it; at stage 3, shard it with FSDP2.
 
-    Stages 0-2: ``model.to(device)`` and, for 16-bit training, ``model.to(dtype)``.
+    Stages 0-2: ``model.to(device)`` and, for 16-bit training, the parameters to that dtype (buffers
+    as ``data_types`` says: :mod:`shardwise.precision.buffer_dtypes`).
     Stage 3: :func:`shardwise.zero.fsdp_wrap.shard_model` (in place: the same module object
     comes back, with the record :func:`build_zero_optimizer` needs). Models built under
     ``zero.Init`` need stage 3.
@@ -141,7 +143,7 @@ def prepare_module(
             )
         model.to(device=device)
         if precision.param_dtype != torch.float32:
-            model.to(dtype=precision.param_dtype)
+            cast_for_training(model, precision.param_dtype, precision.buffer_dtype, precision.keep_in_fp32_modules)
         return PreparedModel(model)
     # Tensor parallelism (tensor_parallel.autotp_size, or an mpu's model-parallel layers): FSDP2
     # shards each rank's slices over its data-parallel group, a 2-D layout; the gradient norm
@@ -162,6 +164,9 @@ def prepare_module(
         rank=topology.shard_rank,
         world_size=topology.shard_size,
         experts=experts,
+        buffer_dtypes=buffer_targets(
+            model, precision.param_dtype, precision.buffer_dtype, precision.keep_in_fp32_modules
+        ),
     )
     return PreparedModel(model, shard_model(model, policy))
 

@@ -9,8 +9,9 @@
    handled by :mod:`shardwise.zero.replicated`) and set dtypes: trainable sharded
    parameters become fp32 (the masters; their values are first rounded through the compute
    dtype, so they start from the 16-bit weights like stages 0-2), frozen ones and the
-   unsharded ones take the compute dtype; :func:`_place_buffers` does the same for
-   floating-point buffers;
+   unsharded ones take the compute dtype; :func:`_place_buffers` moves the buffers to the
+   device, a floating one changing dtype only where ``data_types`` says
+   (:mod:`shardwise.precision.buffer_dtypes`: by default each keeps its own, as in DeepSpeed);
 3. :func:`_plan_units`: choose the shard units (:mod:`shardwise.zero.wrap_policy`) and
    their ``reshard_after_forward`` plan;
 4. :func:`_apply_fully_shard`: ``fully_shard`` each unit, then the root, with
@@ -45,6 +46,7 @@ from torch import nn
 from shardwise.comm import collectives
 from shardwise.comm import init as comm_init
 from shardwise.comm.fsdp_internals import is_dtensor, set_unshard_async, unit_sharded_params
+from shardwise.precision.buffer_dtypes import place_buffers
 from shardwise.utils.logging import logger
 from shardwise.zero.expert_units import expert_roots, is_expert, merge_units, refuse_unshardable_experts
 from shardwise.zero.external_params import is_external
@@ -206,14 +208,9 @@ def _place_parameters(tracker: _Tracker, policy: ShardPolicy) -> list[nn.Paramet
 
 
 def _place_buffers(model: nn.Module, policy: ShardPolicy) -> None:
-    """Step 2 for buffers: floating-point ones take the compute dtype, all go to the device."""
-    compute = policy.compute_dtype
-    for owner in model.modules():
-        for name, buf in owner._buffers.items():
-            if buf is not None and buf.is_floating_point() and buf.dtype != compute:
-                owner._buffers[name] = buf.to(device=policy.device, dtype=compute)
-            elif buf is not None and buf.device != policy.device:
-                owner._buffers[name] = buf.to(policy.device)
+    """Step 2 for buffers: all go to the device; a floating one changes dtype only where the policy's
+    ``buffer_dtypes`` says (``data_types``; by default each keeps its own, as in DeepSpeed)."""
+    place_buffers(model, dict(policy.buffer_dtypes), policy.device)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ long as the sharded model does, or longer if an optimizer holds it.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +47,7 @@ class ShardPolicy:
     rank: int = 0
     world_size: int = 1
     experts: ExpertSharding | None = None  # with expert parallelism: where experts shard (zero.expert_units)
+    buffer_dtypes: Mapping[int, torch.dtype] = field(default_factory=dict)  # precision.buffer_targets
 
 
 class ShardedModel:

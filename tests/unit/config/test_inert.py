@@ -41,8 +41,6 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "torch_autocast.lower_precision_safe_modules": {
         "torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["torch.nn.Linear"]}
     },
-    "data_types.buffer_dtype": {"data_types": {"buffer_dtype": "bf16"}},
-    "data_types.keep_in_fp32_modules": {"data_types": {"keep_in_fp32_modules": ["lm_head"]}},
     "zero_optimization.contiguous_gradients": {
         "zero_optimization": {"stage": 2, "contiguous_gradients": False}
     },
