@@ -153,22 +153,24 @@ def save_then_resume(rank: int, world: int, case: dict[str, Any]) -> dict[str, A
         engine.step()
     engine.save_checkpoint(case["dir"], tag="z3")
     saved = whole_params(model)
-    loss = _loss(engine, case, data[2])
-    engine.backward(loss)
-    engine.step()
-    continued = {"loss": loss.item(), "params": whole_params(model)}
-    engine.destroy()
+    continued = _last_step(engine, model, case, data[2])
     load_stage = case.get("load_stage", case.get("stage", 3))  # another stage reads the checkpoint too
     engine, model = _engine({**case, "ep": case["load_ep"], "stage": load_stage}, fresh=True)  # other weights
     engine.load_checkpoint(case["dir"], tag="z3")
     loaded = whole_params(model)
-    loss = _loss(engine, case, data[2])
-    engine.backward(loss)
-    engine.step()
-    resumed = {"loss": loss.item(), "params": whole_params(model)}
-    engine.destroy()
+    resumed = _last_step(engine, model, case, data[2])
     torch.distributed.barrier()
     return {"saved": saved, "loaded": loaded, "continued": continued, "resumed": resumed}
+
+
+def _last_step(engine: Any, model: Any, case: dict[str, Any], batch: Any) -> dict[str, Any]:
+    """One more step on ``batch``, then the engine's end: the loss and every parameter whole."""
+    loss = _loss(engine, case, batch)
+    engine.backward(loss)
+    engine.step()
+    result = {"loss": loss.item(), "params": whole_params(model)}
+    engine.destroy()
+    return result
 
 
 def converted_under_zero_init(rank: int, world: int, case: dict[str, Any]) -> dict[str, bool]:
