@@ -28,6 +28,7 @@ from shardwise.ops.sparse_attention.from_config import SparseAttentionBuilder
 from shardwise.precision.policy import PrecisionPolicy
 from shardwise.profiling.telemetry import Telemetry
 from shardwise.profiling.timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, STEP
+from shardwise.runtime.accumulation_window import AccumulationWindow
 from shardwise.runtime.counters import CounterAttribute, EngineCounters
 from shardwise.runtime.ds_accessors import DeepSpeedAccessors
 from shardwise.runtime.nonfinite import NonFiniteSteps, scaler_adapts
@@ -82,7 +83,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         self.checkpointer = checkpointer
         self.snapshots = snapshots  # periodic snapshots (checkpoint.snapshot_interval), or None
         self.compiler = compiler  # engine.compile(): torch.compile per block (shardwise.compilation)
-        self._boundary_override: bool | None = None
+        self.window = AccumulationWindow(managed=config.config.managed_gradient_accumulation)
         self._in_no_sync = False
         self._backward_pending = False  # a backward ran since the last step()
         self._window_micro_batches = 0  # micro batches stepped since the last optimizer step
@@ -174,18 +175,19 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         return self.optimizer
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next ``step()`` applies the optimizer."""
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        """True when the next ``step()`` applies the optimizer (unmanaged accumulation: only while
+        ``step()`` runs; see :mod:`shardwise.runtime.accumulation_window`)."""
+        return self.window.is_boundary(self.micro_steps, self.gradient_accumulation_steps())
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
-        """Force (or, with None, stop forcing) the boundary; sticky like DeepSpeed's."""
-        self._boundary_override = is_boundary
+        """Force (or, with None, stop forcing) the boundary; sticky like DeepSpeed's. Refused with
+        ``managed_gradient_accumulation: false``."""
+        self.window.force(is_boundary)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` for a manual ``.backward()`` (the next ``step()`` counts it as a backward)."""
         self._backward_pending = True
+        self.window.count_backward()
         return self.precision.loss_scaler.scale_loss(loss)
 
     def backward(
@@ -229,7 +231,8 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
     def step(self, lr_kwargs: Mapping[str, object] | None = None) -> None:
         """Call after every micro batch's backward; at the accumulation boundary it updates the model
         (a non-finite gradient norm skips the update, counted in ``skipped_steps``), then calls the
-        step hooks.
+        step hooks. With ``managed_gradient_accumulation: false`` every call is the boundary, after
+        any number of backwards (:mod:`shardwise.runtime.accumulation_window`).
 
         A ``step()`` with no ``backward()`` since the previous ``step()`` (e.g. a second call after
         one backward) is ignored with a warning: no counter moves and the optimizer does not step.
@@ -250,11 +253,14 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
             return
         self._backward_pending = False
         self._step_applied = False
-        boundary = self.is_gradient_accumulation_boundary()
         result = None
-        with self.telemetry.phase(STEP):
-            if boundary:
-                result = self._optimizer_step(optimizer, lr_kwargs)
+        with self.window.stepping():
+            boundary = self.is_gradient_accumulation_boundary()
+            with self.telemetry.phase(STEP):
+                if boundary and not self.window.managed:
+                    optimizer.end_window()
+                if boundary:
+                    result = self._optimizer_step(optimizer, lr_kwargs)
         self.telemetry.after_step(boundary)
         if boundary:
             self._report_progress()
@@ -285,7 +291,7 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         else:
             counters.skipped_steps += 1
         counters.global_steps += 1
-        counters.global_samples += self.train_batch_size()
+        counters.global_samples += self.window.samples(self.train_batch_size(), self.gradient_accumulation_steps())
         self._nonfinite.record(step=counters.global_steps, applied=result.applied, scaler_adapts=adapts)
         return result
 

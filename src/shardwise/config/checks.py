@@ -150,15 +150,22 @@ def _unsupported_rules(cfg: ShardwiseConfig) -> list[ConfigError]:
                 value=True,
             )
         )
-    if not cfg.managed_gradient_accumulation:
+    if not cfg.managed_gradient_accumulation and cfg.zero_optimization.stage < 2 and cfg.zero_optimization.overlap_comm:
+        errors.append(
+            AssertedConfigError(
+                "zero_optimization.overlap_comm",
+                "managed_gradient_accumulation=False supports ZeRO overlap_comm only with ZeRO stage 2 or 3: at "
+                "stages 0-1 the reduction waits for step(), so nothing overlaps backward (DeepSpeed refuses it too)",
+                "remove overlap_comm, or use stage 2",
+                value=True,
+            )
+        )
+    if not cfg.managed_gradient_accumulation and cfg.compile.deepcompile:
         errors.append(
             ConfigError(
                 "managed_gradient_accumulation",
-                "false (the script owns the accumulation boundary: every step() ends a window, after any "
-                "number of backward() calls) is not implemented; the engine counts micro batches against "
-                "gradient_accumulation_steps",
-                "remove the key (or set it to true), set gradient_accumulation_steps, and call backward() "
-                "and step() once per micro batch",
+                "false is not supported with DeepCompile (compile.deepcompile), as in DeepSpeed",
+                "remove the key (or set it to true), or turn compile.deepcompile off",
                 value=False,
             )
         )

@@ -25,6 +25,7 @@ import torch
 
 from shardwise.checkpoint import snapshot_io
 from shardwise.comm import collectives
+from shardwise.config.errors import ConfigError
 from shardwise.engine import ShardwiseEngine
 from shardwise.pipe import executor as ex
 from shardwise.pipe import tied
@@ -54,6 +55,14 @@ class PipelineEngine(ShardwiseEngine):
         module = self.module
         if not isinstance(module, PipelineModule):
             raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
+        if not self.window.managed:
+            raise ConfigError(
+                "managed_gradient_accumulation",
+                "false is not supported with pipeline parallelism: train_batch() runs the whole "
+                "accumulation window itself (DeepSpeed refuses it too)",
+                "remove the key or set it to true",
+                value=False,
+            )
         self.grid = module._grid
         self.num_stages = self.grid.pipe_parallel_size
         self.stage_id = self.grid.stage_id

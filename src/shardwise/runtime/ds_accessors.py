@@ -1,7 +1,7 @@
 """DeepSpeed engine accessors that only read what the engine holds: a mixin of thin methods.
 
 ``local_rank``, ``basic_optimizer``, ``mp_world_size``, ``fp16_enabled()``, ``bfloat16_enabled()``, ``gradient_clipping()``,
-``log_level()``, ``steps_per_print()``, ``timers``, ``empty_partition_cache``. Kept out of ``engine.py`` so the engine stays the loop
+``log_level()``, ``managed_gradient_accumulation()``, ``steps_per_print()``, ``timers``, ``empty_partition_cache``. Kept out of ``engine.py`` so the engine stays the loop
 (``load_module_state_dict`` needs the checkpoint package: ``checkpoint/engine_io.py``).
 """
 
@@ -83,6 +83,10 @@ class DeepSpeedAccessors:
     def gradient_clipping(self) -> float:
         """``gradient_clipping`` (0: no clipping)."""
         return float(self._config.config.gradient_clipping)
+
+    def managed_gradient_accumulation(self) -> bool:
+        """``managed_gradient_accumulation``: False when each ``step()`` ends the accumulation window."""
+        return bool(self._config.config.managed_gradient_accumulation)
 
     def log_level(self) -> str | None:
         """``log_level`` as a ``logging`` level name (``"ERROR"``); None when the config sets none."""

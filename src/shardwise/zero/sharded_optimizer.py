@@ -310,6 +310,12 @@ class ZeroOptimizer(ZeroStrategy):
         """Every gradient of this window into the flat buffers, unreduced (see ``BucketReducer.fold_window``)."""
         self.reducer.fold_window()
 
+    def end_window(self) -> None:
+        """Unmanaged accumulation: stages 0-1 reduce the window's local gradients now; stage 2
+        reduce-scattered them at every backward already."""
+        if self.policy.stage < 2:
+            self.reduce_gradients()
+
     def reduce_gradients(self) -> None:
         """Reduce this window's accumulated gradients now, as a boundary backward would (a pipeline's
         ReduceGrads, after the backwards of its micro batches ran with ``prepare_backward(False)``)."""

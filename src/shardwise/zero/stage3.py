@@ -336,6 +336,13 @@ class Stage3Optimizer(ZeroStrategy):
         if self._deferred is not None:
             self._deferred.armed = True
 
+    def end_window(self) -> None:
+        """Unmanaged accumulation: gradients were reduced at every backward; the units the window's
+        backwards kept gathered are resharded, so the next forward gathers the updated weights."""
+        if not self._resharding_after_backward:
+            for module in self._kept_units:
+                module.reshard()  # type: ignore[operator]
+
     def after_backward(self) -> None:
         """All-reduce the unsharded parameters' gradients of this backward (FSDP2 already
         reduce-scattered the sharded ones in its post-backward)."""

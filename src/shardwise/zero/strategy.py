@@ -81,6 +81,12 @@ class ZeroStrategy(Protocol):
         """Called after each backward: complete this backward's gradient reductions."""
         ...
 
+    def end_window(self) -> None:
+        """Unmanaged accumulation (``managed_gradient_accumulation: false``): the window ends at this
+        ``step()`` after backwards prepared as non-boundary; finish what a boundary backward would have
+        (reduce deferred gradients, drop gathered weights the step is about to change)."""
+        ...
+
     def step(self, loss_scale: float = 1.0) -> StepResult:
         """One optimizer step at an accumulation boundary (collective: every rank calls it)."""
         ...

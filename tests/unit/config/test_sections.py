@@ -767,7 +767,11 @@ def test_torch_autocast_dtype_aliases() -> None:
         ),
         ({"nebula": {"enabled": True}}, "nebula.enabled"),
         ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, "zero_optimization.mics_shard_size"),
-        ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
+        ({"managed_gradient_accumulation": False, "compile": {"deepcompile": True}}, "managed_gradient_accumulation"),
+        (
+            {"managed_gradient_accumulation": False, "zero_optimization": {"stage": 1, "overlap_comm": True}},
+            "zero_optimization.overlap_comm",
+        ),
     ],
 )
 def test_cross_section_rule(extra: dict[str, Any], key: str) -> None:
@@ -788,6 +792,8 @@ def test_cross_section_rule(extra: dict[str, Any], key: str) -> None:
         {"zero_optimization": {"stage": 1, "compute_grad_norm": False}, "gradient_clipping": 0},
         {"amp": {"enabled": True, "opt_level": "O2"}},
         {"managed_gradient_accumulation": True},
+        {"managed_gradient_accumulation": False},
+        {"managed_gradient_accumulation": False, "zero_optimization": {"stage": 2, "overlap_comm": True}},
     ],
 )
 def test_cross_section_rule_allowed_neighbours(extra: dict[str, Any]) -> None:
