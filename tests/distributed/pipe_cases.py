@@ -172,7 +172,12 @@ def refusals(rank: int, world: int) -> list[str]:
     from shardwise.config import ConfigError
 
     messages = []
-    for extra in ({"zero_optimization": {"stage": 2}}, {"pipeline": {"schedule": "interleaved_1f1b"}}):
+    refused = (
+        {"zero_optimization": {"stage": 2}},
+        {"pipeline": {"schedule": "interleaved_1f1b"}},
+        {"managed_gradient_accumulation": False},
+    )
+    for extra in refused:
         from shardwise.pipe import PipelineModule
 
         net = PipelineModule(pm.gpt_layers(GPT), num_stages=2, loss_fn=pm.gpt_loss)

@@ -59,7 +59,8 @@ def test_refusals_name_the_key() -> None:
     messages = run_distributed(refusals, world_size=2, timeout=240)[0]
     assert "zero_optimization.stage" in messages[0] and "stage 0 or 1" in messages[0]
     assert "pipeline.virtual_stages" in messages[1] and "2 or more" in messages[1]
-    assert "engine.train_batch(data_iter)" in messages[2]
+    assert "managed_gradient_accumulation" in messages[2] and "pipeline parallelism" in messages[2]
+    assert "engine.train_batch(data_iter)" in messages[3]
 
 
 def test_eval_batch_equals_the_whole_model_on_both_stages() -> None:

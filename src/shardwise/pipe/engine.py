@@ -51,11 +51,8 @@ class PipelineEngine(ShardwiseEngine):
     """The training engine of a :class:`~shardwise.pipe.module.PipelineModule` (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        module = self.module
-        if not isinstance(module, PipelineModule):
-            raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
-        if not self.window.managed:
+        config = kwargs["config"] if "config" in kwargs else args[1]  # ShardwiseEngine(module, config, ...)
+        if not config.config.managed_gradient_accumulation:
             raise ConfigError(
                 "managed_gradient_accumulation",
                 "false is not supported with pipeline parallelism: train_batch() runs the whole "
@@ -63,6 +60,10 @@ class PipelineEngine(ShardwiseEngine):
                 "remove the key or set it to true",
                 value=False,
             )
+        super().__init__(*args, **kwargs)
+        module = self.module
+        if not isinstance(module, PipelineModule):
+            raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
         self.grid = module._grid
         self.num_stages = self.grid.pipe_parallel_size
         self.stage_id = self.grid.stage_id
