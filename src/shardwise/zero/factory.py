@@ -25,7 +25,7 @@ from torch import nn
 from shardwise.comm.topology import Topology
 from shardwise.config.errors import ConfigError
 from shardwise.config.sections.zero import AioConfig, ZeroConfig
-from shardwise.precision.buffer_dtypes import buffer_targets, cast_for_training
+from shardwise.precision.buffer_dtypes import cast_for_training
 from shardwise.precision.policy import DTYPES, PrecisionPolicy
 from shardwise.zero.expert_units import ExpertSharding, refuse_zero3_expert_parallel
 from shardwise.zero.init_context import stash_of
@@ -164,9 +164,8 @@ def prepare_module(
         rank=topology.shard_rank,
         world_size=topology.shard_size,
         experts=experts,
-        buffer_dtypes=buffer_targets(
-            model, precision.param_dtype, precision.buffer_dtype, precision.keep_in_fp32_modules
-        ),
+        buffer_dtype=precision.buffer_dtype,
+        keep_in_fp32_modules=precision.keep_in_fp32_modules,
     )
     return PreparedModel(model, shard_model(model, policy))
 

@@ -46,7 +46,7 @@ from torch import nn
 from shardwise.comm import collectives
 from shardwise.comm import init as comm_init
 from shardwise.comm.fsdp_internals import is_dtensor, set_unshard_async, unit_sharded_params
-from shardwise.precision.buffer_dtypes import place_buffers
+from shardwise.precision.buffer_dtypes import buffer_targets, place_buffers
 from shardwise.utils.logging import logger
 from shardwise.zero.expert_units import expert_roots, is_expert, merge_units, refuse_unshardable_experts
 from shardwise.zero.external_params import is_external
@@ -209,8 +209,9 @@ def _place_parameters(tracker: _Tracker, policy: ShardPolicy) -> list[nn.Paramet
 
 def _place_buffers(model: nn.Module, policy: ShardPolicy) -> None:
     """Step 2 for buffers: all go to the device; a floating one changes dtype only where the policy's
-    ``buffer_dtypes`` says (``data_types``; by default each keeps its own, as in DeepSpeed)."""
-    place_buffers(model, dict(policy.buffer_dtypes), policy.device)
+    ``data_types`` says (by default each keeps its own, as in DeepSpeed)."""
+    targets = buffer_targets(model, policy.compute_dtype, policy.buffer_dtype, policy.keep_in_fp32_modules)
+    place_buffers(model, targets, policy.device)
 
 
 @dataclass(frozen=True)

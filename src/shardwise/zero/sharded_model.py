@@ -12,8 +12,7 @@ long as the sharded model does, or longer if an optimizer holds it.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +46,8 @@ class ShardPolicy:
     rank: int = 0
     world_size: int = 1
     experts: ExpertSharding | None = None  # with expert parallelism: where experts shard (zero.expert_units)
-    buffer_dtypes: Mapping[int, torch.dtype] = field(default_factory=dict)  # precision.buffer_targets
+    buffer_dtype: torch.dtype | None = None  # data_types.buffer_dtype (precision.buffer_dtypes)
+    keep_in_fp32_modules: str | list[str] = "auto"  # data_types.keep_in_fp32_modules
 
 
 class ShardedModel:
