@@ -89,7 +89,7 @@ def resolves(use: Use) -> bool:
     module_path, name = use
     try:
         module = importlib.import_module(module_path)
-    except Exception:  # noqa: BLE001 - any import failure is "does not resolve"
+    except Exception:  # any import failure: it does not resolve
         return False
     if name is None:
         return True
@@ -101,7 +101,7 @@ def resolves(use: Use) -> bool:
     try:
         importlib.import_module(f"{module_path}.{name}")
         return True
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 
@@ -113,7 +113,9 @@ def _engine_names(control_python: str) -> list[str]:
         "print('\\n'.join('NAME:' + n for n in dir(E) if not n.startswith('_') and n not in base))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the control's own deepspeed
-    out = subprocess.run([control_python, "-c", script], capture_output=True, text=True, check=True, env=env).stdout
+    out = subprocess.run(
+        [control_python, "-c", script], capture_output=True, text=True, check=True, env=env
+    ).stdout
     return [line[5:] for line in out.splitlines() if line.startswith("NAME:")]
 
 
