@@ -30,6 +30,7 @@ from shardwise.profiling.telemetry import Telemetry
 from shardwise.profiling.timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, STEP
 from shardwise.runtime.accumulation_window import AccumulationWindow
 from shardwise.runtime.counters import CounterAttribute, EngineCounters
+from shardwise.runtime.direct_backward import DirectBackward
 from shardwise.runtime.ds_accessors import DeepSpeedAccessors
 from shardwise.runtime.nonfinite import NonFiniteSteps, scaler_adapts
 from shardwise.runtime.step_hooks import ForwardContext, StepHooks, StepOutcome
@@ -92,6 +93,13 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         self.training_dataloader: Any = None
         self.telemetry = telemetry  # timers, progress lines, monitors, flops profiler
         self.telemetry.on_start(module, optimizer)
+        # loss.backward() on engine(x)'s outputs: the same micro step as engine.backward(loss)
+        self.direct_backward = DirectBackward(
+            begin=self._begin_direct_backward,
+            end=self._end_direct_backward,
+            accumulation_steps=self.gradient_accumulation_steps,
+            loss_must_be_scaled=precision.loss_scaler.multiplies,
+        )
 
     # ------------------------------------------------------------------ config accessors
     @property
@@ -164,7 +172,10 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         args, kwargs = self.step_hooks.adjust_forward(args, kwargs, context)
         args, kwargs = self.precision.cast_forward_inputs(args, kwargs)
         with self.telemetry.forward(training), self.precision.forward_context(self.device.type):
-            return self.module(*args, **kwargs)
+            outputs = self.module(*args, **kwargs)
+        if self.optimizer is not None:
+            self.direct_backward.watch(outputs)
+        return outputs
 
     def _require_optimizer(self, what: str) -> ZeroStrategy:
         if self.optimizer is None:
@@ -185,10 +196,21 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
         self.window.force(is_boundary)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * loss_scale`` for a manual ``.backward()`` (the next ``step()`` counts it as a backward)."""
+        """``loss * loss_scale`` for a manual ``engine.scale(loss).backward()`` on the engine's output,
+        which then runs as ``engine.backward(loss)`` would (:mod:`shardwise.runtime.direct_backward`)."""
+        self.direct_backward.expect_scaled_loss()
+        return self.precision.loss_scaler.scale_loss(loss)
+
+    def _count_backward(self) -> None:
         self._backward_pending = True
         self.window.count_backward()
-        return self.precision.loss_scaler.scale_loss(loss)
+
+    def _begin_direct_backward(self) -> None:
+        self._require_optimizer("backward").prepare_backward(self.is_gradient_accumulation_boundary())
+
+    def _end_direct_backward(self) -> None:
+        self._require_optimizer("backward").after_backward()
+        self._count_backward()
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
@@ -203,9 +225,10 @@ class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
             loss = loss / self.gradient_accumulation_steps()
         optimizer.prepare_backward(self.is_gradient_accumulation_boundary())
         telemetry = self.telemetry
+        self._count_backward()
         with telemetry.phase(BACKWARD):
-            with telemetry.phase(BACKWARD_INNER):
-                self.scale(loss.float()).backward(retain_graph=retain_graph)
+            with telemetry.phase(BACKWARD_INNER), self.direct_backward.engine_backward():
+                self.precision.loss_scaler.scale_loss(loss.float()).backward(retain_graph=retain_graph)
             with telemetry.phase(BACKWARD_REDUCE):
                 optimizer.after_backward()
         telemetry.record_loss(loss)

@@ -113,6 +113,10 @@ class LossScaler(ABC):
         """Return ``loss * cur_scale`` (works for tensors and plain numbers)."""
         return loss * self.cur_scale  # type: ignore[operator,return-value]
 
+    def multiplies(self) -> bool:
+        """Whether ``scale_loss`` changes the loss: a backward must then start from the scaled loss."""
+        return self.dynamic or self.cur_scale != 1.0
+
     @abstractmethod
     def update_scale(self, overflow: bool) -> None:
         """Record one optimizer step; ``overflow`` means its gradients held inf/NaN and it was skipped."""
