@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from shardwise.optim.adam import AdamNoBiasCorrection
+from shardwise.optim.fp32_adam_states import fp32_state_adam_step, is_low_precision, restore_fp32_states
 from shardwise.utils.logging import logger
 
 __all__ = ["ADAM_CLASSES", "DeepSpeedCPUAdam", "FusedAdam", "note_ignored"]
@@ -31,7 +32,7 @@ def note_ignored(name: str, **settings: tuple[object, object]) -> None:
                 name,
                 arg,
                 value,
-                "optimizer states are always kept in fp32"
+                "optimizer states take the parameters' dtype (fp32 masters inside the engine)"
                 if arg == "fp32_optimizer_states"
                 else "DeepSpeed's Adagrad kernel has no AMSGrad either; torch's Adagrad runs",
             )
@@ -124,7 +125,12 @@ class FusedAdam(torch.optim.Adam):
 
 class DeepSpeedCPUAdam(FusedAdam):
     """DeepSpeed's ``DeepSpeedCPUAdam`` (``adamw_mode`` spelling); the update of :class:`FusedAdam`
-    (``bias_correction=False`` builds an :class:`~shardwise.optim.adam.AdamNoBiasCorrection`)."""
+    (``bias_correction=False`` builds an :class:`~shardwise.optim.adam.AdamNoBiasCorrection`).
+
+    ``fp32_optimizer_states=True`` (DeepSpeed's default) keeps fp32 moments for 16-bit parameters and
+    computes their update in fp32 (:mod:`shardwise.optim.fp32_adam_states`); ``False`` keeps the moments
+    in the parameter's dtype. fp32 parameters (the engine's masters) step as :class:`FusedAdam` either way.
+    """
 
     def __new__(
         cls,
@@ -142,7 +148,6 @@ class DeepSpeedCPUAdam(FusedAdam):
         foreach: bool | None = None,
         maximize: bool = False,
     ) -> Any:
-        note_ignored(cls.__name__, fp32_optimizer_states=(fp32_optimizer_states, True))
         if not bias_correction:
             return _uncorrected_adam(
                 model_params, lr, betas, eps, weight_decay, adamw_mode, amsgrad, cls.__name__
@@ -177,6 +182,38 @@ class DeepSpeedCPUAdam(FusedAdam):
             foreach=foreach,
             maximize=maximize,
         )
+        self.fp32_optimizer_states = fp32_optimizer_states
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One Adam step; 16-bit parameters with fp32 moments when ``fp32_optimizer_states``."""
+        if not self.fp32_optimizer_states:
+            return super().step(closure)
+        low = [[p for p in group["params"] if p.grad is not None and is_low_precision(p)] for group in self.param_groups]
+        if not any(low):
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        held = [(p, p.grad) for params in low for p in params]
+        for param, _ in held:
+            param.grad = None  # torch's step skips them; they step below with fp32 moments
+        try:
+            super().step()
+        finally:
+            for param, grad in held:
+                param.grad = grad
+        for group, params in zip(self.param_groups, low, strict=True):
+            fp32_state_adam_step(self, group, params)
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, which casts every state to its parameter's dtype; 16-bit parameters then get
+        their fp32 moments back when ``fp32_optimizer_states``."""
+        super().load_state_dict(state_dict)
+        if self.fp32_optimizer_states:
+            restore_fp32_states(self, state_dict)
 
 
 ADAM_CLASSES: tuple[type[torch.optim.Optimizer], ...] = (FusedAdam, DeepSpeedCPUAdam)
