@@ -3,6 +3,7 @@ a caller-run ``loss.backward()`` on the engine's outputs, or ``engine.scale(loss
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ def run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     refusal's text when the case expects one."""
     torch.manual_seed(0)
     model = TwoOutputs()
+    reference = copy.deepcopy(model)  # plain torch, for the gradient penalty's first value
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": case["gas"],
@@ -45,13 +47,22 @@ def run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, *_ = shardwise.initialize(model=model, config=config)
     generator = torch.Generator().manual_seed(100 + rank)
-    losses = []
+    losses, penalties = [], []
     refused = None
-    for _ in range(MICRO_BATCHES):
+    for step in range(MICRO_BATCHES):
         x = torch.randn(4, 8, generator=generator)
+        if case["mode"] == "penalty":  # torch.autograd.grad through the outputs is no micro step
+            x.requires_grad_(True)
         out = engine(x)
         loss = out["logits"].float().pow(2).mean() + 0.1 * out["aux"][0].float().pow(2).mean()
-        if case["mode"] == "engine":
+        if case["mode"] == "penalty":
+            (input_grad,) = torch.autograd.grad(out["logits"].sum(), x, create_graph=True)
+            penalty = input_grad.pow(2).sum()
+            if step == 0:
+                (expected,) = torch.autograd.grad(reference(x)["logits"].sum(), x)
+                penalties.append((penalty.item(), expected.pow(2).sum().item()))
+            loss = loss + 0.01 * penalty
+        if case["mode"] in ("engine", "penalty"):
             engine.backward(loss)
         elif case["mode"] == "scale":
             engine.scale(loss).backward()
@@ -67,4 +78,4 @@ def run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     counters = (engine.global_steps, engine.global_samples, engine.micro_steps)
     engine.destroy()
-    return {"loss": losses, "params": params, "counters": counters, "refused": refused}
+    return {"loss": losses, "params": params, "counters": counters, "refused": refused, "penalties": penalties}

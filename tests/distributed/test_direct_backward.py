@@ -23,6 +23,7 @@ pytestmark = pytest.mark.distributed
 STAGES = (0, 1, 2, 3)
 CASES = [{"stage": s, "gas": 2, "mode": m} for s in STAGES for m in ("engine", "direct", "scale")]
 CASES += [{"stage": 2, "gas": 3, "mode": m} for m in ("engine", "direct")]
+CASES += [{"stage": s, "gas": 2, "mode": "penalty"} for s in (1, 2)]
 CASES += [{"stage": s, "gas": 2, "mode": m, "fp16": True} for s in (0, 3) for m in ("engine", "direct", "scale")]
 
 
@@ -61,3 +62,13 @@ def test_fp16_needs_the_scaled_loss(runs: dict, stage: int) -> None:
         assert scaled["loss"] == reference["loss"]
         for name, value in reference["params"].items():
             assert torch.equal(scaled["params"][name], value), name
+
+
+@pytest.mark.parametrize("stage", [1, 2])  # a double backward through FSDP2 (stage 3) is not supported
+def test_gradient_penalty_through_the_outputs_is_no_micro_step(runs: dict, stage: int) -> None:
+    """``torch.autograd.grad(engine(x), x)`` accumulates into no parameter: its input gradient is not
+    divided by the accumulation steps and it counts no backward."""
+    for reference, penalized in zip(runs[(stage, 2, "engine", False)], runs[(stage, 2, "penalty", False)], strict=True):
+        ((penalty, expected),) = penalized["penalties"]
+        assert penalty == expected
+        assert penalized["counters"] == reference["counters"]

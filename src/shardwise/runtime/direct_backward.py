@@ -29,6 +29,8 @@ counterpart.
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -37,6 +39,7 @@ import torch
 __all__ = ["DirectBackward", "functorch_transforming"]
 
 _MAX_NESTING = 8  # how deep watch() looks into nested outputs (tuples of dicts of tensors...)
+_MAX_GRAPH_NODES = 256  # how far watch() walks back from an output to find a parameter's gradient node
 
 
 def functorch_transforming() -> bool:
@@ -57,6 +60,32 @@ def _output_tensors(outputs: Any, depth: int = 0) -> Iterator[torch.Tensor]:
         elif isinstance(outputs, (list, tuple)):
             for value in outputs:
                 yield from _output_tensors(value, depth + 1)
+
+
+def _parameter_gradient_node(output: torch.Tensor) -> Any:
+    """The gradient-accumulation node of a parameter the output depends on (the nearest one), or None.
+
+    A backward accumulates into parameters exactly when autograd will run such a node; one that does
+    not (``torch.autograd.grad(out, x)``, e.g. a gradient penalty, or ``backward(inputs=[x])``) is not
+    a training micro step, and the hooks leave it alone.
+    """
+    queue, seen = deque([output.grad_fn]), set()
+    while queue and len(seen) < _MAX_GRAPH_NODES:
+        node = queue.popleft()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(getattr(node, "variable", None), torch.nn.Parameter):
+            return node
+        queue.extend(next_node for next_node, _ in node.next_functions)
+    return None
+
+
+def _accumulates_into(node: Any) -> bool:
+    if node is None:
+        return True  # no parameter found near the output: every backward through it counts
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    return True if will_execute is None else bool(will_execute(node))
 
 
 class DirectBackward:
@@ -103,11 +132,14 @@ class DirectBackward:
         mappings such as transformers' ``ModelOutput``)."""
         if not self.enabled or not torch.is_grad_enabled() or functorch_transforming():
             return
+        hook = None
         for tensor in _output_tensors(outputs):
-            tensor.register_hook(self._on_output_grad)
+            if hook is None:  # one parameter of the forward tells whether a backward trains it
+                hook = functools.partial(self._on_output_grad, _parameter_gradient_node(tensor))
+            tensor.register_hook(hook)
 
-    def _on_output_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
-        if self._engine_driven or functorch_transforming():
+    def _on_output_grad(self, parameter_node: Any, grad: torch.Tensor) -> torch.Tensor | None:
+        if self._engine_driven or functorch_transforming() or not _accumulates_into(parameter_node):
             return None
         if not self._open:
             self._open_micro_step()
