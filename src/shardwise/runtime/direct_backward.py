@@ -69,7 +69,8 @@ def _parameter_gradient_node(output: torch.Tensor) -> Any:
     not (``torch.autograd.grad(out, x)``, e.g. a gradient penalty, or ``backward(inputs=[x])``) is not
     a training micro step, and the hooks leave it alone.
     """
-    queue, seen = deque([output.grad_fn]), set()
+    queue: deque[Any] = deque([output.grad_fn])
+    seen: set[Any] = set()
     while queue and len(seen) < _MAX_GRAPH_NODES:
         node = queue.popleft()
         if node is None or node in seen:
