@@ -214,3 +214,7 @@ def test_names_resolve_through_the_deepspeed_package(deepspeed_package: Any) -> 
     scheduler = importlib.import_module("deepspeed.runtime.data_pipeline.curriculum_scheduler").CurriculumScheduler
     assert scheduler is curriculum_scheduler.CurriculumScheduler
     assert ds.module_inject.layers.GatherReplacedLayerParams is GatherReplacedLayerParams
+    from shardwise.data.mmap_indexed import MMapIndexedDataset, MMapIndexedDatasetBuilder
+
+    indexed = importlib.import_module("deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset")
+    assert (indexed.MMapIndexedDataset, indexed.MMapIndexedDatasetBuilder) == (MMapIndexedDataset, MMapIndexedDatasetBuilder)
