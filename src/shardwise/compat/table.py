@@ -33,6 +33,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.runtime.data_pipeline.curriculum_scheduler": ("shardwise.compat.curriculum_scheduler",),
     "deepspeed.runtime.data_pipeline.data_routing.helper": ("shardwise.data_efficiency.random_ltd",),
     "deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset": ("shardwise.data.mmap_indexed",),
+    "deepspeed.runtime.data_pipeline.data_sampling.data_analyzer": ("shardwise.compat.data_analyzer",),
     "deepspeed.utils": (
         "shardwise.compat.ds_utils",
         "shardwise.utils.logging",

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -168,6 +169,36 @@ def test_gather_replaced_layer_params_without_split_parameters_does_nothing() ->
         GatherReplacedLayerParams([model.weight], object())
 
 
+def test_data_analyzer_with_deepspeeds_arguments_writes_deepspeeds_rows(tmp_path: Path) -> None:
+    # DeepSpeed 0.19.8's DataAnalyzer on these eight samples (batch_size 3, one worker) writes index_to_metric
+    # [1, 2, 3, 4, 5] and index_to_sample (and its percentile-merged form) [[1, 3], [2, 5, 6], [0], [7], [4]]
+    from shardwise.compat.data_analyzer import DataAnalyzer
+    from shardwise.data_efficiency.index_files import read_index_to_metric, read_index_to_sample
+
+    data = [torch.ones(n) for n in (3, 1, 2, 1, 5, 2, 2, 4)]
+
+    def seqlen(batch: list[torch.Tensor]) -> torch.Tensor:
+        return torch.tensor([len(sample) for sample in batch])
+
+    common: dict[str, Any] = {"batch_size": 3, "metric_names": ["seqlen"], "metric_functions": [seqlen],
+                              "metric_types": ["single_value_per_sample"], "save_path": str(tmp_path),
+                              "collate_fn": list}
+    for worker in (0, 1):  # two workers' maps, then the reduce
+        DataAnalyzer(data, num_workers=2, worker_id=worker, metric_dtypes=[torch.int64], **common).run_map()
+    DataAnalyzer(data, num_workers=2, num_threads_reduce=2, metric_dtypes=[torch.int64], **common).run_reduce()
+    prefix = f"{tmp_path}/seqlen/seqlen_"  # DeepSpeed's paths, as a config names them
+    for name in ("index_to_sample", "index_to_sample_percentile_merged"):
+        rows = read_index_to_sample(prefix + name, "index_to_sample_path")
+        assert [rows.row(i).tolist() for i in range(len(rows))] == [[1, 3], [2, 5, 6], [0], [7], [4]]
+    assert read_index_to_metric(prefix + "index_to_metric", "index_to_metric_path").tolist() == [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="dtype"):  # DeepSpeed's map asserts the values' dtype too
+        DataAnalyzer(data, metric_dtypes=[np.int64], **{**common, "save_path": str(tmp_path / "x")}).run_map()
+    with pytest.raises(ValueError, match="single_value_per_sample"):
+        DataAnalyzer(data, metric_dtypes=[torch.int64], **{**common, "metric_types": ["accumulate_value_over_samples"]})
+    with pytest.raises(ValueError, match="custom_reduce"):
+        DataAnalyzer(data, metric_dtypes=[torch.int64], custom_reduce=print, **common)
+
+
 @pytest.fixture
 def deepspeed_package(tmp_path: Path) -> Iterator[Any]:
     installer.install(tmp_path)
@@ -218,3 +249,7 @@ def test_names_resolve_through_the_deepspeed_package(deepspeed_package: Any) -> 
 
     indexed = importlib.import_module("deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset")
     assert (indexed.MMapIndexedDataset, indexed.MMapIndexedDatasetBuilder) == (MMapIndexedDataset, MMapIndexedDatasetBuilder)
+    analyzer = importlib.import_module("deepspeed.runtime.data_pipeline.data_sampling.data_analyzer").DataAnalyzer
+    from shardwise.compat.data_analyzer import DataAnalyzer
+
+    assert analyzer is DataAnalyzer
