@@ -31,7 +31,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.compression.helper": ("shardwise.utils.module_paths",),
     "deepspeed.runtime.dataloader": ("shardwise.data",),
     "deepspeed.runtime.data_pipeline.curriculum_scheduler": ("shardwise.compat.curriculum_scheduler",),
-    "deepspeed.runtime.data_pipeline.data_routing.helper": ("shardwise.data_efficiency.random_ltd",),
+    "deepspeed.runtime.data_pipeline.data_routing.helper": ("shardwise.compat.data_routing",),
     "deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset": ("shardwise.data.mmap_indexed",),
     "deepspeed.runtime.data_pipeline.data_sampling.data_analyzer": ("shardwise.compat.data_analyzer",),
     "deepspeed.utils": (

@@ -116,6 +116,17 @@ def test_random_ltd_state_dict_helpers_restore_the_unconverted_names() -> None:
     assert list(save_without_random_ltd(holder)) == list(stripped)
 
 
+def test_deepspeeds_convert_to_random_ltd_wraps_a_model_and_refuses_an_engine() -> None:
+    import shardwise
+    from shardwise.compat.data_routing import convert_to_random_ltd as ds_convert
+
+    model = ds_convert(TinyGPT(GPTConfig(n_layer=2, n_embd=8)), Block)  # DeepSpeed's two arguments
+    assert [type(b).__name__ for b in model.blocks] == ["RandomLTDLayer", "RandomLTDLayer"]
+    engine, *_ = shardwise.initialize(model=nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1})
+    with pytest.raises(TypeError, match="before initialize"):
+        ds_convert(engine, Block)
+
+
 def test_recursive_getattr_and_setattr() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU()))
     recursive_setattr(model, "1.0", nn.Tanh())
@@ -239,9 +250,11 @@ def test_names_resolve_through_the_deepspeed_package(deepspeed_package: Any) -> 
     assert loader is RepeatingLoader
     it = loader([1, 2])
     assert [next(it) for _ in range(5)] == [1, 2, 1, 2, 1]  # DeepSpeed's output
+    from shardwise.compat import data_routing
+
     helper = importlib.import_module("deepspeed.runtime.data_pipeline.data_routing.helper")
     assert (helper.convert_to_random_ltd, helper.save_without_random_ltd, helper.remove_random_ltd_state_dict) == (
-        convert_to_random_ltd, save_without_random_ltd, remove_random_ltd_state_dict)
+        data_routing.convert_to_random_ltd, save_without_random_ltd, remove_random_ltd_state_dict)
     scheduler = importlib.import_module("deepspeed.runtime.data_pipeline.curriculum_scheduler").CurriculumScheduler
     assert scheduler is curriculum_scheduler.CurriculumScheduler
     assert ds.module_inject.layers.GatherReplacedLayerParams is GatherReplacedLayerParams
