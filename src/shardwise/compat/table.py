@@ -47,11 +47,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.utils.tensor_fragment": ("shardwise.zero.param_access",),
     "deepspeed.utils.zero_to_fp32": ("shardwise.compat.zero_to_fp32",),
     "deepspeed.checkpoint.utils": ("shardwise.compat.ds_utils",),
-    "deepspeed.checkpoint": ("shardwise.compat.ds_utils", "shardwise.compat.universal", "shardwise.compat.constants"),
+    "deepspeed.checkpoint": ("shardwise.compat.ds_utils", "shardwise.compat.universal", "shardwise.compat.checkpoint_constants"),
     "deepspeed.checkpoint.ds_to_universal": ("shardwise.compat.universal",),
     "deepspeed.checkpoint.constants": (
         "shardwise.compat.universal",
-        "shardwise.compat.constants",
+        "shardwise.compat.checkpoint_constants",
         "shardwise.autoep.universal",
         "shardwise.checkpoint.folding_metadata",
     ),

@@ -22,7 +22,14 @@ from torch import nn
 
 from shardwise.checkpointing import rng
 from shardwise.cli import report_cmd
-from shardwise.compat import constants, curriculum_scheduler, forwarding, installer, process_env, timer_names
+from shardwise.compat import (
+    checkpoint_constants,
+    curriculum_scheduler,
+    forwarding,
+    installer,
+    process_env,
+    timer_names,
+)
 from shardwise.compat.op_builder import OpBuilder
 from shardwise.config.errors import ConfigError
 from shardwise.data_efficiency.random_ltd import (
@@ -72,7 +79,7 @@ CURRICULA: list[tuple[dict[str, Any], list[int], int]] = [  # config, update_dif
 
 
 def test_constants_have_deepspeeds_values() -> None:
-    for module, expected in ((timer_names, TIMERS), (process_env, PROCESS), (constants, CHECKPOINT)):
+    for module, expected in ((timer_names, TIMERS), (process_env, PROCESS), (checkpoint_constants, CHECKPOINT)):
         assert {name: getattr(module, name) for name in expected} == expected
     assert LaunchOptions.master_port == process_env.TORCH_DISTRIBUTED_DEFAULT_PORT  # the launcher's default
 
