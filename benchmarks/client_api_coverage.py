@@ -83,14 +83,31 @@ def client_uses(root: Path) -> collections.Counter[Use]:
     return counts
 
 
+def _chain_resolves(module_path: str, name: str | None) -> bool:
+    """``deepspeed.a.Class.ATTR``: import the longest module prefix, then read the rest as attributes."""
+    parts = module_path.split(".") + ([name] if name else [])
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            value: object = importlib.import_module(".".join(parts[:cut]))
+        except Exception:
+            continue
+        try:
+            for attr in parts[cut:]:
+                value = getattr(value, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
 def resolves(use: Use) -> bool:
     """Whether ``deepspeed`` here provides it: the module imports and has the attribute (or the
     attribute is itself a submodule)."""
     module_path, name = use
     try:
         module = importlib.import_module(module_path)
-    except Exception:  # any import failure: it does not resolve
-        return False
+    except Exception:  # any import failure: an attribute chain through a class (a.b.Class.ATTR)?
+        return _chain_resolves(module_path, name)
     if name is None:
         return True
     try:

@@ -221,6 +221,8 @@ def init_placeholders(rank: int, world: int, case: dict[str, Any]) -> dict[str, 
     }
     with shardwise.zero.GatheredParameters(params):
         out["gathered_equal"] = all(torch.equal(a, b) for a, b in zip(built.parameters(), plain.parameters()))
+        out["status_inside"] = [p.ds_status.name for p in built.parameters()]
+        out["ids_inside"] = [int(p.ds_id) for p in built.parameters()] == [int(p.ds_id) for p in params]
         built[0].weight.data.fill_(7.0)  # discarded: no modifier rank
     with shardwise.zero.GatheredParameters(params, modifier_rank=1):
         if rank == 1:
@@ -229,6 +231,7 @@ def init_placeholders(rank: int, world: int, case: dict[str, Any]) -> dict[str, 
         out["discarded"] = torch.equal(built[0].weight, plain[0].weight)
         out["kept_from_rank1"] = bool((built[0].bias == 5.0).all())
     out["meta_again"] = all(p.device.type == "meta" for p in built.parameters())
+    out["status_after"] = [p.ds_status.name for p in built.parameters()]
     return out
 
 
@@ -271,14 +274,17 @@ def gathered_after_initialize(rank: int, world: int, case: dict[str, Any]) -> di
     out: dict[str, Any] = {
         "qkv_sharded": hasattr(qkv, "device_mesh"),
         "ln_sharded": hasattr(ln, "device_mesh"),
+        "status_before": (qkv.ds_status.name, ln.ds_status.name),
     }
     with shardwise.zero.GatheredParameters([qkv, ln], modifier_rank=0):
         inside = module.blocks[0].attn.qkv.weight
+        out["status_inside"] = (inside.ds_status.name, qkv.ds_status.name, inside.ds_id == qkv.ds_id)
         out["inside_plain"] = not hasattr(inside, "device_mesh") and tuple(inside.shape) == (96, 32)
         if rank == 0:
             inside.data.fill_(0.25)
             module.blocks[0].ln1.weight.data.fill_(2.0)
     out["restored"] = module.blocks[0].attn.qkv.weight is qkv
+    out["status_after"] = module.blocks[0].attn.qkv.weight.ds_status.name
     full = optimizer.full_fp32_parameters()
     names = [n for n, _ in module.named_parameters()]
     values = dict(zip(names, full))

@@ -305,6 +305,9 @@ def test_init_placeholders_and_gathered_parameters(results):
         assert r["local_rows"] == ([5, 5, 2, 2] if rank == 0 else [5, 5, 1, 1])
         assert r["status"] == ["NOT_AVAILABLE"] * 4
         assert r["gathered_equal"]  # leaf initialisation under Init is the normal one
+        # inside a block the module's parameters are the whole copies: AVAILABLE, with the placeholders' ds_id
+        assert r["status_inside"] == ["AVAILABLE"] * 4 and r["ids_inside"]
+        assert r["status_after"] == ["NOT_AVAILABLE"] * 4
         assert r["discarded"] and r["kept_from_rank1"]
 
 
@@ -325,6 +328,11 @@ def test_gathered_parameters_after_initialize(results):
     for r in results[_id(SCENARIOS[5])]:
         assert r["qkv_sharded"] and not r["ln_sharded"]
         assert r["inside_plain"] and r["restored"]
+        # sharded NOT_AVAILABLE, persistent (unsharded) AVAILABLE; inside, the module's whole copy is
+        # AVAILABLE with the shard's ds_id while the sharded original still says NOT_AVAILABLE
+        assert r["status_before"] == ("NOT_AVAILABLE", "AVAILABLE")
+        assert r["status_inside"] == ("AVAILABLE", "NOT_AVAILABLE", True)
+        assert r["status_after"] == "NOT_AVAILABLE"
         assert r["qkv_all"] and r["ln_all"] and r["ln_module"]  # rank 0's edit reached every rank and master
         assert r["finite"]
 

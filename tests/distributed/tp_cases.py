@@ -9,6 +9,7 @@ from torch import nn
 
 import shardwise
 from shardwise.comm import mesh
+from shardwise.tensor_parallel.gather import GatherReplacedLayerParams
 from shardwise.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelEmbedding,
@@ -124,6 +125,22 @@ def layers_match_whole_ones(rank: int, world: int, case: dict[str, Any]) -> dict
     out.square().sum().backward()
     errors["gathered output"] = (out - ref).abs().max().item()
     errors["gathered input grad"] = (x4.grad - x3.grad).abs().max().item()
+
+    # GatherReplacedLayerParams: whole weights inside (uneven split included), slices after, an edit kept;
+    # the row-parallel bias (replicated) is left alone
+    holder = nn.ModuleList([col, row, gathered])
+    params = [col.weight, col.bias, row.weight, row.bias, gathered.weight]
+    with GatherReplacedLayerParams(params, holder):
+        errors["gather column weight"] = (col.weight - whole_col.weight).abs().max().item()
+        errors["gather column bias"] = (col.bias - whole_col.bias).abs().max().item()
+        errors["gather row weight"] = (row.weight - whole_row.weight).abs().max().item()
+        errors["gather uneven weight"] = (gathered.weight - whole_gather.weight).abs().max().item()
+        errors["gather row bias untouched"] = float(row.bias.shape != whole_row.bias.shape)
+        with torch.no_grad():
+            gathered.weight.mul_(2.0)
+    errors["gather sliced after"] = (col.weight - col.splits["weight"].local(whole_col.weight, rank)).abs().max().item()
+    edited = gathered.splits["weight"].local(whole_gather.weight * 2.0, rank)
+    errors["gather edit kept"] = (gathered.weight - edited).abs().max().item()
 
     x5, x6 = x[:, :6].clone().requires_grad_(), x[:, :6].clone().requires_grad_()
     whole_row.zero_grad()

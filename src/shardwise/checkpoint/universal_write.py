@@ -221,7 +221,12 @@ def _model_states(
             "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
             "ds_config": dict(ds_config),
             "ds_version": names.DS_VERSION,
-            names.UNIVERSAL_INFO: {names.UNIVERSAL_VERSION_KEY: names.UNIVERSAL_VERSION},
+            # the client's own description (Megatron's vocabulary sizes and parameter patterns) is kept;
+            # the version is this layout's
+            names.UNIVERSAL_INFO: {
+                **dict(states.get(names.UNIVERSAL_INFO) or {}),
+                names.UNIVERSAL_VERSION_KEY: names.UNIVERSAL_VERSION,
+            },
             "shardwise_version": __version__,
         }
     )

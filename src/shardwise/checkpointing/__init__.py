@@ -42,6 +42,7 @@ from shardwise.checkpointing.rng import (
     RngStatesTracker,
     get_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
+    model_parallel_reconfigure_tp_seed,
 )
 from shardwise.checkpointing.settings import (
     CheckpointingSettings,
@@ -70,6 +71,7 @@ __all__ = [
     "get_cuda_rng_tracker",
     "is_configured",
     "model_parallel_cuda_manual_seed",
+    "model_parallel_reconfigure_tp_seed",
     "non_reentrant_checkpoint",
     "partition_activations_in_checkpoint",
     "profile_times",

@@ -32,6 +32,7 @@ __all__ = [
     "RngStatesTracker",
     "get_cuda_rng_tracker",
     "model_parallel_cuda_manual_seed",
+    "model_parallel_reconfigure_tp_seed",
     "tracker_restored",
 ]
 
@@ -148,6 +149,27 @@ def model_parallel_cuda_manual_seed(seed: int, tp_rank: int | None = None) -> No
     _TRACKER.reset()
     _manual_seed(seed)
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank)
+
+
+def model_parallel_reconfigure_tp_seed(seed: int, tp_rank: int | None = None) -> None:
+    """Reseed only the tracked ``'model-parallel-rng'`` stream with ``seed + 2718 + tp_rank``;
+    the default generator and the other streams are left as they are (DeepSpeed's
+    ``model_parallel_reconfigure_tp_seed``, which Megatron calls when the TP seed changes).
+
+    Args:
+        seed: the new base seed.
+        tp_rank: the tensor-parallel rank; by default the model-parallel rank of the ``mpu``
+            given to :func:`shardwise.checkpointing.configure` (0 without one).
+
+    Raises:
+        KeyError: the stream does not exist yet (call :func:`model_parallel_cuda_manual_seed` first).
+    """
+    if tp_rank is None:
+        from shardwise.checkpointing.settings import current_settings
+
+        tp_rank = current_settings().mp_rank
+    with _TRACKER.fork(MODEL_PARALLEL_RNG):
+        _manual_seed(seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank)
 
 
 @contextlib.contextmanager

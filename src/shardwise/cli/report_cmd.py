@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["OPTIONAL_PACKAGES", "add_parser", "collect_report", "format_report"]
+__all__ = ["OPTIONAL_PACKAGES", "add_parser", "collect_report", "ds_report", "format_report"]
 
 OPTIONAL_PACKAGES = (
     "pydantic",
@@ -254,3 +254,17 @@ def _run(args: argparse.Namespace) -> int:
     report = collect_report()
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
+
+
+def ds_report(hide_operator_status: bool = False, hide_errors_and_warnings: bool = False) -> None:
+    """Print the report (DeepSpeed's ``deepspeed.env_report.main``, the function behind ``ds_report``).
+
+    DeepSpeed's operator table is the list of compiled ops and whether each can be built; shardwise
+    builds none, and its counterpart is the *features* section (what each feature needs and whether
+    it is present), which ``hide_operator_status`` leaves out. ``hide_errors_and_warnings`` is
+    accepted for the signature: the report has no separate error or warning lines to hide.
+    """
+    report = collect_report()
+    if hide_operator_status:
+        report = {key: value for key, value in report.items() if key != "features"}
+    print(format_report(report))

@@ -192,6 +192,7 @@ def activate(module_name: str = table.ROOT) -> None:
     major, minor, patch = (int(part) for part in table.DEEPSPEED_VERSION.split("."))
     vars(module).update(
         __version__=table.DEEPSPEED_VERSION,
+        version=table.DEEPSPEED_VERSION,  # DeepSpeed's ``deepspeed.version`` (openrlhf compares it)
         __version_major__=major,
         __version_minor__=minor,
         __version_patch__=patch,

@@ -46,6 +46,18 @@ class OpBuilder:
 
     jit_load = load
 
+    @staticmethod
+    def is_rocm_pytorch() -> bool:
+        """Whether torch is a ROCm (HIP) build (clients pick their kernels by it; Megatron does)."""
+        import torch
+
+        return getattr(torch.version, "hip", None) is not None
+
+    @staticmethod
+    def is_sycl_enabled() -> bool:
+        """False: shardwise builds no SYCL extensions."""
+        return False
+
     def builder(self) -> Any:
         """Raises: shardwise has no extension to build."""
         raise NotImplementedError(

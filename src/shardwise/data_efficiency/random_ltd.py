@@ -25,10 +25,12 @@ second positional one) is gathered to the kept tokens: ``[batch, ..., seq, seq]`
 last two dimensions for ``model_type: "decoder"``, ``[batch, ..., seq]`` key masks on their last
 dimension for ``"encoder"``.
 
-The wrapped layers' parameter names gain ``.layer`` (``blocks.1.layer.attn.qkv.weight``): the
-checkpoints and exports of a converted model carry those names, so load them into a model
-converted the same way (DeepSpeed strips its wrapper's names from ``module_state_dict``; here the
-names follow the module tree, which DCP's sharded checkpoints rely on).
+The wrapped layers' parameter names gain ``.random_ltd_layer`` (``blocks.1.random_ltd_layer.attn.qkv.weight``),
+DeepSpeed's wrapper attribute: the checkpoints and exports of a converted model carry those names,
+so load them into a model converted the same way, or drop the wrapper's part of the names with
+:func:`remove_random_ltd_state_dict` / :func:`save_without_random_ltd` (DeepSpeed's helpers, with
+its renaming rule) for a model that is not converted. (DeepSpeed also strips them from
+``module_state_dict``; here the names follow the module tree, which DCP's sharded checkpoints rely on.)
 
 Example:
     >>> import torch
@@ -40,12 +42,25 @@ Example:
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["RandomLTDLayer", "convert_to_random_ltd", "gather_tokens", "random_ltd_layers", "scatter_tokens"]
+__all__ = [
+    "RandomLTDLayer",
+    "convert_to_random_ltd",
+    "gather_tokens",
+    "random_ltd_layers",
+    "remove_random_ltd_state_dict",
+    "save_without_random_ltd",
+    "scatter_tokens",
+]
+
+WRAPPER_PART = ".random_ltd_layer"
+"""What a wrapper adds to its layer's state-dict keys (DeepSpeed's ``RandomLayerTokenDrop`` adds the same)."""
 
 
 def sample_kept_indices(batch: int, seq: int, kept: int, device: torch.device) -> torch.Tensor:
@@ -95,7 +110,7 @@ class RandomLTDLayer(nn.Module):
     """A layer that, in training, runs on ``kept_tokens`` random positions (see the module docstring).
 
     Args:
-        layer: the wrapped layer (registered as ``layer``).
+        layer: the wrapped layer (registered as ``random_ltd_layer``, DeepSpeed's attribute name).
         hidden_state_order: ``"batch_seq_dim"`` or ``"seq_batch_dim"``.
         model_type: ``"decoder"`` or ``"encoder"`` (how the mask is gathered).
         mask_name: the mask's keyword (``model_mask_name``); None: no mask is gathered.
@@ -119,7 +134,7 @@ class RandomLTDLayer(nn.Module):
         chosen: bool = False,
     ) -> None:
         super().__init__()
-        self.layer = layer
+        self.random_ltd_layer = layer
         self.seq_dim = 0 if hidden_state_order == "seq_batch_dim" else 1
         self.model_type = model_type
         self.mask_name = mask_name
@@ -131,7 +146,7 @@ class RandomLTDLayer(nn.Module):
         """Run the layer on the kept tokens and put its output back among the dropped ones."""
         seq = hidden.shape[self.seq_dim]
         if not self.training or self.kept_tokens is None or self.kept_tokens >= seq:
-            return self.layer(hidden, *args, **kwargs)
+            return self.random_ltd_layer(hidden, *args, **kwargs)
         batch = hidden.shape[1 - self.seq_dim]
         indices = sample_kept_indices(batch, seq, int(self.kept_tokens), hidden.device)
         if self.mask_name is not None:
@@ -145,7 +160,7 @@ class RandomLTDLayer(nn.Module):
                 kwargs = {**kwargs, self.mask_name: gather_mask(mask, indices, self.model_type)}
             elif args and isinstance(args[0], torch.Tensor):
                 args = (gather_mask(args[0], indices, self.model_type), *args[1:])
-        out = self.layer(gather_tokens(hidden, indices, self.seq_dim), *args, **kwargs)
+        out = self.random_ltd_layer(gather_tokens(hidden, indices, self.seq_dim), *args, **kwargs)
         if isinstance(out, tuple):
             return (scatter_tokens(hidden, out[0], indices, self.seq_dim), *out[1:])
         return scatter_tokens(hidden, out, indices, self.seq_dim)
@@ -170,7 +185,7 @@ def convert_to_random_ltd(
     ``random_ltd_layer_id`` then picks the layers that drop tokens).
 
     Returns:
-        the model (its wrapped layers' parameters keep their objects; names gain ``.layer``).
+        the model (its wrapped layers' parameters keep their objects; names gain ``.random_ltd_layer``).
 
     Raises:
         ValueError: an id is out of range, repeated, or the model has no layer of that class.
@@ -206,3 +221,21 @@ def convert_to_random_ltd(
 def random_ltd_layers(model: nn.Module) -> list[RandomLTDLayer]:
     """The model's random-LTD wrappers, in module order."""
     return [module for module in model.modules() if isinstance(module, RandomLTDLayer)]
+
+
+def remove_random_ltd_state_dict(state_dict: Mapping[str, Any]) -> collections.OrderedDict[str, Any]:
+    """``state_dict`` with the wrappers' ``.random_ltd_layer`` taken out of every key, in order, so it
+    loads into the model before conversion (DeepSpeed's helper: every occurrence in a key is removed).
+
+    Example:
+        >>> sorted(remove_random_ltd_state_dict({"blocks.1.random_ltd_layer.w": 1, "head.w": 2}))
+        ['blocks.1.w', 'head.w']
+    """
+    return collections.OrderedDict((key.replace(WRAPPER_PART, ""), value) for key, value in state_dict.items())
+
+
+def save_without_random_ltd(model: nn.Module) -> collections.OrderedDict[str, Any]:
+    """The state dict of ``model`` (of ``model.module`` when it has one: an engine) without the
+    wrappers' part of the keys (:func:`remove_random_ltd_state_dict`); DeepSpeed's helper."""
+    inner = getattr(model, "module", model)
+    return remove_random_ltd_state_dict(inner.state_dict())

@@ -391,6 +391,19 @@ def _is_sharded(param: torch.Tensor) -> bool:
     return is_dtensor(param)
 
 
+_DS_IDENTITY = ("ds_id", "ds_shape", "ds_numel", "ds_tensor")
+
+
+def _mark_available(gathered: nn.Parameter, param: nn.Parameter) -> None:
+    """The whole copy a block's module holds carries the sharded parameter's identity (``ds_id``,
+    ``ds_shape``, ``ds_numel``, ``ds_tensor``) and ``ds_status`` AVAILABLE, as DeepSpeed's parameter
+    reads inside the block; the sharded original keeps NOT_AVAILABLE (its data is still the shard)."""
+    for name in _DS_IDENTITY:
+        if hasattr(param, name):
+            setattr(gathered, name, getattr(param, name))
+    gathered.ds_status = ZeroParamStatus.AVAILABLE  # type: ignore[attr-defined]
+
+
 class GatheredParameters:
     """Gather full parameters for the block; optionally keep one rank's edits.
 
@@ -442,6 +455,7 @@ class GatheredParameters:
                 continue
             owners = owners_of(param)
             gathered = nn.Parameter(full, requires_grad=param.requires_grad)
+            _mark_available(gathered, param)
             _set_on_owners(owners, gathered)
             self._swapped.append((param, gathered, owners))
         return self

@@ -267,3 +267,18 @@ def test_cli_converts_both_ways(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
     info = json.loads(json.dumps(checkpoint_info(tmp_path / "b"), default=str))
     assert info["tags"][0]["integrity"] == "ok" and info["tags"][0]["global_steps"] == 2
+
+
+def test_the_clients_universal_checkpoint_info_is_kept_with_this_layouts_version() -> None:
+    # Megatron-DeepSpeed stores its description (vocabulary sizes, parameter patterns) in the client state
+    from shardwise.checkpoint.universal_names import UNIVERSAL_INFO, UNIVERSAL_VERSION, UNIVERSAL_VERSION_KEY
+    from shardwise.checkpoint.universal_write import _model_states
+
+    info = {UNIVERSAL_VERSION_KEY: 0.4, "original_vocab_size": 50257, "padded_vocab_size": 50304,
+            "vocabulary_parameter_patterns": ["embed.weight"]}
+    states = _model_states({"w": torch.ones(2)}, [], {}, {"global_steps": 1}, {"train_batch_size": 2}, None,
+                           {UNIVERSAL_INFO: info, "iteration": 5}, 1, [])
+    assert states[UNIVERSAL_INFO] == {**info, UNIVERSAL_VERSION_KEY: UNIVERSAL_VERSION}
+    assert states["iteration"] == 5
+    plain = _model_states({"w": torch.ones(2)}, [], {}, {}, {}, None, None, 1, [])
+    assert plain[UNIVERSAL_INFO] == {UNIVERSAL_VERSION_KEY: UNIVERSAL_VERSION}

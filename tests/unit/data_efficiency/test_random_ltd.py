@@ -180,7 +180,7 @@ def test_only_the_listed_layer_changes_its_output() -> None:
     hook.adjust_forward((), {}, ForwardContext(0, True))
     seen: dict[int, torch.Tensor] = {}
     for layer in random_ltd_layers(model):
-        layer.layer.register_forward_hook(
+        layer.random_ltd_layer.register_forward_hook(
             lambda module, args, out, i=layer.layer_id: seen.__setitem__(i, args[0])
         )
     idx = torch.randint(0, 64, (2, 8))
