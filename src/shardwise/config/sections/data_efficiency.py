@@ -18,8 +18,9 @@ class CurriculumMetricConfig(Section):
     index_to_metric_path: str | None = None
     difficulty_type: Literal["value", "percentile"] = "value"
     clustering_type: Literal["single_cluster", "schedule_based"] = "single_cluster"
-    min_difficulty: float | None = None
-    max_difficulty: float | None = None
+    # int | float keeps the written number's type (DeepSpeed hands the metric dict on as written)
+    min_difficulty: int | float | None = None
+    max_difficulty: int | float | None = None
     schedule_type: ScheduleType = "fixed_linear"
     schedule_config: dict[str, Any] = Field(default_factory=dict)
 
