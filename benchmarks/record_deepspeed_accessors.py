@@ -321,11 +321,43 @@ HAND_WRITTEN: list[tuple[str, dict[str, Any], bool]] = [
         False,
     ),
     (
+        "fp16_static_settings",
+        {
+            **_BATCH,
+            "fp16": {
+                "enabled": False,
+                "auto_cast": True,
+                "loss_scale": 128,
+                "initial_scale_power": 8,
+                "loss_scale_window": 100,
+                "hysteresis": 3,
+                "consecutive_hysteresis": True,
+                "min_loss_scale": 2,
+            },
+            "communication_data_type": "bf16",
+        },
+        False,
+    ),
+    (
+        "bf16_master_weights",
+        {
+            **_BATCH,
+            "optimizer": _ADAM,
+            "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+            "zero_optimization": {"stage": 2},
+        },
+        False,
+    ),
+    (
         "tensor_parallel_section",
         {**_BATCH, "tensor_parallel": {"autotp_size": 1, "tp_overlap_comm": True, "preset_model": "llama"}},
         False,
     ),
 ]
+
+# Not recorded: a ``checkpoint.writer`` block (DeepSpeed 0.19.8 fails to build its writer at world size 1:
+# 'UniversalParallelInfo' object has no attribute 'dp_rank'), NVMe offload (needs DeepSpeed's aio op),
+# fp16 enabled (its CPU accelerator has no fp16), ``compile.passes`` (shardwise refuses them by name).
 
 # Real files DeepSpeed 0.19.8 accepts at world size 1 on CPU (fp16 ones are not: the CPU accelerator
 # has no fp16), with their ``"auto"`` values written out as a client would resolve them.
