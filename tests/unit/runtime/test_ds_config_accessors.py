@@ -22,6 +22,7 @@ import torch
 from pydantic import BaseModel
 
 import shardwise
+from shardwise.config import load_config
 from shardwise.data_efficiency import convert_to_random_ltd
 from shardwise.runtime.ds_config_accessors import DeepSpeedConfigAccessors
 
@@ -134,3 +135,33 @@ def test_communication_data_type_cannot_be_reassigned() -> None:
     assert engine.communication_data_type == torch.float32
     with pytest.raises(AttributeError, match=r"communication_data_type.*in the config"):
         engine.communication_data_type = torch.bfloat16
+
+
+class _ConfigOnly(DeepSpeedConfigAccessors):
+    """The accessors over a loaded config and a stand-in strategy: for what DeepSpeed cannot record at
+    world size 1 on CPU (NVMe offload needs its aio op; its checkpoint writer fails at world size 1)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self._config = load_config({"train_micro_batch_size_per_gpu": 1, **config})
+        self.optimizer = object()
+
+
+def test_nvme_offload_and_writer_accessors_read_their_blocks(tmp_path: Path) -> None:
+    nvme = _ConfigOnly(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            },
+            "checkpoint": {"writer": {"type": "python"}},
+        }
+    )
+    assert nvme.zero_use_cpu_optimizer() and nvme.zero_nvme_offload_optimizer()
+    assert not nvme.zero_cpu_offload()
+    assert nvme.checkpoint_writer_enabled()
+    # the block's default; 0.9 is DeepSpeed's accessor constant without a block
+    assert nvme.cpuadam_cores_perc() == 0.8
+    plain = _ConfigOnly({})
+    assert not (
+        plain.zero_nvme_offload_optimizer() or plain.checkpoint_writer_enabled() or plain.compile_autotp()
+    )
