@@ -14,14 +14,18 @@ import copy
 import enum
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel
 
 import shardwise
+from shardwise.comm import groups, mesh
+from shardwise.comm.init import destroy_process_group
 from shardwise.config import load_config
 from shardwise.data_efficiency import convert_to_random_ltd
 from shardwise.runtime.ds_config_accessors import DeepSpeedConfigAccessors
@@ -109,9 +113,32 @@ def test_record_is_deepspeed_0_19_8_and_names_every_accessor() -> None:
     assert missing == []
 
 
+@pytest.fixture(scope="module")
+def shardwise_answers() -> Iterator[dict[str, dict[str, Any]]]:
+    """Every case's shardwise values, from engines built in one process group (one rendezvous for the
+    module, not one per case); the group is torn down afterwards as ``tests/conftest.py`` does."""
+    had_group = dist.is_initialized()
+    exported = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    before = {name: os.environ.get(name) for name in exported}
+    try:
+        yield {case["name"]: shardwise_values(case) for case in RECORD["configs"]}
+    finally:
+        if not had_group and dist.is_initialized():
+            mesh.reset_layout()
+            groups.clear_topology()
+            destroy_process_group()
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 @pytest.mark.parametrize("case", RECORD["configs"], ids=[case["name"] for case in RECORD["configs"]])
-def test_accessors_match_deepspeed(case: dict[str, Any]) -> None:
-    actual = shardwise_values(case)
+def test_accessors_match_deepspeed(
+    case: dict[str, Any], shardwise_answers: dict[str, dict[str, Any]]
+) -> None:
+    actual = shardwise_answers[case["name"]]
     mismatches = {}
     for name, expected in case["values"].items():
         got = actual[name]
@@ -125,16 +152,6 @@ def test_accessors_match_deepspeed(case: dict[str, Any]) -> None:
         if not same(expected, got):
             mismatches[name] = {"deepspeed": expected, "shardwise": got}
     assert mismatches == {}
-
-
-def test_communication_data_type_cannot_be_reassigned() -> None:
-    model = torch.nn.Linear(4, 2)
-    engine, *_ = shardwise.initialize(
-        model=model, model_parameters=model.parameters(), config={"train_micro_batch_size_per_gpu": 1}
-    )
-    assert engine.communication_data_type == torch.float32
-    with pytest.raises(AttributeError, match=r"communication_data_type.*in the config"):
-        engine.communication_data_type = torch.bfloat16
 
 
 class _ConfigOnly(DeepSpeedConfigAccessors):
@@ -162,6 +179,9 @@ def test_nvme_offload_and_writer_accessors_read_their_blocks(tmp_path: Path) -> 
     # the block's default; 0.9 is DeepSpeed's accessor constant without a block
     assert nvme.cpuadam_cores_perc() == 0.8
     plain = _ConfigOnly({})
+    assert plain.communication_data_type == torch.float32
+    with pytest.raises(AttributeError, match=r"communication_data_type.*in the config"):
+        plain.communication_data_type = torch.bfloat16
     assert not (
         plain.zero_nvme_offload_optimizer() or plain.checkpoint_writer_enabled() or plain.compile_autotp()
     )
