@@ -24,7 +24,6 @@ from shardwise.comm.topology import Topology
 from shardwise.compilation.compiler import ModelCompiler
 from shardwise.config.resolve import ResolvedConfig
 from shardwise.monitor.master import MonitorMaster
-from shardwise.ops.sparse_attention.from_config import SparseAttentionBuilder
 from shardwise.precision.policy import PrecisionPolicy
 from shardwise.profiling.telemetry import Telemetry
 from shardwise.profiling.timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE, STEP
@@ -101,67 +100,6 @@ class ShardwiseEngine(DeepSpeedAccessors, DeepSpeedConfigAccessors, nn.Module):
             accumulation_steps=self.gradient_accumulation_steps,
             loss_must_be_scaled=precision.loss_scaler.multiplies,
         )
-
-    # ------------------------------------------------------------------ config accessors
-    @property
-    def config(self) -> ResolvedConfig:
-        """The resolved config: sections under ``engine.config.config`` (``.zero_optimization.stage``...),
-        the batch triple as ``engine.config.batch``."""
-        return self._config
-
-    def train_batch_size(self) -> int:
-        """Samples per optimizer step over all data-parallel ranks."""
-        return self._config.batch.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        """Samples per rank per forward."""
-        return self._config.batch.micro_batch_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        """Micro batches per optimizer step."""
-        return self._config.batch.gradient_accumulation_steps
-
-    def get_batch_info(self) -> tuple[int, int, int]:
-        """``(train_batch_size, micro_batch, accumulation_steps)``."""
-        return (
-            self.train_batch_size(),
-            self.train_micro_batch_size_per_gpu(),
-            self.gradient_accumulation_steps(),
-        )
-
-    @property
-    def sparse_attention(self) -> SparseAttentionBuilder | None:
-        """The ``sparse_attention`` section as a builder of sparse attention layers, or None without one.
-
-        ``engine.sparse_attention.self_attention(num_heads, max_seq_length)`` builds a
-        ``SparseSelfAttention`` (see :mod:`shardwise.ops.sparse_attention`).
-        """
-        section = self._config.config.sparse_attention
-        return None if section is None else SparseAttentionBuilder(section)
-
-    def zero_optimization_stage(self) -> int:
-        """The ZeRO stage, 0-3."""
-        return self._config.config.zero_stage
-
-    @property
-    def dp_world_size(self) -> int:
-        """Data-parallel ranks."""
-        return self.topology.dp_size
-
-    @property
-    def world_size(self) -> int:
-        """All ranks."""
-        return self.topology.world_size
-
-    @property
-    def global_rank(self) -> int:
-        """This process's rank."""
-        return self.topology.world_rank
-
-    @property
-    def loss_scale(self) -> float:
-        """Current loss scale (1.0 without fp16)."""
-        return self.precision.loss_scaler.loss_scale
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args: object, **kwargs: object) -> Any:

@@ -1,5 +1,7 @@
 """DeepSpeed engine accessors that only read what the engine holds: a mixin of thin methods.
 
+The batch triple (``train_batch_size()``...), ``zero_optimization_stage()``, ``dp_world_size``,
+``world_size``, ``global_rank``, ``loss_scale``, ``config``, ``sparse_attention``, and
 ``local_rank``, ``basic_optimizer``, ``mp_world_size``, ``fp16_enabled()``, ``bfloat16_enabled()``, ``gradient_clipping()``,
 ``log_level()``, ``managed_gradient_accumulation()``, ``steps_per_print()``, ``timers``, ``empty_partition_cache``. Kept out of ``engine.py`` so the engine stays the loop
 (``load_module_state_dict`` needs the checkpoint package: ``checkpoint/engine_io.py``).
@@ -10,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from shardwise import comm
+from shardwise.config.resolve import ResolvedConfig
+from shardwise.ops.sparse_attention.from_config import SparseAttentionBuilder
 
 
 class DeepSpeedAccessors:
@@ -21,6 +25,68 @@ class DeepSpeedAccessors:
     telemetry: Any
     module: Any
     optimizer: Any
+    precision: Any
+
+    # the batch triple, the stage, the sizes: what every DeepSpeed script reads
+    @property
+    def config(self) -> ResolvedConfig:
+        """The resolved config: sections under ``engine.config.config`` (``.zero_optimization.stage``...),
+        the batch triple as ``engine.config.batch``."""
+        return self._config
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        return self._config.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per rank per forward."""
+        return self._config.batch.micro_batch_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro batches per optimizer step."""
+        return self._config.batch.gradient_accumulation_steps
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """``(train_batch_size, micro_batch, accumulation_steps)``."""
+        return (
+            self.train_batch_size(),
+            self.train_micro_batch_size_per_gpu(),
+            self.gradient_accumulation_steps(),
+        )
+
+    @property
+    def sparse_attention(self) -> SparseAttentionBuilder | None:
+        """The ``sparse_attention`` section as a builder of sparse attention layers, or None without one.
+
+        ``engine.sparse_attention.self_attention(num_heads, max_seq_length)`` builds a
+        ``SparseSelfAttention`` (see :mod:`shardwise.ops.sparse_attention`).
+        """
+        section = self._config.config.sparse_attention
+        return None if section is None else SparseAttentionBuilder(section)
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage, 0-3."""
+        return self._config.config.zero_stage
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel ranks."""
+        return self.topology.dp_size
+
+    @property
+    def world_size(self) -> int:
+        """All ranks."""
+        return self.topology.world_size
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank."""
+        return self.topology.world_rank
+
+    @property
+    def loss_scale(self) -> float:
+        """Current loss scale (1.0 without fp16)."""
+        return self.precision.loss_scaler.loss_scale
 
     @property
     def local_rank(self) -> int:
