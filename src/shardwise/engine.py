@@ -31,13 +31,14 @@ from shardwise.profiling.timers import BACKWARD, BACKWARD_INNER, BACKWARD_REDUCE
 from shardwise.runtime.accumulation_window import AccumulationWindow
 from shardwise.runtime.counters import CounterAttribute, EngineCounters
 from shardwise.runtime.ds_accessors import DeepSpeedAccessors
+from shardwise.runtime.ds_engine_actions import DeepSpeedEngineActions
 from shardwise.runtime.nonfinite import NonFiniteSteps, scaler_adapts
 from shardwise.runtime.step_hooks import ForwardContext, StepHooks, StepOutcome
 from shardwise.utils.logging import logger
 from shardwise.zero.strategy import GradientSyncRefused, StepResult, ZeroStrategy
 
 
-class ShardwiseEngine(DeepSpeedAccessors, nn.Module):
+class ShardwiseEngine(DeepSpeedEngineActions, DeepSpeedAccessors, nn.Module):
     """Runs forward, backward and optimizer steps the way DeepSpeed's engine does.
 
     Example:
