@@ -35,13 +35,15 @@ def _offload_round(engine: Any, include: list[OffloadStateType] | None) -> dict[
     engine.offload_states(include=include, device="cpu", pin_memory=True, non_blocking=False)
     held = strategy.held_states()
     offloader = strategy.state_offloader
-    moved = {k.value: all(offloader.is_offloaded(t) for t in held[k]) for k in kinds if held[k]}
+    moved = {k.value: all(offloader.is_offloaded(t) for t in held[k]) for k in kinds if held.get(k)}
     freed = None if original is None or OffloadStateType.optim_states not in kinds else original.nbytes() == 0
     offloaded = sorted(k.value for k in strategy.offloaded_states)
     engine.reload_states()
     held = strategy.held_states()
     restored = all(
-        torch.equal(a, b) and a.dtype == b.dtype for k in before for a, b in zip(before[k], held[k], strict=True)
+        torch.equal(a, b) and a.dtype == b.dtype
+        for k in before
+        for a, b in zip(before[k], held[k], strict=True)
     )
     back = not any(offloader.is_offloaded(t) for tensors in held.values() for t in tensors)
     return {
@@ -93,7 +95,13 @@ def offload_cycle(rank: int, world: int, case: tuple[int, str]) -> dict[str, Any
                 pass
         except NotImplementedError as error:
             refusals["coalesce"] = str(error)
-    return {"losses": losses, "rounds": rounds, "partial": partial, "weights_equal": weights_equal, "refusals": refusals}
+    return {
+        "losses": losses,
+        "rounds": rounds,
+        "partial": partial,
+        "weights_equal": weights_equal,
+        "refusals": refusals,
+    }
 
 
 def _whole(param: torch.Tensor) -> torch.Tensor:
@@ -106,7 +114,10 @@ def reduction_actions(rank: int, world: int, case: str) -> dict[str, Any]:
     the bucket collectives average and gather over the ranks."""
     torch.set_num_threads(1)
     cfg = config(1, "fp32", 1, 2, world)
-    engines = {name: shardwise.initialize(model=make_model(0), config=cfg)[0] for name in ("plain", "sync", "coalesce")}
+    engines = {
+        name: shardwise.initialize(model=make_model(0), config=cfg)[0]
+        for name in ("plain", "sync", "coalesce")
+    }
     losses: dict[str, list[float]] = {name: [] for name in engines}
     for step in range(2):
         for name, engine in engines.items():

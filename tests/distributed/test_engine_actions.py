@@ -25,10 +25,15 @@ def test_offload_states_round_trips_bitwise_and_training_continues() -> None:
             assert "lp_grads" in mid["moved"], case  # gradients held mid-window moved too
             for round_ in (mid, after, result["partial"]):
                 assert all(round_["moved"].values()) and round_["moved"], (case, round_)
-                assert round_["freed"] is True and round_["regrown"], (case, round_)  # device memory given back
+                assert round_["freed"] is True and round_["regrown"], (
+                    case,
+                    round_,
+                )  # device memory given back
                 assert round_["restored"] and round_["back"], (case, round_)
                 assert round_["after_reload"] == [], case
-            assert mid["offloaded"] == ALL and after["offloaded"] == ALL, case
+            # DeepSpeed 0.19.8 lists contiguous_grad_buffer at stage 3 only (its stages 1-2 have none)
+            expected = ALL if case[0] == 3 else [k for k in ALL if k != "contiguous_grad_buffer"]
+            assert mid["offloaded"] == expected and after["offloaded"] == expected, case
             assert result["partial"]["offloaded"] == ["lp_grads", "optim_states"], case
             assert set(result["partial"]["moved"]) <= {"lp_grads", "optim_states"}, case
             refusals = result["refusals"]

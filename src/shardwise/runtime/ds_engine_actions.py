@@ -62,7 +62,9 @@ class DeepSpeedEngineActions(DeepSpeedEngineQueries):
         host, freeing their accelerator memory until :meth:`reload_states` (e.g. between RLHF
         generation and training). Only ``device="cpu"``; refused with ``offload_param`` (as DeepSpeed)."""
         strategy = self._require_optimizer("offload_states")
-        strategy.offload_states(include=include, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
+        strategy.offload_states(
+            include=include, device=device, pin_memory=pin_memory, non_blocking=non_blocking
+        )
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring the states :meth:`offload_states` moved back, bit for bit."""
@@ -132,12 +134,16 @@ class DeepSpeedEngineActions(DeepSpeedEngineQueries):
             comm_dtype=DTYPES[name] if name else None,
         )
 
-    def allreduce_bucket(self, bucket: Sequence[torch.Tensor], dp_group: Any, dp_world_size: float | None = None) -> torch.Tensor:
+    def allreduce_bucket(
+        self, bucket: Sequence[torch.Tensor], dp_group: Any, dp_world_size: float | None = None
+    ) -> torch.Tensor:
         """``bucket`` flattened and averaged over ``dp_group`` (the config's averaging and
         ``communication_data_type``); returns the flat result."""
         return bucket_allreduce.allreduce_bucket(bucket, dp_group, self._averaging(), dp_world_size)
 
-    def allreduce_and_copy(self, small_bucket: Sequence[torch.Tensor], dp_group: Any, dp_world_size: float | None = None) -> None:
+    def allreduce_and_copy(
+        self, small_bucket: Sequence[torch.Tensor], dp_group: Any, dp_world_size: float | None = None
+    ) -> None:
         """:meth:`allreduce_bucket`, written back into the tensors of ``small_bucket``."""
         bucket_allreduce.allreduce_and_copy(small_bucket, dp_group, self._averaging(), dp_world_size)
 
@@ -176,6 +182,8 @@ class DeepSpeedEngineActions(DeepSpeedEngineQueries):
         """Refused: shardwise has no sparse gradients to reduce."""
         raise NotImplementedError(f"sparse_allreduce_bucket: {_DENSE_ONLY}")
 
-    def sparse_allreduce_no_retain(self, bucket: Any, dp_group: Any, dp_world_size: float | None = None) -> None:
+    def sparse_allreduce_no_retain(
+        self, bucket: Any, dp_group: Any, dp_world_size: float | None = None
+    ) -> None:
         """Refused: shardwise has no sparse gradients to reduce."""
         raise NotImplementedError(f"sparse_allreduce_no_retain: {_DENSE_ONLY}")

@@ -73,7 +73,11 @@ class DeepSpeedEngineQueries:
                 "set_data_post_process_func: the function is applied by the curriculum-learning training loader "
                 "(data_efficiency.data_sampling.curriculum_learning.enabled: true, with training_data passed to "
                 "initialize); this engine has "
-                + ("no training data loader" if loader is None else "a training loader without a curriculum sampler")
+                + (
+                    "no training data loader"
+                    if loader is None
+                    else "a training loader without a curriculum sampler"
+                )
             )
         loader.post_process_func = post_process_func
 
@@ -107,7 +111,9 @@ class DeepSpeedEngineQueries:
         """DeepCompile's per-pass timings: empty, since no DeepCompile pass runs here."""
         return []
 
-    def register_compile_pass(self, pass_name: str, pass_fn: Callable[..., Any], contract: Any = None) -> None:
+    def register_compile_pass(
+        self, pass_name: str, pass_fn: Callable[..., Any], contract: Any = None
+    ) -> None:
         """Refused: shardwise has no DeepCompile pass pipeline to register ``pass_name`` in."""
         raise NotImplementedError(
             f"register_compile_pass({pass_name!r}): shardwise runs no DeepCompile graph passes; engine.compile() "

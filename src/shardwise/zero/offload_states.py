@@ -40,8 +40,8 @@ class OffloadStateType(str, Enum):
     ``optim_states``: the optimizer's state (Adam's moments). ``hp_params``: the fp32 master weights
     this rank steps. ``lp_params``: the parameters as the model holds them (its shard at stage 3).
     ``lp_grads``: the accumulated gradients (between ``backward`` and ``step``). ``contiguous_grad_buffer``:
-    DeepSpeed's persistent reduction bucket; shardwise's reduction buffers are allocated per reduction and
-    released after it, so there is never one to move (accepted, nothing held).
+    DeepSpeed's stage-3 reduction bucket; shardwise's reduction buffers live only during a reduction, so
+    at stage 3 it is recorded as offloaded with nothing to move, and stages 0-2 do not have it (as in DeepSpeed).
     """
 
     optim_states = "optim_states"
@@ -76,7 +76,9 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _placed(storage: torch.UntypedStorage, like: torch.Tensor, offset: int, size: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+def _placed(
+    storage: torch.UntypedStorage, like: torch.Tensor, offset: int, size: torch.Size, stride: tuple[int, ...]
+) -> torch.Tensor:
     """A tensor of ``like``'s dtype at ``(offset, size, stride)`` of ``storage``."""
     return torch.empty(0, dtype=like.dtype, device=storage.device).set_(storage, offset, size, stride)
 
@@ -108,13 +110,18 @@ class StateOffloader:
         non_blocking: bool,
     ) -> None:
         """Move the storages of the ``include`` states' tensors to the host; every tensor of ``held``
-        (all states) that lives in a moved storage is pointed at the host copy."""
-        wanted = [kind for kind in include if kind not in self.offloaded]
+        (all states) that lives in a moved storage is pointed at the host copy. A state ``held`` has
+        no key for is not the strategy's: it is not recorded as offloaded."""
+        wanted = [kind for kind in include if kind not in self.offloaded and kind in held]
         storages: dict[int, torch.UntypedStorage] = {}
         for kind in wanted:
             for tensor in held.get(kind, ()):
                 storage = tensor.untyped_storage()
-                if storage.nbytes() > 0 and storage.device.type != "meta" and storage.data_ptr() not in self._moved:
+                if (
+                    storage.nbytes() > 0
+                    and storage.device.type != "meta"
+                    and storage.data_ptr() not in self._moved
+                ):
                     storages.setdefault(storage.data_ptr(), storage)
         copies: dict[int, _MovedStorage] = {}
         for key, storage in storages.items():
@@ -133,12 +140,18 @@ class StateOffloader:
         self.offloaded.update(wanted)
 
     @staticmethod
-    def _repoint(held: Mapping[OffloadStateType, Sequence[torch.Tensor]], copies: Mapping[int, _MovedStorage]) -> None:
+    def _repoint(
+        held: Mapping[OffloadStateType, Sequence[torch.Tensor]], copies: Mapping[int, _MovedStorage]
+    ) -> None:
         """Point every held tensor of a copied storage at the same place of the host copy."""
         seen: set[int] = set()
         for tensors in held.values():
             for tensor in tensors:
-                moved = copies.get(tensor.untyped_storage().data_ptr()) if tensor.untyped_storage().nbytes() else None
+                moved = (
+                    copies.get(tensor.untyped_storage().data_ptr())
+                    if tensor.untyped_storage().nbytes()
+                    else None
+                )
                 if moved is None or id(tensor) in seen:
                     continue
                 seen.add(id(tensor))
@@ -211,7 +224,9 @@ class StateOffloading:
             raise RuntimeError(f"offload_states() is not possible here: {refusal}")
         target = OffloadDevice(device)
         if target is OffloadDevice.none:
-            logger.warning("offload_states(device='none'): no device to move the states to; nothing moved (as DeepSpeed)")
+            logger.warning(
+                "offload_states(device='none'): no device to move the states to; nothing moved (as DeepSpeed)"
+            )
             return
         if target is not OffloadDevice.cpu:
             raise ValueError(
@@ -221,7 +236,9 @@ class StateOffloading:
         kinds = _state_types(include)
         kinds = [kind for kind in kinds if kind not in self.host_states()]
         self.prepare_offload()
-        self.state_offloader.offload(self.held_states(), kinds, pin_memory=pin_memory, non_blocking=non_blocking)
+        self.state_offloader.offload(
+            self.held_states(), kinds, pin_memory=pin_memory, non_blocking=non_blocking
+        )
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring every offloaded state back to where it was, bit for bit."""

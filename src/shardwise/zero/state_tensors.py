@@ -4,7 +4,9 @@ Every reference the strategy keeps into a state's storage is listed, so that mov
 (:mod:`shardwise.zero.offload_states`) can point each one at the moved copy: a flat buffer and its
 per-parameter views, a master and the gradient bound to it. Two states may share one storage (fp32
 training: the masters *are* the parameters at stages 0-2; at stage 3 a sharded parameter's local
-shard is its fp32 master): moving either moves both.
+shard is its fp32 master): moving either moves both. A state a strategy does not have is not a key
+(stages 0-2 have no ``contiguous_grad_buffer``, as in DeepSpeed); stage 3 lists it with no tensors
+(DeepSpeed's reduction bucket; shardwise's buffers live only during a reduction).
 """
 
 from __future__ import annotations
@@ -56,8 +58,7 @@ def flat_zero_states(strategy: ZeroOptimizer) -> Held:
         OffloadStateType.hp_params: hp,
         OffloadStateType.lp_grads: grads,
         OffloadStateType.optim_states: optimizer_state_tensors(strategy.optimizer),
-        OffloadStateType.contiguous_grad_buffer: [],
-    }
+    }  # no contiguous_grad_buffer: DeepSpeed's stages 1-2 do not list it either
 
 
 def stage3_states(strategy: Stage3Optimizer) -> Held:
