@@ -26,6 +26,7 @@ from abc import abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -243,6 +244,19 @@ class StateOffloading:
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring every offloaded state back to where it was, bit for bit."""
         self.state_offloader.reload(non_blocking=non_blocking)
+
+
+def get_state_devices(model: Any, state: OffloadStateType | str) -> set[torch.device]:
+    """The devices the tensors holding ``state`` are on, for an engine (``model.optimizer``, its ZeRO
+    strategy) or a strategy (DeepSpeed's ``deepspeed.runtime.zero.offload_states.get_state_devices``).
+    Empty when the strategy holds no tensor for it (``contiguous_grad_buffer``; gradients after a step)."""
+    strategy = getattr(model, "optimizer", model)
+    if not isinstance(strategy, StateOffloading):
+        raise TypeError(
+            f"get_state_devices needs an engine with a ZeRO strategy or the strategy itself, got {type(model).__name__}"
+        )
+    held = strategy.held_states().get(OffloadStateType(state), [])
+    return {tensor.device for tensor in held}
 
 
 def _state_types(include: Iterable[OffloadStateType | str] | None) -> list[OffloadStateType]:

@@ -9,7 +9,8 @@ import logging
 import pytest
 import torch
 
-from shardwise.zero.offload_states import OffloadStateType, StateOffloader, StateOffloading
+import shardwise
+from shardwise.zero.offload_states import OffloadStateType, StateOffloader, StateOffloading, get_state_devices
 
 LP, OPT = OffloadStateType.lp_params, OffloadStateType.optim_states
 
@@ -81,3 +82,26 @@ def test_device_and_names_are_checked(caplog: pytest.LogCaptureFixture) -> None:
     assert strategy.offloaded_states == {OPT} and strategy.state_offloader.is_offloaded(strategy.moment)
     strategy.reload_states()
     assert strategy.offloaded_states == set()
+
+
+def test_state_devices_as_deepspeed_reports_them() -> None:
+    strategy = _Strategy()
+    assert get_state_devices(strategy, "optim_states") == {torch.device("cpu")}
+    assert get_state_devices(strategy, OffloadStateType.lp_params) == set()  # not held: no device
+    with pytest.raises(TypeError, match="ZeRO strategy"):
+        get_state_devices(object(), "optim_states")
+
+
+def test_stage3_with_offload_param_is_refused() -> None:
+    """As in DeepSpeed: parameters the config offloads are not moved again (a world of one)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+    }
+    engine, *_ = shardwise.initialize(model=model, config=config)
+    with pytest.raises(RuntimeError, match="offload_param keeps the parameters on the host"):
+        engine.offload_states()
+    assert engine.optimizer.offloaded_states == set()
