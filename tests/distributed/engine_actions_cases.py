@@ -29,14 +29,14 @@ def _offload_round(engine: Any, include: list[OffloadStateType] | None) -> dict[
     """Offload ``include``, check where every state lives, reload, check the values came back."""
     strategy = engine.optimizer
     before = _snapshot(strategy)
-    kinds = list(OffloadStateType) if include is None else include
     optim = strategy.held_states()[OffloadStateType.optim_states]
     original = optim[0].untyped_storage() if optim else None
     engine.offload_states(include=include, device="cpu", pin_memory=True, non_blocking=False)
     held = strategy.held_states()
     offloader = strategy.state_offloader
-    moved = {k.value: all(offloader.is_offloaded(t) for t in held[k]) for k in kinds if held.get(k)}
-    freed = None if original is None or OffloadStateType.optim_states not in kinds else original.nbytes() == 0
+    moved = {k.value: all(offloader.is_offloaded(t) for t in held[k]) for k in strategy.offloaded_states if held.get(k)}
+    optim_moved = original is not None and OffloadStateType.optim_states in strategy.offloaded_states
+    freed = original.nbytes() == 0 if original is not None and optim_moved else None
     offloaded = sorted(k.value for k in strategy.offloaded_states)
     engine.reload_states()
     held = strategy.held_states()
@@ -57,12 +57,13 @@ def _offload_round(engine: Any, include: list[OffloadStateType] | None) -> dict[
     }
 
 
-def offload_cycle(rank: int, world: int, case: tuple[int, str]) -> dict[str, Any]:
+def offload_cycle(rank: int, world: int, case: tuple[Any, ...]) -> dict[str, Any]:
     """Two engines train the same batches (accumulation 2); one offloads and reloads its states
-    after a step and in the middle of a window (gradients held): the losses and weights are equal."""
-    stage, precision = case
+    after a step and in the middle of a window (gradients held): the losses and weights are equal.
+    ``case``: ``(stage, precision[, zero_optimization extras])``."""
+    stage, precision, *extras = case
     torch.set_num_threads(1)
-    cfg = config(stage, precision, 2, 2, world)
+    cfg = config(stage, precision, 2, 2, world, **(extras[0] if extras else {}))
     plain, _, _, _ = shardwise.initialize(model=make_model(0), config=cfg)
     moving, _, _, _ = shardwise.initialize(model=make_model(0), config=cfg)
     losses: dict[str, list[float]] = {"plain": [], "moving": []}
