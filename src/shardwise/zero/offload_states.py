@@ -90,6 +90,15 @@ def _synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
+def _freeable(storage: torch.UntypedStorage) -> bool:
+    """Whether the storage may be shrunk: a CPU storage unless it is a shared-memory segment (other ranks
+    map it; ``is_shared`` says so on the CPU only: it is True for every CUDA storage), an accelerator
+    storage when its allocator lets it resize (the caching allocator's do; FSDP2 resizes them too)."""
+    if storage.device.type == "cpu":
+        return not storage.is_shared()
+    return bool(storage.resizable())
+
+
 class StateOffloader:
     """The storages one strategy moved to the host, and the state names offloaded."""
 
@@ -134,7 +143,7 @@ class StateOffloader:
         for device in {moved.original.device for moved in copies.values()}:
             _synchronize(device)  # the device storages are freed next: their copies must be done
         for moved in copies.values():
-            if not moved.original.is_shared():
+            if _freeable(moved.original):
                 moved.original.resize_(0)
                 moved.freed = True
             self._moved[moved.host.data_ptr()] = moved
