@@ -143,6 +143,24 @@ def reduction_actions(rank: int, world: int, case: str) -> dict[str, Any]:
         name: all(torch.equal(a, b) for a, b in zip(params["plain"], params[name], strict=True))
         for name in ("sync", "coalesce")
     }
+    # accumulation 2, one block per micro batch: the first block ends before the boundary (its
+    # gradients stay local), the second at it (the window is reduced once)
+    cfg2 = config(1, "fp32", 2, 2, world)
+    windows = {name: shardwise.initialize(model=make_model(0), config=cfg2)[0] for name in ("plain", "coalesce")}
+    for step in range(2):
+        for micro in range(2):
+            for name, engine in windows.items():
+                x, y = batch(step, micro, rank, 2)
+                if name == "plain":
+                    engine.backward(engine(x, y))
+                else:
+                    with engine.coalesce_grad_reduction():
+                        engine.backward(engine(x, y))
+                engine.step()
+    same["coalesce_gas2"] = all(
+        torch.equal(a, b)
+        for a, b in zip(windows["plain"].module.parameters(), windows["coalesce"].module.parameters(), strict=True)
+    )
     engine = engines["plain"]
     a, b = torch.full((3,), float(rank + 1)), torch.full((2, 2), float(10 * (rank + 1)))
     flat = engine.allreduce_bucket([a, b], None)

@@ -51,7 +51,7 @@ def test_reduction_actions_match_plain_backwards() -> None:
     for result in ranks:
         losses = result["losses"]
         assert losses["sync"] == losses["plain"] and losses["coalesce"] == losses["plain"]
-        assert result["same"] == {"sync": True, "coalesce": True}
+        assert result["same"] == {"sync": True, "coalesce": True, "coalesce_gas2": True}
         # means over the ranks of [1,1,1] / [2,2,2] and [10]*4 / [20]*4
         assert result["flat"] == [1.5] * 3 + [15.0] * 4
         assert result["no_retain"] == ([1.5] * 3, [15.0] * 4)

@@ -89,9 +89,11 @@ class DeepSpeedEngineActions(DeepSpeedEngineQueries):
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self) -> Iterator[None]:
-        """Backwards inside the block leave their gradients unreduced; leaving it reduces them once
-        (one block, then one ``step()``). Where the strategy can hold gradients unreduced (stages
-        0-1); refused where gradients are sharded every micro step (stages 2-3), and with
+        """Backwards inside the block leave their gradients unreduced; leaving it at the accumulation
+        boundary reduces them once (one block, then one ``step()``); before the boundary they stay
+        accumulated and the window's boundary reduces them all (reducing part of a window early would
+        mix reduced and local sums). Where the strategy can hold gradients unreduced (stages 0-1);
+        refused where gradients are sharded every micro step (stages 2-3), and with
         ``managed_gradient_accumulation: false`` (as DeepSpeed)."""
         if not self._config.config.managed_gradient_accumulation:
             raise AssertionError(
@@ -103,7 +105,8 @@ class DeepSpeedEngineActions(DeepSpeedEngineQueries):
             raise NotImplementedError(f"coalesce_grad_reduction(): {strategy.gradient_sync_refusal}")
         with self.no_sync():
             yield
-        strategy.reduce_pending_gradients()
+        if self.is_gradient_accumulation_boundary():
+            strategy.reduce_pending_gradients()
 
     def buffered_allreduce_fallback(
         self, grads: Sequence[torch.Tensor] | None = None, elements_per_buffer: int = DEFAULT_ALLREDUCE_NUMEL
