@@ -141,6 +141,8 @@ class DeepSpeedEngineQueries:
         shardwise's MoE layers do not time those parts, and the line says so rather than print zeros."""
         if self.topology.world_rank != 0:
             return
-        has_moe = any(type(m).__name__ == "MOELayer" for m in self.module.modules())
+        from shardwise.moe.layer import MOELayer
+
+        has_moe = any(isinstance(m, MOELayer) for m in self.module.modules())
         note = " (MoE gate/all-to-all times are not measured by shardwise's MoE layers)" if has_moe else ""
         logger.info("time (ms) | fwd: %.2f%s", fwd_time, note)
