@@ -32,13 +32,14 @@ from shardwise.runtime.counters import CounterAttribute, EngineCounters
 from shardwise.runtime.direct_backward import DirectBackward
 from shardwise.runtime.ds_accessors import DeepSpeedAccessors
 from shardwise.runtime.ds_config_accessors import DeepSpeedConfigAccessors
+from shardwise.runtime.ds_engine_actions import DeepSpeedEngineActions
 from shardwise.runtime.nonfinite import NonFiniteSteps, scaler_adapts
 from shardwise.runtime.step_hooks import ForwardContext, StepHooks, StepOutcome
 from shardwise.utils.logging import logger
 from shardwise.zero.strategy import GradientSyncRefused, StepResult, ZeroStrategy
 
 
-class ShardwiseEngine(DeepSpeedAccessors, DeepSpeedConfigAccessors, nn.Module):
+class ShardwiseEngine(DeepSpeedEngineActions, DeepSpeedAccessors, DeepSpeedConfigAccessors, nn.Module):
     """Runs forward, backward and optimizer steps the way DeepSpeed's engine does.
 
     Example:

@@ -61,6 +61,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "deepspeed.runtime.zero.partition_parameters": ("shardwise.compat.partition_parameters",),
     "deepspeed.runtime.zero.config": ("shardwise.compat.zero_config",),
     "deepspeed.runtime.zero.offload_config": ("shardwise.compat.zero_config",),
+    "deepspeed.runtime.zero.offload_states": ("shardwise.zero.offload_states",),
     "deepspeed.runtime.zero.leaf_module_config": ("shardwise.compat.zero_config",),
     "deepspeed.runtime.zero.tiling": ("shardwise.zero.tiling",),
     "deepspeed.runtime.utils": ("shardwise.compat.runtime_utils",),

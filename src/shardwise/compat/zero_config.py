@@ -26,6 +26,7 @@ from shardwise.config.sections.zero import (
     ZeroConfig,
 )
 from shardwise.utils.logging import logger
+from shardwise.zero.offload_states import OffloadDevice, OffloadStateType
 
 __all__ = [
     "DEFAULT_LEAF_MODULE_CLASSES",
@@ -36,6 +37,7 @@ __all__ = [
     "DeepSpeedZeroOffloadOptimizerConfig",
     "DeepSpeedZeroOffloadParamConfig",
     "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
     "ZeroStageEnum",
     "read_zero_config_deprecated",
 ]
@@ -55,10 +57,10 @@ class ZeroStageEnum:
     max_stage = 3
 
 
-class OffloadDeviceEnum:
-    """Where ZeRO offloads to."""
-
-    none, cpu, nvme = "none", "cpu", "nvme"
+OffloadDeviceEnum = OffloadDevice
+"""Where ZeRO offloads to (``none``, ``cpu``, ``nvme``; str-valued)."""
+OffloadStateTypeEnum = OffloadStateType
+"""The states ``engine.offload_states(include=...)`` moves (:mod:`shardwise.zero.offload_states`)."""
 
 
 class DeepSpeedZeroOffloadParamConfig(OffloadParamConfig):

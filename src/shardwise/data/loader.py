@@ -169,6 +169,8 @@ class ShardwiseDataLoader:
 
         self._generator = torch.Generator()
         self._skipper = _SkippingSampler(sampler) if sampler is not None else None
+        # engine.set_data_post_process_func: fn(batch, sampler.post_process_state()) -> batch
+        self.post_process_func: Callable[[Any, dict[str, Any]], Any] | None = None
         self.dataloader: DataLoader[object] = DataLoader(
             dataset,
             batch_size=batch_size,
@@ -251,6 +253,8 @@ class ShardwiseDataLoader:
                 return  # a newer pass (or a load_state_dict) superseded this iterator
             # Count before yielding: once the caller holds the batch, it is consumed.
             self._pass_batches += 1
+            if self.post_process_func is not None:
+                batch = self.post_process_func(batch, self.sampler.post_process_state())  # type: ignore[union-attr]
             yield batch
         if pass_id == self._pass_id:
             self._epoch += 1

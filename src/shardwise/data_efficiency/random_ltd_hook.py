@@ -41,9 +41,27 @@ class RandomLTDHook:
 
     name = "random_ltd"
 
-    def __init__(self, schedule: RandomLTDSchedule, layers: list[RandomLTDLayer]) -> None:
+    def __init__(
+        self, schedule: RandomLTDSchedule, layers: list[RandomLTDLayer], section: RandomLTDConfig | None = None
+    ) -> None:
         self.schedule = schedule
         self.layers = layers
+        self.section = section
+
+    def bind(self, model: nn.Module) -> list[RandomLTDLayer]:
+        """Find the model's wrapped layers again and give them the section's settings and the
+        schedule's current count (DeepSpeed's ``engine.random_ltd_initialize()``: layers wrapped or
+        replaced after ``initialize``). Returns the layers that drop tokens.
+
+        Raises:
+            ConfigError: the wrapped layers do not match ``random_ltd_layer_id`` (:func:`active_layers`).
+        """
+        if self.section is None:
+            raise ValueError("this RandomLTDHook was built without its config section; build it with build_random_ltd_hook")
+        self.layers = _configure(self.section, model)
+        for layer in self.layers:
+            layer.kept_tokens = self.schedule.current_value
+        return self.layers
 
     def adjust_forward(
         self, args: tuple[object, ...], kwargs: dict[str, object], context: ForwardContext
@@ -214,12 +232,8 @@ def build_random_ltd_hook(
     section = efficiency.data_routing.random_ltd
     if not (efficiency.enabled and efficiency.data_routing.enabled and section.enabled):
         return None
-    total_layers, model_type = _check(section)
-    layers = active_layers(list(section.random_ltd_layer_id), random_ltd_layers(model))
-    for layer in layers:
-        layer.seq_dim = 0 if section.hidden_state_order == "seq_batch_dim" else 1
-        layer.model_type = model_type
-        layer.mask_name = section.model_mask_name
+    total_layers, _ = _check(section)
+    layers = _configure(section, model)
     sched = section.random_ltd_schedule
     schedule = RandomLTDSchedule(
         sched.min_value,
@@ -230,4 +244,15 @@ def build_random_ltd_hook(
         ltd_layers=len(section.random_ltd_layer_id),
         global_batch_size=global_batch_size,
     )
-    return RandomLTDHook(schedule, layers)
+    return RandomLTDHook(schedule, layers, section)
+
+
+def _configure(section: RandomLTDConfig, model: nn.Module) -> list[RandomLTDLayer]:
+    """The model's wrapped layers that drop tokens, given the (checked) section's layout settings."""
+    _, model_type = _check(section)
+    layers = active_layers(list(section.random_ltd_layer_id), random_ltd_layers(model))
+    for layer in layers:
+        layer.seq_dim = 0 if section.hidden_state_order == "seq_batch_dim" else 1
+        layer.model_type = model_type
+        layer.mask_name = section.model_mask_name
+    return layers

@@ -159,6 +159,14 @@ class CurriculumSampler(Sampler[int]):
             rng.shuffle(batch)
             yield batch
 
+    def post_process_state(self) -> dict[str, Any]:
+        """What ``engine.set_data_post_process_func``'s function receives with each batch, by
+        DeepSpeed's keys: ``current_difficulties`` (metric -> difficulty) and ``curriculum_step``."""
+        return {
+            "current_difficulties": dict(getattr(self, "current_difficulties", {})),
+            "curriculum_step": self.curriculum_step,
+        }
+
     @staticmethod
     def _take(
         rng: np.random.Generator, clusters: list[np.ndarray], positions: list[int], i: int, n: int

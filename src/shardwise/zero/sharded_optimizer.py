@@ -42,7 +42,8 @@ from shardwise.zero.flat_group import FlatGroup
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
 from shardwise.zero.grad_fold import divide_, scaled_step
 from shardwise.zero.muon_shards import attach_flat_matrices
-from shardwise.zero.offload import checkpoint_view
+from shardwise.zero.offload import OffloadedOptimizer, checkpoint_view
+from shardwise.zero.offload_states import OffloadStateType, StateOffloading
 from shardwise.zero.optimizer_subset import restricted, steps_per_tensor
 from shardwise.zero.param_owner import register_owner
 from shardwise.zero.param_publish import PublishPolicy, launch_publish
@@ -66,6 +67,7 @@ from shardwise.zero.state_layout import (
     ParamPlace,
     StateLayout,
 )
+from shardwise.zero.state_tensors import flat_zero_states
 from shardwise.zero.step_math import plan_step
 from shardwise.zero.strategy import StepResult, ZeroStrategy, sharded_gradients_refusal
 from shardwise.zero.unused_parameters import raise_if_unused
@@ -103,7 +105,7 @@ class ZeroPolicy:
         return ReductionDomain(DATA, self.process_group, self.rank, self.world_size)
 
 
-class ZeroOptimizer(ZeroStrategy):
+class ZeroOptimizer(StateOffloading, ZeroStrategy):
     """Flat-buffer ZeRO (stages 0, 1, 2) around a torch optimizer built on the masters.
 
     ``module``: the model the parameters belong to; with ``policy.overlap_comm`` at stages 1-2
@@ -321,6 +323,12 @@ class ZeroOptimizer(ZeroStrategy):
         ReduceGrads, after the backwards of its micro batches ran with ``prepare_backward(False)``)."""
         self.reducer.optimizer_exchanges = self._optimizer_exchanges()
         self.reducer.reduce_window()
+
+    def reduce_pending_gradients(self) -> None:
+        """Reduce this window's gradients if no backward did (stages 0-1: backwards under ``no_sync``);
+        nothing when a reducing backward did, or at stage 2 (each backward reduce-scatters its own)."""
+        if self.policy.stage < 2 and not self.reducer.gradients_ready:
+            self.reduce_gradients()
 
     def accumulated_gradient(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s gradient accumulated in this window and not yet reduced (stages 0-1), as a
@@ -554,6 +562,20 @@ class ZeroOptimizer(ZeroStrategy):
             partitioned=self.policy.stage >= 1 and self.policy.world_size > 1,
             unavailable="" if self.reducer.gradients_ready else GRADIENTS_UNAVAILABLE,
         )
+
+    # ------------------------------------------------------------------ offload_states (zero.offload_states)
+    def held_states(self) -> dict[OffloadStateType, list[torch.Tensor]]:
+        """The flat buffers and their views per state name (:func:`~shardwise.zero.state_tensors.flat_zero_states`)."""
+        return flat_zero_states(self)
+
+    def host_states(self) -> frozenset[OffloadStateType]:
+        """With ``offload_optimizer`` the optimizer state lives on the host already."""
+        on_host = isinstance(self.optimizer, OffloadedOptimizer)
+        return frozenset({OffloadStateType.optim_states}) if on_host else frozenset()
+
+    def prepare_offload(self) -> None:
+        """Parameters gathered in flight (``overlap_comm``) land before their buffers move."""
+        self.wait_for_parameters()
 
     def _refresh_masters(self) -> None:
         """Re-read the fp32 masters from the (just loaded) parameters: weights-only loads."""

@@ -56,6 +56,7 @@ from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
 from shardwise.zero.expert_units import is_expert
 from shardwise.zero.grad_fold import divide_, scaled_step
 from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
+from shardwise.zero.offload_states import OffloadStateType, StateOffloading
 from shardwise.zero.optimizer_subset import step_in_sub_groups, steps_per_tensor
 from shardwise.zero.param_owner import register_owner
 from shardwise.zero.param_swap import SwappedMasters
@@ -70,6 +71,7 @@ from shardwise.zero.state_layout import (
     ParamPlace,
     StateLayout,
 )
+from shardwise.zero.state_tensors import stage3_states
 from shardwise.zero.step_math import plan_step
 from shardwise.zero.strategy import StepResult, ZeroStrategy, sharded_gradients_refusal
 from shardwise.zero.unused_parameters import raise_if_unused
@@ -133,7 +135,7 @@ def choose_unit_hooks(record: ShardedModel, policy: Stage3Policy) -> UnitHooks:
     return UnitHooks(reduce_scatter, gather)
 
 
-class Stage3Optimizer(ZeroStrategy):
+class Stage3Optimizer(StateOffloading, ZeroStrategy):
     """ZeRO stage 3 over an FSDP2-wrapped module (a :class:`~shardwise.zero.strategy.ZeroStrategy`).
 
     Args:
@@ -352,6 +354,11 @@ class Stage3Optimizer(ZeroStrategy):
         self.replicated.reduce_micro_step()
         self._grads_ready = True
 
+    def reduce_pending_gradients(self) -> None:
+        """Nothing is left to reduce at stage 3 (every backward reduce-scatters); deferred
+        reductions in flight are waited for and their gradients collected."""
+        self._collect_grads()
+
     def _collect_grads(self) -> None:
         """Wait for deferred reductions, then move each shard gradient out of ``param.grad``
         into its accumulator: ``acc = g`` the first time (a view, no copy), ``acc += g``
@@ -545,6 +552,30 @@ class Stage3Optimizer(ZeroStrategy):
             process_group=self.policy.process_group,
             unavailable="" if self._grads_ready else GRADIENTS_UNAVAILABLE,
         )
+
+    # ------------------------------------------------------------------ offload_states (zero.offload_states)
+    def held_states(self) -> dict[OffloadStateType, list[torch.Tensor]]:
+        """Local shards, masters, accumulators per state name (:func:`~shardwise.zero.state_tensors.stage3_states`)."""
+        return stage3_states(self)
+
+    def host_states(self) -> frozenset[OffloadStateType]:
+        """With ``offload_optimizer`` the optimizer state lives on the host already."""
+        return frozenset({OffloadStateType.optim_states}) if self.store is not None else frozenset()
+
+    def offload_refusal(self) -> str:
+        """Parameters offloaded by the config (``offload_param``) are not moved again (DeepSpeed refuses too)."""
+        if self.record.policy.param_offload is None and self.record.swapper is None:
+            return ""
+        return (
+            "zero_optimization.offload_param keeps the parameters on the host or NVMe already; "
+            "remove offload_param to move states with offload_states()"
+        )
+
+    def prepare_offload(self) -> None:
+        """Gathered copies are freed (DeepSpeed empties the partition cache too) and this window's
+        gradients collected into their accumulators, so every state has one place to move."""
+        self.release_gathered_parameters()
+        self._collect_grads()
 
     # ------------------------------------------------------------------ saving
     def full_fp32_parameters(self) -> list[torch.Tensor]:
