@@ -225,9 +225,10 @@ class CommsLogger:
         self.debug = bool(section.debug)
         self.prof_ops = list(section.prof_ops)
 
-    def start(self, op: str, nbytes: int, world_size: int, on_cuda: bool) -> PendingComm | None:
-        """Begin timing ``op`` if it is profiled (``prof_all`` or listed in ``prof_ops``)."""
-        if not (self.prof_all or op in self.prof_ops):
+    def start(self, op: str, nbytes: int, world_size: int, on_cuda: bool, force: bool = False) -> PendingComm | None:
+        """Begin timing ``op`` if it is profiled (``prof_all``, listed in ``prof_ops``, or ``force``:
+        a ``deepspeed.comm`` call's ``prof=True``)."""
+        if not (force or self.prof_all or op in self.prof_ops):
             return None
         if self.debug:
             op = f"{op} | [Caller Func: {_caller()}]"
