@@ -1,4 +1,5 @@
-"""``deepspeed.utils`` / ``deepspeed.checkpoint.utils`` / ``deepspeed.runtime.utils`` helpers clients call."""
+"""``deepspeed.utils`` / ``deepspeed.checkpoint.utils`` / ``deepspeed.runtime.utils`` helpers clients call
+(``deepspeed.utils.module_utils``' ``recursive_getattr``/``recursive_setattr`` too)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ __all__ = [
     "get_zero_ckpt_name_for_rank",
     "logger",
     "move_to_device",
+    "recursive_getattr",
+    "recursive_setattr",
 ]
 
 
@@ -61,3 +64,23 @@ def get_zero_ckpt_name_for_rank(base_folder: str, dp_rank: int, mp_rank: int) ->
 def get_layer_ckpt_name_for_rank(base_folder: str, layer_id: str, tp_rank: int) -> str:
     """A DeepSpeed pipeline checkpoint's layer file: ``<base>/layer_<id>-model_<NN>-model_states.pt``."""
     return os.path.join(base_folder, f"layer_{layer_id}-model_{tp_rank:02d}-model_states.pt")
+
+
+def recursive_getattr(model: object, module_name: str) -> Any:
+    """The attribute at the dotted path ``module_name`` of ``model`` (``"encoder.layer.0"``).
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(1, 1))
+        >>> recursive_getattr(net, "0.weight").shape
+        torch.Size([1, 1])
+    """
+    value = model
+    for name in module_name.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def recursive_setattr(model: object, module_name: str, module: object) -> None:
+    """Set the attribute at the dotted path ``module_name`` of ``model`` to ``module`` (the path's parents must exist)."""
+    parent, _, name = module_name.rpartition(".")
+    setattr(recursive_getattr(model, parent) if parent else model, name, module)
