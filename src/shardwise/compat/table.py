@@ -150,6 +150,7 @@ RENAMES: dict[str, str] = {
        for path in ("utils", "utils.groups")},
     "deepspeed.runtime.utils.is_moe_param": "shardwise.moe.utils:is_moe_param",
     "deepspeed.utils.get_caller_func": "shardwise.comm.op_logging:get_caller_func",
+    "deepspeed.utils.timer.trim_mean": "shardwise.comm.comms_logger:trimmed_mean",
     "deepspeed.utils.exceptions.DeprecatedException": "shardwise.compat.small_names:DeprecatedException",
     "deepspeed.comm.reduce_op.ReduceOp": "torch.distributed:ReduceOp",
     "deepspeed.comm.config.CommsLoggerConfig": "shardwise.config.sections.observability:CommsLoggerConfig",

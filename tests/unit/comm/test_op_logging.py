@@ -89,3 +89,34 @@ def test_launcher_readers_and_platforms() -> None:
     assert launcher_env.in_aml({"AZUREML_EXPERIMENT_ID": "x"}) and not launcher_env.in_aml({})
     assert launcher_env.in_aws_sm({"SM_TRAINING_ENV": "{}"}) and launcher_env.in_dlts({"DLTS_JOB_ID": "1"})
     assert (constants.NCCL_BACKEND, constants.GLOO_BACKEND, constants.COMMS_LOGGER) == ("nccl", "gloo", "comms_logger")
+
+
+def test_deepspeed_comms_logger_methods() -> None:
+    from shardwise.comm.comms_logger import CommsLogger
+
+    log = CommsLogger()
+    log.start_profiling_comms()
+    assert log.prof_all is True
+    log.stop_profiling_comms()
+    assert log.prof_all is False
+    log.start_profiling_op(["a", "b"])
+    log.stop_profiling_op(["a"])
+    assert log.prof_ops == ["b"]
+    latencies = [3.0, 1.0, 2.0]
+    log.comms_dict = {"all_reduce": {1024: [3, list(latencies), [10 / x for x in latencies], [20 / x for x in latencies]]}}
+    summary = log.get_operation_summary("all_reduce")
+    assert summary is not None and summary[1024]["avg_latency_ms"] == 2.0 and summary[1024]["count"] == 3
+    assert log.get_raw_data()["all_reduce"][1024][1] == latencies  # summarising keeps the recorded order
+    log.append("broadcast", "broadcast", 4.0, 1000)
+    assert log.get_operation_names() == ["all_reduce", "broadcast"] and log.get_total_operations() == 4
+    assert log.get_raw_data()["broadcast"][1000][2] == [pytest.approx(1000 * 8 / 1e9 / 4e-3)]  # Gbit/s
+    log.reset_data()
+    assert not log.has_data() and log.get_operation_summary("all_reduce") is None
+
+
+def test_trimmed_mean_rounds_the_cut_as_deepspeed() -> None:
+    from shardwise.comm.comms_logger import trimmed_mean
+
+    data = [1.0] * 13 + [100.0, 100.0]  # 15 values: round(1.5) = 2 cut from each end
+    assert trimmed_mean(data, 0.1) == 1.0 and data == [1.0] * 13 + [100.0, 100.0]  # DeepSpeed's; not mutated
+    assert trimmed_mean([3.0, 1.0, 2.0], 0.1) == 2.0
