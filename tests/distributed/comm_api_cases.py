@@ -110,6 +110,9 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
     comm.all_gather_object([None] * world, rank)
     comm.gather(mine, [torch.empty(3) for _ in range(world)] if rank == 0 else None, dst=0, log_name="gather")
     comm.scatter(got, chunks, src=1, prof=True, log_name="scatter_forced")
+    comm.all_reduce(torch.ones(2), prof=True, log_name="all_reduce_forced")  # shardwise's own collectives too
+    comm.all_gather_into_tensor(torch.empty(world * 3), mine, log_name="gather")
+    comm.barrier(prof=True)
     out["ops"] = sorted(comm.get_logged_comm_ops())
     out["counts"] = {op: sum(len(rs) for rs in sizes.values())
                      for op, sizes in COMMS_LOGGER.records.items()}

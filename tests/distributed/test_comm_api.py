@@ -24,10 +24,12 @@ def test_deepspeed_comm_collectives_match_torch_distributed() -> None:
         assert result["ops"] == sorted([
             "all_to_all", "gather", "scatter", "all_gather_object", "broadcast_object_list",
             "batch_isend_irecv", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
-            "monitored_barrier", "scatter_forced",
+            "monitored_barrier", "scatter_forced", "all_reduce_forced", "barrier",
         ]), rank
         counts = result["counts"]
-        assert counts["all_to_all"] == 2 and counts["gather"] == 2 and counts["all_gather_object"] == 1
+        assert counts["all_to_all"] == 2 and counts["all_gather_object"] == 1
         assert counts["all_reduce"] == 2 + 1  # coalesced (as DeepSpeed names it) twice, the fast norm once
         assert counts["all_gather_into_tensor"] == 2 and counts["scatter_forced"] == 1
+        assert counts["all_reduce_forced"] == 1 and counts["barrier"] == 1
+        assert counts["gather"] == 2 + 1  # the all-gather logged under log_name "gather", a prof_ops entry
         assert result["gather_bytes"] == [12]  # three float32 elements per rank
