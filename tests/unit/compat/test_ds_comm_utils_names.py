@@ -116,9 +116,10 @@ def deepspeed_package(tmp_path_factory: pytest.TempPathFactory) -> Iterator[obje
 
 
 def test_names_resolve_to_shardwise_objects(deepspeed_package: object) -> None:
-    from shardwise.comm import object_api, op_logging, point_to_point, torch_api
+    from shardwise.comm import comms_logger, object_api, op_logging, point_to_point, torch_api
     from shardwise.compat import runtime_utils
     from shardwise.precision import tensor_norms
+    from shardwise.profiling import named_timers
     from shardwise.runtime import script_helpers
 
     expected = {
@@ -135,6 +136,8 @@ def test_names_resolve_to_shardwise_objects(deepspeed_package: object) -> None:
                             "bwc_tensor_model_parallel_world_size": bwc.bwc_tensor_model_parallel_world_size,
                             "DeprecatedException": DeprecatedException, "get_caller_func": op_logging.get_caller_func},
         "deepspeed.utils.init_on_device": {"OnDevice": OnDevice},
+        "deepspeed.utils.timer": {"SynchronizedWallClockTimer": named_timers.SynchronizedWallClockTimer,
+                                  "trim_mean": comms_logger.trimmed_mean},
         "deepspeed.utils.groups": {"log_dist": sw_logging.log_dist,
                                    "set_tensor_model_parallel_rank": unavailable.set_tensor_model_parallel_rank},
         "deepspeed.runtime.utils": {"clip_tensors_by_global_norm": tensor_norms.clip_tensors_by_global_norm,
