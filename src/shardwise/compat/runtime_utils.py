@@ -21,11 +21,15 @@ from shardwise.comm import all_reduce, get_rank, get_world_size, is_initialized,
 from shardwise.comm.group_type import Group
 from shardwise.compat.accelerator import get_accelerator
 from shardwise.compat.ds_utils import clone_tensors_for_torch_save, move_to_device
-from shardwise.utils.backward_graph import count_used_parameters_in_backward
+from shardwise.utils.backward_graph import (
+    check_internal_apis_for_count_used_parameters,
+    count_used_parameters_in_backward,
+)
 from shardwise.utils.logging import logger
 
 __all__ = [
     "call_to_str",
+    "check_internal_apis_for_count_used_parameters",
     "clip_grad_norm_",
     "clone_tensors_for_torch_save",
     "count_used_parameters_in_backward",

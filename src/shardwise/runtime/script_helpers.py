@@ -1,7 +1,8 @@
 """Small helpers DeepSpeed's ``deepspeed.runtime.utils`` gives training scripts: seeding every generator
 (``set_random_seed``), making a file's directory, parameter filters for optimizer groups
 (``filter_empty_parameters``, ``is_optimized_parameter``), ``DummyOptim``, nested copies to a device
-(``copy_to_device``), comparing nested structures of tensors, and ``noop_decorator``.
+(``copy_to_device``), comparing nested structures of tensors, ``noop_decorator``, and moving a torch Adam's
+moments off the device and back (``offload_adam_states``/``reload_adam_states``).
 
 Example:
     >>> set_random_seed(7); import torch; a = torch.rand(1)
@@ -29,6 +30,8 @@ __all__ = [
     "is_transformers_cache",
     "maybe_loss_for_backward",
     "noop_decorator",
+    "offload_adam_states",
+    "reload_adam_states",
     "set_random_seed",
 ]
 
@@ -129,3 +132,35 @@ def compare_tensors_in_structures(inputs1: list[Any] | dict[Any, Any], inputs2: 
 def maybe_loss_for_backward(value: object) -> bool:
     """Whether ``value`` looks like a loss to call ``backward`` on: a one-element tensor with a ``grad_fn``."""
     return torch.is_tensor(value) and value.numel() == 1 and value.grad_fn is not None
+
+
+_ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _offload_key(key: str) -> str:
+    return f"{key}_offload_buffer"
+
+
+def offload_adam_states(optimizer: torch.optim.Optimizer, device: torch.device | str, pin_memory: bool = False,
+                        non_blocking: bool = False) -> None:
+    """Move every parameter's ``exp_avg``/``exp_avg_sq`` (a torch Adam's state) into a buffer on ``device``,
+    kept in the state as ``<key>_offload_buffer`` and reused by later calls; the state's tensors then point at it.
+    ``pin_memory`` page-locks a new buffer where CUDA exists (it only speeds copies to and from a GPU)."""
+    for state in optimizer.state.values():
+        for key in _ADAM_MOMENTS:
+            if key not in state:
+                continue
+            buffer_key = _offload_key(key)
+            if buffer_key not in state:
+                buffer = torch.empty_like(state[key], device=device)
+                state[buffer_key] = buffer.pin_memory() if pin_memory and torch.cuda.is_available() else buffer
+            state[buffer_key].copy_(state[key], non_blocking=non_blocking)
+            state[key].data = state[buffer_key]
+
+
+def reload_adam_states(optimizer: torch.optim.Optimizer, device: torch.device | str, non_blocking: bool = False) -> None:
+    """Bring the moments :func:`offload_adam_states` moved back to ``device`` (the offload buffers stay)."""
+    for state in optimizer.state.values():
+        for key in _ADAM_MOMENTS:
+            if key in state:
+                state[key].data = state[_offload_key(key)].to(device, non_blocking=non_blocking)

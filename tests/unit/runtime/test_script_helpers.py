@@ -43,3 +43,19 @@ def test_structures_and_devices(tmp_path: Path) -> None:
     loss = (torch.ones(1, requires_grad=True) * 2).sum()
     assert sh.maybe_loss_for_backward(loss) and not sh.maybe_loss_for_backward(torch.ones(1))
     assert sh.noop_decorator(len) is len
+
+
+def test_adam_moments_offload_and_reload() -> None:
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adam([weight], lr=0.1)
+    weight.grad = torch.tensor([1.0, -2.0, 3.0])
+    optimizer.step()
+    state = optimizer.state[weight]
+    moments = {k: state[k].clone() for k in ("exp_avg", "exp_avg_sq")}
+    sh.offload_adam_states(optimizer, "cpu")
+    for key, value in moments.items():
+        assert state[key].data_ptr() == state[f"{key}_offload_buffer"].data_ptr()
+        assert torch.equal(state[key], value)
+    state["exp_avg"].data = torch.zeros(3)  # as if it had been released on the device
+    sh.reload_adam_states(optimizer, "cpu")
+    assert all(torch.equal(state[k], v) for k, v in moments.items())
