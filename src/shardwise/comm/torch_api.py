@@ -180,6 +180,10 @@ def all_gather_coalesced(
     elements), for each ``i``, in one all-gather of the inputs laid end to end (one dtype)."""
     if len(output_tensors) != len(input_tensors):
         raise ValueError(f"all_gather_coalesced: {len(output_tensors)} outputs for {len(input_tensors)} inputs")
+    dtypes = {t.dtype for t in (*output_tensors, *input_tensors)}
+    if len(dtypes) != 1:
+        raise ValueError(f"all_gather_coalesced needs one dtype for every tensor, got {sorted(map(str, dtypes))}; "
+                         "call it once per dtype")
     world = dist.get_world_size(group)
     sizes = [t.numel() for t in input_tensors]
     for out, n in zip(output_tensors, sizes):

@@ -120,3 +120,11 @@ def test_trimmed_mean_rounds_the_cut_as_deepspeed() -> None:
     data = [1.0] * 13 + [100.0, 100.0]  # 15 values: round(1.5) = 2 cut from each end
     assert trimmed_mean(data, 0.1) == 1.0 and data == [1.0] * 13 + [100.0, 100.0]  # DeepSpeed's; not mutated
     assert trimmed_mean([3.0, 1.0, 2.0], 0.1) == 2.0
+
+
+def test_coalesced_gather_refuses_mixed_dtypes_before_communicating() -> None:
+    from shardwise.comm import torch_api
+
+    with pytest.raises(ValueError, match="one dtype"):
+        torch_api.all_gather_coalesced([torch.empty(2), torch.empty(2, dtype=torch.int64)],
+                                       [torch.empty(1), torch.empty(1, dtype=torch.int64)])
