@@ -160,6 +160,9 @@ def all_reduce(
     op: str | dist.ReduceOp | dist.ReduceOp.RedOpType = "sum",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    prof: bool = False,
+    log_name: str | None = None,
+    debug: object = None,
 ) -> CommHandle | None:
     """Reduce ``tensor`` in place across ``group``.
 
@@ -170,6 +173,9 @@ def all_reduce(
             communication.
         group: process group (None: the world).
         async_op: return a :class:`CommHandle` instead of waiting.
+        prof, log_name, debug: deepspeed.comm's: record the call in the comms logger under ``log_name``
+            (default ``"all_reduce"``), ``prof`` even when the logger does not select it; ``debug`` is
+            DeepSpeed's caller tag, which the logger's own ``debug`` setting replaces.
 
     Example:
         >>> t = torch.tensor([1.0, 3.0])
@@ -179,7 +185,7 @@ def all_reduce(
     if name == "avg" and not tensor.is_floating_point():
         raise ValueError(f"all_reduce(op='avg') needs a floating-point tensor, got {tensor.dtype}; use 'sum'")
     world, _ = _group_size_and_rank(group)
-    record = _record("all_reduce", tensor, world) if _COMMS.enabled else None
+    record = _record("all_reduce", tensor, world, prof, log_name) if _COMMS.enabled else None
     staged = _nccl_staging(tensor, group)
     target = tensor if staged is None else staged
     work = dist.all_reduce(target, op=_OPS[name], group=group, async_op=async_op)
@@ -211,6 +217,8 @@ def reduce_scatter_flat(
     op: Literal["sum", "avg"] = "sum",
     input_is_scratch: bool = False,
     algorithm: AlgorithmChoice = "auto",
+    prof: bool = False,
+    log_name: str | None = None,
 ) -> CommHandle | None:
     """Sum ``input`` across ``group`` and keep this rank's slice in ``output``.
 
@@ -228,6 +236,7 @@ def reduce_scatter_flat(
             reduced full buffer (faster on gloo, no extra memory). False keeps ``input``
             intact.
         algorithm: ``"auto"`` (measured choice), or force ``"native"``/``"all_reduce"``/``"exchange"``.
+        prof, log_name: the comms logger's record (default name ``"reduce_scatter_tensor"``), as for :func:`all_reduce`.
 
     Raises:
         ValueError: sizes not divisible or not matching, mixed dtypes/devices,
@@ -243,7 +252,7 @@ def reduce_scatter_flat(
     out, inp = output.view(-1), input.view(-1)
     n = out.numel()
     average = name == "avg" and world > 1
-    record = _record("reduce_scatter_tensor", out, world) if _COMMS.enabled else None
+    record = _record("reduce_scatter_tensor", out, world, prof, log_name) if _COMMS.enabled else None
     chosen = _resolve(algorithm, "reduce_scatter", group, inp, input_is_scratch, world)
     if chosen == "native":
         work = _reduce_scatter_native(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -322,6 +331,8 @@ def all_gather_flat(
     async_op: bool = False,
     *,
     algorithm: AlgorithmChoice = "auto",
+    prof: bool = False,
+    log_name: str | None = None,
 ) -> CommHandle | None:
     """Concatenate every rank's ``input_shard`` into ``output``, in group-rank order.
 
@@ -331,6 +342,7 @@ def all_gather_flat(
         group: process group (None: the world).
         async_op: return a :class:`CommHandle`; read ``output`` only after ``wait()``.
         algorithm: ``"auto"`` (measured choice), or force ``"native"``/``"all_reduce"``/``"exchange"``.
+        prof, log_name: the comms logger's record (default name ``"all_gather_into_tensor"``), as for :func:`all_reduce`.
 
     Raises:
         ValueError: sizes not matching, mixed dtypes/devices, or non-contiguous tensors.
@@ -339,11 +351,11 @@ def all_gather_flat(
     _check_flat_pair("all_gather_flat", output, input_shard, world)
     staged = _nccl_staging(output, group)
     if staged is not None:  # CPU tensors on an NCCL group: gather on the GPU, copy the result back
-        all_gather_flat(staged, input_shard.to(staged.device), group, algorithm=algorithm)
+        all_gather_flat(staged, input_shard.to(staged.device), group, algorithm=algorithm, prof=prof, log_name=log_name)
         output.copy_(staged)
         return _run(None, async_op, None)
     out, shard = output.view(-1), input_shard.view(-1)
-    record = _record("all_gather_into_tensor", shard, world) if _COMMS.enabled else None
+    record = _record("all_gather_into_tensor", shard, world, prof, log_name) if _COMMS.enabled else None
     chosen = _resolve(algorithm, "all_gather", group, out, False, world)
     if chosen == "native":
         work = _all_gather_native(out, shard, group=group, async_op=async_op)
@@ -368,10 +380,14 @@ def broadcast(
     src: int = 0,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    prof: bool = False,
+    log_name: str | None = None,
+    debug: object = None,
 ) -> CommHandle | None:
-    """Copy ``tensor`` from the rank with global rank ``src`` to every rank of ``group``."""
+    """Copy ``tensor`` from the rank with global rank ``src`` to every rank of ``group`` (``prof``,
+    ``log_name``, ``debug``: as for :func:`all_reduce`)."""
     world, _ = _group_size_and_rank(group)
-    record = _record("broadcast", tensor, world) if _COMMS.enabled else None
+    record = _record("broadcast", tensor, world, prof, log_name) if _COMMS.enabled else None
     staged = _nccl_staging(tensor, group)
     work = dist.broadcast(tensor if staged is None else staged, src=src, group=group, async_op=async_op)
     return _run(work, async_op, _copy_back(None, staged, tensor), record)
@@ -434,12 +450,18 @@ def reduce_scatter_tensor(
     op: str | dist.ReduceOp | dist.ReduceOp.RedOpType = "sum",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    prof: bool = False,
+    log_name: str | None = None,
+    debug: object = None,
 ) -> CommHandle | None:
-    """``deepspeed.comm.reduce_scatter_tensor``: :func:`reduce_scatter_flat`, input kept intact."""
+    """``deepspeed.comm.reduce_scatter_tensor``: :func:`reduce_scatter_flat`, input kept intact (``prof``,
+    ``log_name``, ``debug``: as for :func:`all_reduce`)."""
     name = _op_name(op)
     if name not in ("sum", "avg"):
         raise ValueError(f"reduce_scatter_tensor supports SUM or AVG, got {op!r}")
-    return reduce_scatter_flat(output_tensor, input_tensor, group, async_op, op=name)  # type: ignore[arg-type]
+    return reduce_scatter_flat(
+        output_tensor, input_tensor, group, async_op, op=name, prof=prof, log_name=log_name  # type: ignore[arg-type]
+    )
 
 
 def all_gather_into_tensor(
@@ -447,6 +469,10 @@ def all_gather_into_tensor(
     input_tensor: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    prof: bool = False,
+    log_name: str | None = None,
+    debug: object = None,
 ) -> CommHandle | None:
-    """``deepspeed.comm.all_gather_into_tensor``: :func:`all_gather_flat`."""
-    return all_gather_flat(output_tensor, input_tensor, group, async_op)
+    """``deepspeed.comm.all_gather_into_tensor``: :func:`all_gather_flat` (``prof``, ``log_name``, ``debug``:
+    as for :func:`all_reduce`)."""
+    return all_gather_flat(output_tensor, input_tensor, group, async_op, prof=prof, log_name=log_name)

@@ -60,9 +60,10 @@ class CommHandle:
         """Whether ``wait()`` has already finished the result."""
         return self._done
 
-def _record(op: str, tensor: torch.Tensor, world: int) -> PendingComm | None:
-    """Start timing a collective for the comms logger (called only while it is enabled)."""
-    return _COMMS.start(op, tensor.numel() * tensor.element_size(), world, tensor.is_cuda)
+def _record(op: str, tensor: torch.Tensor, world: int, prof: bool = False, log_name: str | None = None) -> PendingComm | None:
+    """Start timing a collective for the comms logger (called only while it is enabled): under ``log_name``
+    (default ``op``), also when not selected if ``prof`` (deepspeed.comm's ``prof``/``log_name`` arguments)."""
+    return _COMMS.start(log_name or op, tensor.numel() * tensor.element_size(), world, tensor.is_cuda, force=prof)
 
 
 def _nccl_staging(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor | None:

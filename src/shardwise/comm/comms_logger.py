@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardwise.comm.comms_logger_api import CommRecord, DeepSpeedCommsLoggerMethods
 from shardwise.utils.logging import logger
 from shardwise.utils.report import report_logger
 
@@ -131,7 +132,8 @@ def bandwidth_gbps(op: str, nbytes: int, latency_ms: float, world_size: int) -> 
 
 
 def trimmed_mean(values: Sequence[float], trim: float = 0.1) -> float:
-    """Mean after dropping the lowest and highest ``trim`` fraction (robust to warm-up outliers).
+    """Mean after dropping the lowest and highest ``round(n * trim)`` values (robust to warm-up outliers;
+    DeepSpeed's ``trim_mean``, rounding included, so the summary's averages are DeepSpeed's).
 
     Example:
         >>> trimmed_mean([1.0] * 9 + [100.0])
@@ -140,21 +142,9 @@ def trimmed_mean(values: Sequence[float], trim: float = 0.1) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
-    cut = int(len(ordered) * trim)
+    cut = round(len(ordered) * trim)
     kept = ordered[cut : len(ordered) - cut] or ordered
     return sum(kept) / len(kept)
-
-
-@dataclass
-class CommRecord:
-    """One collective as recorded."""
-
-    op: str
-    nbytes: int
-    latency_ms: float
-    algbw_gbps: float
-    busbw_gbps: float
-    world_size: int
 
 
 @dataclass
@@ -195,7 +185,7 @@ class PendingComm:
 
 
 @dataclass
-class CommsLogger:
+class CommsLogger(DeepSpeedCommsLoggerMethods):
     """The process-wide record of collectives; use the module's :data:`COMMS_LOGGER`."""
 
     enabled: bool = False
@@ -225,9 +215,10 @@ class CommsLogger:
         self.debug = bool(section.debug)
         self.prof_ops = list(section.prof_ops)
 
-    def start(self, op: str, nbytes: int, world_size: int, on_cuda: bool) -> PendingComm | None:
-        """Begin timing ``op`` if it is profiled (``prof_all`` or listed in ``prof_ops``)."""
-        if not (self.prof_all or op in self.prof_ops):
+    def start(self, op: str, nbytes: int, world_size: int, on_cuda: bool, force: bool = False) -> PendingComm | None:
+        """Begin timing ``op`` if it is profiled (``prof_all``, listed in ``prof_ops``, or ``force``:
+        a ``deepspeed.comm`` call's ``prof=True``)."""
+        if not (force or self.prof_all or op in self.prof_ops):
             return None
         if self.debug:
             op = f"{op} | [Caller Func: {_caller()}]"

@@ -353,10 +353,26 @@ def new_group(ranks: list[int] | None = None, **kwargs: Any) -> dist.ProcessGrou
     return dist.new_group(ranks, **kwargs)
 
 
-def barrier(group: dist.ProcessGroup | None = None) -> None:
-    """Wait until every rank of ``group`` arrives; a no-op when no group exists."""
-    if is_initialized():
-        dist.barrier(group)
+def barrier(
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    device_ids: list[int] | None = None,
+    prof: bool = False,
+    log_name: str = "barrier",
+    debug: object = None,
+) -> dist.Work | None:
+    """Wait until every rank of ``group`` arrives; a no-op when no group exists. DeepSpeed's signature:
+    ``async_op`` returns the work, ``device_ids`` names the GPU (NCCL); ``prof``/``log_name`` record the
+    barrier in the comms logger (``debug``: DeepSpeed's caller tag, replaced by the logger's own setting)."""
+    if not is_initialized():
+        return None
+    from shardwise.comm.comms_logger import COMMS_LOGGER
+
+    record = COMMS_LOGGER.start(log_name, 0, dist.get_world_size(group), False, force=prof) if COMMS_LOGGER.enabled else None
+    work = dist.barrier(group, async_op=async_op, device_ids=device_ids)
+    if record is not None:
+        record.complete()
+    return work
 
 
 DRAIN_TIMEOUT = timedelta(seconds=10)

@@ -1,4 +1,5 @@
-"""``deepspeed.utils`` / ``deepspeed.checkpoint.utils`` / ``deepspeed.runtime.utils`` helpers clients call."""
+"""``deepspeed.utils`` / ``deepspeed.checkpoint.utils`` / ``deepspeed.runtime.utils`` helpers clients call
+(``deepspeed.utils.module_utils``' ``recursive_getattr``/``recursive_setattr`` too)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 
 from shardwise.utils.logging import logger
+from shardwise.utils.module_paths import recursive_getattr, recursive_setattr  # deepspeed.utils' names too
 
 __all__ = [
     "clone_tensors_for_torch_save",
@@ -16,6 +18,8 @@ __all__ = [
     "get_zero_ckpt_name_for_rank",
     "logger",
     "move_to_device",
+    "recursive_getattr",
+    "recursive_setattr",
 ]
 
 

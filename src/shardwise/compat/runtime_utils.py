@@ -1,6 +1,9 @@
 """``deepspeed.runtime.utils``: the helpers scripts call: layer partitioning (``partition_uniform``,
 ``partition_balanced``), ``see_memory_usage``, ``clip_grad_norm_``, ``get_weight_norm``, ``call_to_str``,
-``noop_context``, ``count_used_parameters_in_backward`` (:mod:`shardwise.utils.backward_graph`). Functions
+``noop_context``, ``count_used_parameters_in_backward`` (:mod:`shardwise.utils.backward_graph`), the accelerator
+memory readers (``memory_status``, ``get_ma_status``, ``empty_cache``, ``torch_memory_reserved``). Its numerics
+(``get_global_norm_of_tensors``, ``clip_tensors_by_global_norm``...) are :mod:`shardwise.precision.tensor_norms`,
+its script helpers (``set_random_seed``...) :mod:`shardwise.runtime.script_helpers`. Functions
 of DeepSpeed's own optimizers (``CheckOverflow``, bucket helpers) are not here: shardwise's ZeRO strategies check overflow themselves (:mod:`shardwise.zero.step_math`).
 """
 
@@ -9,28 +12,41 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 from collections.abc import Iterable, Sequence
 
 import torch
 
-from shardwise.comm import get_rank, is_initialized
+from shardwise.comm import all_reduce, get_rank, get_world_size, is_initialized, torch_api
+from shardwise.comm.group_type import Group
 from shardwise.compat.accelerator import get_accelerator
 from shardwise.compat.ds_utils import clone_tensors_for_torch_save, move_to_device
-from shardwise.utils.backward_graph import count_used_parameters_in_backward
+from shardwise.utils.backward_graph import (
+    check_internal_apis_for_count_used_parameters,
+    count_used_parameters_in_backward,
+)
 from shardwise.utils.logging import logger
 
 __all__ = [
     "call_to_str",
+    "check_internal_apis_for_count_used_parameters",
     "clip_grad_norm_",
     "clone_tensors_for_torch_save",
     "count_used_parameters_in_backward",
+    "empty_cache",
+    "get_checkpoint_folder_size",
+    "get_ma_status",
+    "get_norm_with_moe_layers_fast",
     "get_weight_norm",
     "is_model_parallel_parameter",
+    "memory_status",
     "move_to_device",
     "noop_context",
     "partition_balanced",
     "partition_uniform",
     "see_memory_usage",
+    "torch_max_memory_reserved",
+    "torch_memory_reserved",
 ]
 
 noop_context = contextlib.nullcontext
@@ -165,3 +181,73 @@ def is_model_parallel_parameter(p: torch.Tensor) -> bool:
     """Whether ``p`` is a tensor-parallel slice (Megatron's ``model_parallel`` or DeepSpeed's
     ``tensor_model_parallel`` marker, which shardwise's tensor-parallel layers set)."""
     return bool(getattr(p, "model_parallel", False) or getattr(p, "tensor_model_parallel", False))
+
+
+def torch_memory_reserved(device_index: int | None = None) -> int:
+    """Bytes the accelerator's caching allocator holds (on CPU: allocated bytes, as DeepSpeed's CPU accelerator)."""
+    return int(get_accelerator().memory_reserved(device_index))
+
+
+def torch_max_memory_reserved(device_index: int | None = None) -> int:
+    """The peak of :func:`torch_memory_reserved` since the last reset."""
+    return int(get_accelerator().max_memory_reserved(device_index))
+
+
+def get_ma_status() -> int:
+    """Bytes allocated on the accelerator, on rank 0 (0 on the other ranks)."""
+    if is_initialized() and get_rank() != 0:
+        return 0
+    return int(get_accelerator().memory_allocated())
+
+
+def empty_cache() -> None:
+    """Release the accelerator's cached memory and reset its peak statistics."""
+    acc = get_accelerator()
+    acc.empty_cache()
+    acc.reset_peak_memory_stats()
+
+
+_LAST_MEMORY = {"allocated": 0, "cached": 0}
+
+
+def memory_status(msg: str, print_rank: int = -1, reset_max: bool = False) -> None:
+    """Log (every rank, or only ``print_rank``) the accelerator's allocated and cached memory, with the change
+    since the previous call and the peaks; ``reset_max`` resets the peaks first."""
+    rank = get_rank() if is_initialized() else 0
+    if print_rank != -1 and rank != print_rank:
+        return
+    acc = get_accelerator()
+    acc.synchronize()
+    if reset_max:
+        acc.reset_peak_memory_stats()
+    allocated, cached = acc.memory_allocated(), acc.memory_reserved()
+    delta_allocated, delta_cached = allocated - _LAST_MEMORY["allocated"], cached - _LAST_MEMORY["cached"]
+    _LAST_MEMORY.update(allocated=allocated, cached=cached)
+    gib = 1024**3
+    logger.info(
+        "RANK=%d MEMSTATS %s device=%s current alloc=%.4fGB (delta=%.4fGB max=%.4fGB) "
+        "current cache=%.4fGB (delta=%.4fGB max=%.4fGB)",
+        rank, msg, acc.current_device_name(), allocated / gib, delta_allocated / gib,
+        acc.max_memory_allocated() / gib, cached / gib, delta_cached / gib, acc.max_memory_reserved() / gib,
+        extra={"all_ranks": True},
+    )
+
+
+def get_norm_with_moe_layers_fast(all_groups_norm: float, group: Group) -> float:
+    """The mean of ``all_groups_norm`` over the ranks of ``group`` (expert gradients are not reduced across
+    ranks, so each rank's norm differs; this gives every rank the same one). Collective over ``group``."""
+    norm = torch.tensor(float(all_groups_norm) / get_world_size(group), dtype=torch.float)
+    all_reduce(norm, group=group)
+    return float(norm.item())
+
+
+def get_checkpoint_folder_size(save_dir: str, tag: str, local_rank: int | None = None) -> int:
+    """Bytes of the files under ``save_dir/tag``, counted by the rank whose ``local_rank`` is 0 and summed
+    onto global rank 0 (the other ranks' result is 0 unless they are a node's first rank). Collective."""
+    size = 0
+    if local_rank == 0:
+        for path, _, files in os.walk(os.path.join(save_dir, tag)):
+            size += sum(os.path.getsize(os.path.join(path, f)) for f in files)
+    total = torch.tensor(size, dtype=torch.int64, device=get_accelerator().current_device_name())
+    torch_api.reduce(total, 0)
+    return int(total)

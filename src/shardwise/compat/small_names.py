@@ -1,6 +1,7 @@
 """Small DeepSpeed names with no other home: ``deepspeed.utils.torch.required_torch_version``,
 ``deepspeed.utils.numa.parse_range_list``, ``deepspeed.OnDevice``,
-``deepspeed.runtime.zero.utils.ZeRORuntimeException``, ``deepspeed.sequence.layer._torchembed_available``."""
+``deepspeed.runtime.zero.utils.ZeRORuntimeException``, ``deepspeed.sequence.layer._torchembed_available``,
+``deepspeed.utils.DeprecatedException``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from shardwise.config.errors import ZeRORuntimeException
 from shardwise.launcher.worker import parse_core_list
 
-__all__ = ["FUSED_ROTARY_AVAILABLE", "OnDevice", "ZeRORuntimeException", "parse_range_list", "required_torch_version"]
+__all__ = ["FUSED_ROTARY_AVAILABLE", "DeprecatedException", "OnDevice", "ZeRORuntimeException", "parse_range_list", "required_torch_version"]
 
 FUSED_ROTARY_AVAILABLE = False
 """Whether ``apply_rotary_pos_emb`` runs a fused kernel (DeepSpeed's ``_torchembed_available``, true when
@@ -78,3 +79,8 @@ class OnDevice:
             torch.set_default_dtype(self._saved_dtype)
             self._saved_dtype = None
         self._device_context.__exit__(*exc)
+
+
+class DeprecatedException(Exception):
+    """DeepSpeed's exception for an API it retired (``deepspeed.utils.exceptions``), importable so scripts
+    that catch it load."""

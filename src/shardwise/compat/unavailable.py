@@ -71,3 +71,39 @@ partitioned_param_data_shape = unavailable_function(
 _FPDTGPUOffloadingAttentionImpl_ = unavailable_class("deepspeed.sequence.fpdt_layer._FPDTGPUOffloadingAttentionImpl_", _FPDT)
 FPDT_InputConstruct = unavailable_class("deepspeed.sequence.fpdt_layer.FPDT_InputConstruct", _FPDT)
 
+
+# deepspeed.comm's backend objects and set-up hooks: shardwise has one communication layer, torch.distributed
+# through shardwise.comm, set up by init_distributed; there is no backend object to pick or build.
+_INIT = ("shardwise has one communication backend, torch.distributed (nccl/gloo) behind deepspeed.comm; "
+         "call deepspeed.comm.init_distributed(dist_backend=...)")
+TorchBackend = unavailable_class("deepspeed.comm.torch.TorchBackend", _INIT)
+CCLBackend = unavailable_class(
+    "deepspeed.comm.ccl.CCLBackend", "oneCCL is DeepSpeed's compiled backend for Intel devices; " + _INIT)
+init_deepspeed_backend = unavailable_function(
+    "deepspeed.comm.init_deepspeed_backend", "it builds DeepSpeed's ccl/mpi/hccl backend objects; " + _INIT)
+set_backend = unavailable_function("deepspeed.comm.set_backend", "there is no backend object to select; " + _INIT)
+mpi_discovery = unavailable_function(
+    "deepspeed.comm.mpi_discovery",
+    "init_distributed(auto_mpi_discovery=True) reads Open MPI, MPICH/Intel MPI and Slurm variables itself")
+patch_aml_env_for_torch_nccl_backend = unavailable_function(
+    "deepspeed.comm.patch_aml_env_for_torch_nccl_backend",
+    "shardwise does not translate Azure ML's variables; set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK")
+patch_aws_sm_env_for_torch_nccl_backend = unavailable_function(
+    "deepspeed.comm.patch_aws_sm_env_for_torch_nccl_backend",
+    "shardwise does not translate SageMaker's variables; set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK")
+initialize_mesh_device = unavailable_function(
+    "deepspeed.comm.initialize_mesh_device",
+    "the process layout has one owner, shardwise.comm.mesh: declare degrees with ensure_layout(pp=, tp=, sp=, ep=) "
+    "and read the DeviceMesh with current_layout().device_mesh(device_type)")
+enable_symm_mem_for_group = unavailable_function(
+    "deepspeed.comm.enable_symm_mem_for_group",
+    "shardwise uses no CUDA symmetric memory; call torch.distributed._symmetric_memory.enable_symm_mem_for_group")
+_LAYOUT = ("the tensor-parallel layout comes from shardwise.comm.mesh (tp_model_init or tensor_parallel.autotp_size) "
+           "and its rank and size are read from there; they cannot be overridden")
+set_tensor_model_parallel_rank = unavailable_function("deepspeed.utils.groups.set_tensor_model_parallel_rank", _LAYOUT)
+set_tensor_model_parallel_world_size = unavailable_function(
+    "deepspeed.utils.groups.set_tensor_model_parallel_world_size", _LAYOUT)
+CheckOverflow = unavailable_class(
+    "deepspeed.runtime.utils.CheckOverflow",
+    "shardwise's ZeRO strategies check gradients for overflow themselves; for a list of tensors use "
+    "deepspeed.runtime.utils.has_inf_or_nan")

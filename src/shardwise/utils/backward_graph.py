@@ -7,11 +7,25 @@ scripts call ``deepspeed.runtime.utils.count_used_parameters_in_backward`` from 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["count_used_parameters_in_backward"]
+__all__ = ["check_internal_apis_for_count_used_parameters", "count_used_parameters_in_backward"]
+
+_INTROSPECTION = (("torch.autograd.graph", "_get_grad_fn_or_grad_acc"), ("torch._C", "_will_engine_execute_node"),
+                  ("torch._C", "_current_graph_task_id"))
+
+
+def _introspection() -> list[Callable[..., Any] | None]:
+    owners = {"torch.autograd.graph": torch.autograd.graph, "torch._C": torch._C}
+    return [getattr(owners[owner], name, None) for owner, name in _INTROSPECTION]
+
+
+def check_internal_apis_for_count_used_parameters() -> bool:
+    """Whether this torch has the autograd-graph introspection :func:`count_used_parameters_in_backward` needs."""
+    return all(api is not None for api in _introspection())
 
 
 def count_used_parameters_in_backward(parameters: Iterable[torch.Tensor]) -> int:
@@ -33,10 +47,7 @@ def count_used_parameters_in_backward(parameters: Iterable[torch.Tensor]) -> int
         >>> seen
         [1]
     """
-    graph = torch.autograd.graph
-    lookup = getattr(graph, "_get_grad_fn_or_grad_acc", None)
-    will_run = getattr(torch._C, "_will_engine_execute_node", None)
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    lookup, will_run, task_id = _introspection()
     if lookup is None or will_run is None or task_id is None:
         raise RuntimeError(f"count_used_parameters_in_backward needs torch's autograd-graph introspection, which "
                            f"torch {torch.__version__} lacks; fix: upgrade torch")

@@ -8,9 +8,11 @@ each line once. The level comes from the config's ``log_level`` or
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
+from collections.abc import Sequence
 
 _LOGGER_NAME = "shardwise"
 
@@ -79,3 +81,45 @@ def set_log_level_from_string(log_level_str: str, custom_logger: logging.Logger 
 
 
 logger = get_logger()
+
+_RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
+def dist_message(message: str, ranks: Sequence[int] | None = None) -> str | None:
+    """DeepSpeed's rank rule for ``log_dist``: ``"[Rank r] message"`` when this rank should log it, else None.
+
+    Outside a launched job (no launcher rank variable) every call logs, as rank -1. In a launched job a
+    message logs on the ranks listed in ``ranks`` (``[-1]``: every rank) and nowhere when ``ranks`` is empty.
+    The rank is the launcher's (the library logger's rank, read without torch).
+
+    Example:
+        >>> import os; os.environ["RANK"] = "1"
+        >>> dist_message("hi", ranks=[0]), dist_message("hi", ranks=[1]), dist_message("hi", ranks=[-1])
+        (None, '[Rank 1] hi', '[Rank 1] hi')
+        >>> del os.environ["RANK"]; dist_message("hi")
+        '[Rank -1] hi'
+    """
+    if not any(os.environ.get(name) is not None for name in _RANK_VARIABLES):
+        return f"[Rank -1] {message}"
+    rank = _current_rank()
+    ranks = list(ranks or [])
+    if ranks and (ranks[0] == -1 or rank in ranks):
+        return f"[Rank {rank}] {message}"
+    return None
+
+
+def log_dist(message: str, ranks: Sequence[int] | None = None, level: int = logging.INFO) -> None:
+    """Log ``message`` on the ranks :func:`dist_message` picks, prefixed with the rank (DeepSpeed's ``log_dist``)."""
+    text = dist_message(message, ranks)
+    if text is not None:
+        get_logger().log(level, text, extra={"all_ranks": True})
+
+
+@functools.lru_cache(None)
+def _log_dist_once(message: str, ranks: tuple[int, ...] | None, level: int) -> None:
+    log_dist(message, None if ranks is None else list(ranks), level)
+
+
+def log_dist_once(message: str, ranks: Sequence[int] | None = None, level: int = logging.INFO) -> None:
+    """:func:`log_dist`, each distinct (message, ranks, level) once per process."""
+    _log_dist_once(message, None if ranks is None else tuple(ranks), level)

@@ -86,3 +86,11 @@ def test_count_used_parameters_in_backward_counts_what_this_backward_reaches() -
     assert counts == [1]
     with pytest.raises(RuntimeError, match="no backward pass is running"):
         count_used_parameters_in_backward(params)
+
+
+def test_internal_api_check_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ru.check_internal_apis_for_count_used_parameters() is True  # torch 2.11+ has the introspection
+    monkeypatch.delattr(torch._C, "_current_graph_task_id")
+    assert ru.check_internal_apis_for_count_used_parameters() is False
+    with pytest.raises(RuntimeError, match="upgrade torch"):
+        ru.count_used_parameters_in_backward([])
