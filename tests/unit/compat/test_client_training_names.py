@@ -10,7 +10,6 @@ Expected values were read from DeepSpeed 0.19.8 (its ``deepspeed.utils.timer``, 
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from deepspeed_install import installed_deepspeed
 from torch import nn
 
 from shardwise.checkpointing import rng
@@ -25,8 +25,6 @@ from shardwise.cli import report_cmd
 from shardwise.compat import (
     checkpoint_constants,
     curriculum_scheduler,
-    forwarding,
-    installer,
     process_env,
     timer_names,
 )
@@ -219,16 +217,8 @@ def test_data_analyzer_with_deepspeeds_arguments_writes_deepspeeds_rows(tmp_path
 
 @pytest.fixture
 def deepspeed_package(tmp_path: Path) -> Iterator[Any]:
-    installer.install(tmp_path)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        yield importlib.import_module("deepspeed")
-    finally:
-        sys.path.remove(str(tmp_path))
-        for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
-            del sys.modules[name]
-        if forwarding._FINDER in sys.meta_path:
-            sys.meta_path.remove(forwarding._FINDER)
+    with installed_deepspeed(tmp_path) as package:  # a fresh install per test
+        yield package
 
 
 def test_names_resolve_through_the_deepspeed_package(deepspeed_package: Any) -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
+from deepspeed_install import installed_deepspeed
 
 from shardwise.compat import bwc, ds_utils, tensor_fragment, unavailable
 from shardwise.compat.small_names import DeprecatedException, OnDevice
@@ -100,19 +99,8 @@ def test_refusals_name_the_deepspeed_name_and_the_way() -> None:
 
 @pytest.fixture(scope="module")
 def deepspeed_package(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from shardwise.compat import forwarding, installer
-
-    target: Path = tmp_path_factory.mktemp("ds")
-    installer.install(target)
-    sys.path.insert(0, str(target))
-    try:
-        yield importlib.import_module("deepspeed")
-    finally:
-        sys.path.remove(str(target))
-        for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
-            del sys.modules[name]
-        if forwarding._FINDER in sys.meta_path:
-            sys.meta_path.remove(forwarding._FINDER)
+    with installed_deepspeed(tmp_path_factory.mktemp("ds")) as package:  # once for the module's tests
+        yield package
 
 
 def test_names_resolve_to_shardwise_objects(deepspeed_package: object) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from deepspeed_install import installed_deepspeed
 
-from shardwise.compat import forwarding, installer
+from shardwise.compat import forwarding
 
 # (module path, name) pairs read from transformers 5.x, accelerate 1.x and the list
 CLIENT_NAMES = [
@@ -140,17 +141,9 @@ DEEPSPEED_TEST_NAMES = [
 
 
 @pytest.fixture
-def deepspeed_package(tmp_path: Path) -> Iterator[object]:
-    installer.install(tmp_path)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        yield importlib.import_module("deepspeed")
-    finally:
-        sys.path.remove(str(tmp_path))
-        for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
-            del sys.modules[name]
-        if forwarding._FINDER in sys.meta_path:
-            sys.meta_path.remove(forwarding._FINDER)
+def deepspeed_package(tmp_path: Path) -> Iterator[Any]:
+    with installed_deepspeed(tmp_path) as package:  # a fresh install per test
+        yield package
 
 
 @pytest.mark.parametrize(("path", "name"), CLIENT_NAMES + DEEPSPEED_TEST_NAMES)
