@@ -11,7 +11,8 @@ torch's fused kernel where it exists. ``bias_correction=False`` builds
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import inspect
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -123,6 +124,12 @@ class FusedAdam(torch.optim.Adam):
         )
 
 
+def _unhooked_step(cls: type[torch.optim.Optimizer]) -> Callable[..., Any]:
+    """``cls.step`` without torch's step-hook wrapper: a subclass's own ``step`` is wrapped already,
+    so calling the parent's wrapped one would run the step pre/post hooks twice."""
+    return inspect.unwrap(cls.step, stop=lambda f: not getattr(f, "hooked", False))
+
+
 class DeepSpeedCPUAdam(FusedAdam):
     """DeepSpeed's ``DeepSpeedCPUAdam`` (``adamw_mode`` spelling); the update of :class:`FusedAdam`
     (``bias_correction=False`` builds an :class:`~shardwise.optim.adam.AdamNoBiasCorrection`).
@@ -187,11 +194,12 @@ class DeepSpeedCPUAdam(FusedAdam):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One Adam step; 16-bit parameters with fp32 moments when ``fp32_optimizer_states``."""
+        adam_step = _unhooked_step(FusedAdam)
         if not self.fp32_optimizer_states:
-            return super().step(closure)
+            return adam_step(self, closure)
         low = [[p for p in group["params"] if p.grad is not None and is_low_precision(p)] for group in self.param_groups]
         if not any(low):
-            return super().step(closure)
+            return adam_step(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -200,7 +208,7 @@ class DeepSpeedCPUAdam(FusedAdam):
         for param, _ in held:
             param.grad = None  # torch's step skips them; they step below with fp32 moments
         try:
-            super().step()
+            adam_step(self)
         finally:
             for param, grad in held:
                 param.grad = grad

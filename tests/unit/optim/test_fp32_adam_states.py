@@ -98,3 +98,18 @@ def test_fp32_states_resume_from_state_dict() -> None:
         second.step()
     assert second.state[resumed]["exp_avg"].dtype == torch.float32
     assert torch.equal(resumed, straight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_hooks_run_once_per_step(dtype: torch.dtype) -> None:
+    """The parent classes' steps are hooked too once any of them was built; DeepSpeedCPUAdam's step
+    runs torch's step pre/post hooks once (ZeRO's sub-group stepping counts the calls)."""
+    torch.optim.Adam([torch.nn.Parameter(torch.ones(1))])  # hooks torch's Adam.step
+    param = torch.nn.Parameter(torch.ones(3, dtype=dtype))
+    optimizer = DeepSpeedCPUAdam([param])
+    seen: list[str] = []
+    optimizer.register_step_pre_hook(lambda *_: seen.append("pre"))
+    optimizer.register_step_post_hook(lambda *_: seen.append("post"))
+    param.grad = torch.ones(3, dtype=dtype)
+    optimizer.step()
+    assert seen == ["pre", "post"]
