@@ -11,7 +11,7 @@ listed difference that no longer occurs fails too, so the list stays true.
 from __future__ import annotations
 
 import copy
-import enum
+import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel
 
 import shardwise
 from shardwise.comm import groups, mesh
@@ -54,23 +53,17 @@ FIELD_DIFFERENCES: dict[str, dict[str, str]] = {
 }
 
 
-def jsonable(value: Any, cwd: str) -> Any:
-    """The recorder's rules: pydantic as model_dump, enums as values, tuples as lists, dtypes and paths as
-    str, the working directory as ``$CWD``."""
-    if isinstance(value, BaseModel):
-        return jsonable(value.model_dump(), cwd)
-    if isinstance(value, enum.Enum):
-        return jsonable(value.value, cwd)
-    if isinstance(value, torch.dtype | Path):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): jsonable(v, cwd) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v, cwd) for v in value]
-    if isinstance(value, str):
-        return value.replace(cwd, "$CWD")
-    assert value is None or isinstance(value, bool | int | float), f"unexpected {type(value).__name__}"
-    return value
+def _recorder() -> Any:
+    """The recorder's module (plain Python at import: it runs in DeepSpeed's interpreter), for its JSON rules."""
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "record_deepspeed_accessors.py"
+    spec = importlib.util.spec_from_file_location("record_deepspeed_accessors", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+jsonable = _recorder().jsonable  # pydantic as model_dump, enums as values, tuples as lists, dtypes/paths as str
 
 
 def same(expected: Any, actual: Any) -> bool:
