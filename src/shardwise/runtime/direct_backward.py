@@ -62,14 +62,15 @@ def _output_tensors(outputs: Any, depth: int = 0) -> Iterator[torch.Tensor]:
                 yield from _output_tensors(value, depth + 1)
 
 
-def _parameter_gradient_node(output: torch.Tensor) -> Any:
-    """The gradient-accumulation node of a parameter the output depends on (the nearest one), or None.
+def _parameter_gradient_node(output_node: Any) -> Any:
+    """The gradient-accumulation node of a parameter the output (whose ``grad_fn`` is ``output_node``)
+    depends on, the nearest one, or None.
 
     A backward accumulates into parameters exactly when autograd will run such a node; one that does
     not (``torch.autograd.grad(out, x)``, e.g. a gradient penalty, or ``backward(inputs=[x])``) is not
     a training micro step, and the hooks leave it alone.
     """
-    queue: deque[Any] = deque([output.grad_fn])
+    queue: deque[Any] = deque([output_node])
     seen: set[Any] = set()
     while queue and len(seen) < _MAX_GRAPH_NODES:
         node = queue.popleft()
@@ -133,16 +134,16 @@ class DirectBackward:
         mappings such as transformers' ``ModelOutput``)."""
         if not self.enabled or not torch.is_grad_enabled() or functorch_transforming():
             return
-        hook = None
         for tensor in _output_tensors(outputs):
-            if hook is None:  # one parameter of the forward tells whether a backward trains it
-                hook = functools.partial(self._on_output_grad, _parameter_gradient_node(tensor))
-            tensor.register_hook(hook)
+            tensor.register_hook(functools.partial(self._on_output_grad, tensor.grad_fn))
 
-    def _on_output_grad(self, parameter_node: Any, grad: torch.Tensor) -> torch.Tensor | None:
-        if self._engine_driven or functorch_transforming() or not _accumulates_into(parameter_node):
+    def _on_output_grad(self, output_node: Any, grad: torch.Tensor) -> torch.Tensor | None:
+        if self._engine_driven or functorch_transforming():
             return None
         if not self._open:
+            # only a caller-run backward gets here, so engine.backward's pays no graph walk
+            if not _accumulates_into(_parameter_gradient_node(output_node)):
+                return None
             self._open_micro_step()
         steps = self._accumulation_steps()
         return None if steps == 1 else grad / steps
