@@ -14,7 +14,7 @@ import torch
 
 from shardwise.optim.exchanging import GradientExchangingOptimizer
 from shardwise.zero.flat_group import FlatGroup
-from shardwise.zero.offload import checkpoint_view
+from shardwise.zero.offloaded_optimizer import checkpoint_view
 from shardwise.zero.reducer_set import ReducerSet
 from shardwise.zero.reduction_domain import ReductionDomain, split_over
 from shardwise.zero.sharded_optimizer_policy import ZeroPolicy

@@ -42,8 +42,8 @@ from shardwise.zero.flat_layouts import FlatLayouts
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
 from shardwise.zero.grad_fold import divide_, scaled_step
 from shardwise.zero.muon_shards import attach_flat_matrices
-from shardwise.zero.offload import OffloadedOptimizer
 from shardwise.zero.offload_states import OffloadStateType, StateOffloading
+from shardwise.zero.offloaded_optimizer import OffloadedOptimizer
 from shardwise.zero.optimizer_subset import restricted, steps_per_tensor
 from shardwise.zero.param_owner import register_owner
 from shardwise.zero.param_publish import launch_publish

@@ -16,7 +16,7 @@ from torch import nn
 
 from shardwise.comm.group_type import Group
 from shardwise.zero.expert_units import is_expert
-from shardwise.zero.offload import checkpoint_view
+from shardwise.zero.offloaded_optimizer import checkpoint_view
 from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_model import ShardedModel
 from shardwise.zero.stage3_policy import Stage3Policy

@@ -18,7 +18,7 @@ from shardwise.comm.fsdp_shared_hooks import open_unit_comms
 from shardwise.comm.group_type import Group
 from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
 from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
-from shardwise.zero.offload import OffloadSpec
+from shardwise.zero.offload_spec import OffloadSpec
 from shardwise.zero.sharded_model import ShardedModel
 
 __all__ = ["Stage3Policy", "UnitHooks", "choose_unit_hooks"]
