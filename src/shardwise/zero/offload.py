@@ -37,7 +37,9 @@ import torch
 
 from shardwise.zero.memory_plan import offloaded_prefix
 from shardwise.zero.nvme import IoHandle, SwapFile, remove_directory, swap_directory
-from shardwise.zero.offload_spec import OffloadSpec, optimizer_offload_spec, param_offload_spec
+from shardwise.zero.offload_spec import OffloadSpec
+from shardwise.zero.offload_spec import optimizer_offload_spec as optimizer_offload_spec  # re-exported
+from shardwise.zero.offload_spec import param_offload_spec as param_offload_spec
 from shardwise.zero.offloaded_optimizer import OffloadedOptimizer, checkpoint_view
 from shardwise.zero.optimizer_subset import restricted, split_sub_groups
 
@@ -47,8 +49,6 @@ __all__ = [
     "OffloadedOptimizer",
     "checkpoint_view",
     "offloaded_prefix",
-    "optimizer_offload_spec",
-    "param_offload_spec",
     "split_sub_groups",
 ]
 
