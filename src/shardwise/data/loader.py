@@ -13,82 +13,25 @@ differences:
   next batch. The consumed positions are skipped in the *sampler* (cheap integer work), never by
   loading and discarding samples through the dataset.
 
-The arithmetic (batch counts, resume offsets, worker seeds) lives in small pure functions so it
-can be tested without a process group.
+The arithmetic (batch counts, resume offsets, worker seeds) lives in small pure functions
+(:mod:`shardwise.data.loader_arithmetic`) so it can be tested without a process group.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
+from shardwise.data.loader_arithmetic import num_batches, resume_skip, worker_base_seed
+from shardwise.data.repeating_loader import RepeatingLoader as RepeatingLoader  # re-exported: its old home
 from shardwise.utils.logging import logger
 
 ROUTES = ("train", "eval", "predict")
 """Routes accepted by :func:`build_data_loader`; only ``"train"`` shuffles (as in DeepSpeed)."""
-
-
-# --------------------------------------------------------------------------- pure arithmetic
-def num_batches(num_samples: int, batch_size: int, drop_last: bool) -> int:
-    """Batches in one pass over ``num_samples`` samples: a ceiling, or a floor with ``drop_last``.
-
-    Example:
-        >>> num_batches(5, 2, drop_last=False), num_batches(5, 2, drop_last=True)
-        (3, 2)
-    """
-    if drop_last:
-        return num_samples // batch_size
-    return math.ceil(num_samples / batch_size)
-
-
-def resume_skip(
-    *,
-    batches_consumed: int,
-    samples_consumed: int | None,
-    saved_batch_size: int,
-    saved_world_size: int,
-    batch_size: int,
-    world_size: int,
-) -> int:
-    """How many of this rank's sampler positions a resumed pass must skip.
-
-    With the same batch size and world size the answer is exact: ``batches * batch_size``.
-    When the topology changed, ``samples_consumed`` (positions consumed in the epoch's shared
-    permutation, all ranks together) is used instead: ``DistributedSampler`` deals the shared
-    permutation out round-robin, so rank ``r`` of ``W`` holds positions ``r, r+W, r+2W, ...`` and
-    the first ``k`` global positions are the first ``k // W`` of every rank's slice. If ``k`` is
-    not a multiple of ``W`` a few samples are seen twice rather than never.
-
-    Example:
-        >>> resume_skip(batches_consumed=2, samples_consumed=8, saved_batch_size=2,
-        ...             saved_world_size=2, batch_size=2, world_size=2)
-        4
-        >>> resume_skip(batches_consumed=2, samples_consumed=8, saved_batch_size=2,
-        ...             saved_world_size=2, batch_size=1, world_size=4)
-        2
-    """
-    if saved_batch_size == batch_size and saved_world_size == world_size:
-        return batches_consumed * batch_size
-    if samples_consumed is None:
-        samples_consumed = batches_consumed * saved_batch_size * saved_world_size
-    return samples_consumed // world_size
-
-
-def worker_base_seed(seed: int, epoch: int, rank: int) -> int:
-    """A deterministic base seed for a pass's DataLoader workers.
-
-    torch draws each pass's worker base seed from the loader's generator, or from the global RNG
-    when it has none; the latter would shift the user's model RNG on every epoch and make a
-    resumed run diverge. A private generator seeded from ``(seed, epoch, rank)`` avoids both.
-    The multipliers are large odd constants, so nearby inputs map to well separated seeds.
-    """
-    mixed = seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB
-    return mixed % (2**63 - 1)
 
 
 # --------------------------------------------------------------------------- sampler wrapper
@@ -357,53 +300,6 @@ class ShardwiseDataLoader:
         self._resume_pending = True
         self._handover_pass = self._pass_id
         self._pass_id += 1  # any iterator still alive belongs to the old position
-
-
-class RepeatingLoader:
-    """Iterates a loader forever, starting its next pass (and so its next epoch) at each end.
-
-    The underlying iterator is created lazily, so ``load_state_dict`` on the wrapper (or on the
-    loader before the first ``next``) takes effect.
-
-    Example:
-        >>> loader = build_data_loader(list(range(4)), batch_size=2, dp_rank=0, dp_world_size=1)
-        >>> it = RepeatingLoader(loader)
-        >>> [next(it).tolist() for _ in range(3)] and loader.epoch
-        1
-    """
-
-    def __init__(self, loader: ShardwiseDataLoader | DataLoader[Any]) -> None:
-        self.loader = loader
-        self._iterator: Iterator[object] | None = None
-
-    def __iter__(self) -> RepeatingLoader:
-        return self
-
-    def __next__(self) -> Any:
-        if self._iterator is not None:
-            try:
-                return next(self._iterator)
-            except StopIteration:
-                pass
-        self._iterator = iter(self.loader)
-        try:
-            return next(self._iterator)
-        except StopIteration:
-            # A fresh pass with no batch would make the loop spin forever.
-            raise ValueError(
-                "RepeatingLoader: the wrapped loader yields no batches (dataset smaller than "
-                "one batch with drop_last=True, or empty); use a smaller batch_size or drop_last=False."
-            ) from None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped loader's state (``{}`` if it is not Stateful)."""
-        get_state = getattr(self.loader, "state_dict", None)
-        return get_state() if callable(get_state) else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the wrapped loader; the next ``next()`` resumes from there."""
-        self.loader.load_state_dict(state_dict)  # type: ignore[union-attr]
-        self._iterator = None
 
 
 # --------------------------------------------------------------------------- the builder

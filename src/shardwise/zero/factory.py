@@ -52,7 +52,7 @@ class PreparedModel:
 
 
 if TYPE_CHECKING:
-    from shardwise.zero.stage3 import Stage3Policy
+    from shardwise.zero.stage3_policy import Stage3Policy
 
 
 def communication_dtype(name: str | None) -> torch.dtype | None:
@@ -280,7 +280,7 @@ def _stage3_policy(
     tp_param_names: frozenset[str] = frozenset(),
 ) -> Stage3Policy:
     """Stage 3's policy from the config sections and the layout."""
-    from shardwise.zero.stage3 import Stage3Policy
+    from shardwise.zero.stage3_policy import Stage3Policy
 
     return Stage3Policy(
         rank=topology.shard_rank,

@@ -23,7 +23,7 @@ from shardwise.comm import collectives
 from shardwise.comm.group_type import Group
 from shardwise.optim.muon import FlatMatrices
 from shardwise.zero.flat_group import FlatGroup
-from shardwise.zero.offload import OffloadedOptimizer
+from shardwise.zero.offloaded_optimizer import OffloadedOptimizer
 
 __all__ = ["attach_flat_matrices", "flat_matrices"]
 

@@ -19,7 +19,7 @@ back, so the device copy stays the one truth (a checkpoint load or a broadcast t
 writes the device masters needs no extra sync). ``ratio`` < 1 offloads only the first
 ``ratio`` of the elements; the rest step on the device in the same optimizer call order.
 
-:class:`OffloadedOptimizer` wraps the inner torch optimizer so ZeRO calls it as before
+:class:`~shardwise.zero.offloaded_optimizer.OffloadedOptimizer` wraps the inner torch optimizer so ZeRO calls it as before
 (``step``, ``param_groups``, ``state``, ``state_dict``). On a CPU-only machine "device"
 and "host" are both the CPU: the copies, sub-groups and files all still run.
 """
@@ -28,17 +28,19 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from shardwise.config.sections.zero import AioConfig, ZeroConfig
 from shardwise.zero.memory_plan import offloaded_prefix
-from shardwise.zero.nvme import AioSettings, IoHandle, SwapFile, remove_directory, swap_directory
+from shardwise.zero.nvme import IoHandle, SwapFile, remove_directory, swap_directory
+from shardwise.zero.offload_spec import OffloadSpec
+from shardwise.zero.offload_spec import optimizer_offload_spec as optimizer_offload_spec  # re-exported
+from shardwise.zero.offload_spec import param_offload_spec as param_offload_spec
+from shardwise.zero.offloaded_optimizer import OffloadedOptimizer, checkpoint_view
 from shardwise.zero.optimizer_subset import restricted, split_sub_groups
 
 __all__ = [
@@ -49,87 +51,6 @@ __all__ = [
     "offloaded_prefix",
     "split_sub_groups",
 ]
-
-
-@dataclass(frozen=True)
-class OffloadSpec:
-    """One offload block, decided once from the config.
-
-    Attributes:
-        device: ``"cpu"`` or ``"nvme"``.
-        nvme_path: directory for swap files (nvme only).
-        pin_memory: pin host buffers (only honoured when a GPU exists).
-        ratio: fraction of the optimizer's elements offloaded (stage 3 may use < 1).
-        buffer_count: sub-groups resident at once while streaming.
-        sub_group_size: elements per sub-group.
-        pipeline_read: read the next sub-groups while one steps.
-        pipeline_write: write a sub-group back while the next steps.
-        aio: file I/O settings.
-        masters_on_host: the masters handed in are host tensors already (stage 3 with
-            ``offload_param``): no staging copies are made.
-        buffer_size: bytes per parameter-file request (``offload_param.buffer_size``).
-    """
-
-    device: str
-    nvme_path: Path | None = None
-    pin_memory: bool = False
-    ratio: float = 1.0
-    buffer_count: int = 4
-    sub_group_size: int = 1_000_000_000
-    pipeline_read: bool = False
-    pipeline_write: bool = False
-    aio: AioSettings = field(default_factory=AioSettings)
-    masters_on_host: bool = False
-    buffer_size: int = 100_000_000
-
-    @property
-    def pin(self) -> bool:
-        """Whether host buffers are really pinned (pinning needs a GPU)."""
-        return self.pin_memory and torch.cuda.is_available()
-
-
-def _aio(cfg_aio: AioConfig) -> AioSettings:
-    return AioSettings(
-        block_size=int(cfg_aio.block_size),
-        queue_depth=int(cfg_aio.queue_depth),
-        intra_op_parallelism=int(cfg_aio.intra_op_parallelism),
-        single_submit=bool(cfg_aio.single_submit),
-        overlap_events=bool(cfg_aio.overlap_events),
-    )
-
-
-def optimizer_offload_spec(zero: ZeroConfig, aio: AioConfig, *, masters_on_host: bool = False) -> OffloadSpec | None:
-    """The ``offload_optimizer`` block as an :class:`OffloadSpec` (None when off)."""
-    block = zero.offload_optimizer
-    if block is None or block.device == "none":
-        return None
-    return OffloadSpec(
-        device=block.device,
-        nvme_path=block.nvme_path,
-        pin_memory=bool(block.pin_memory),
-        ratio=float(block.ratio),
-        buffer_count=max(1, int(block.buffer_count)),
-        sub_group_size=max(1, int(zero.sub_group_size)),
-        pipeline_read=bool(block.pipeline_read),
-        pipeline_write=bool(block.pipeline_write),
-        aio=_aio(aio),
-        masters_on_host=masters_on_host,
-    )
-
-
-def param_offload_spec(zero: ZeroConfig, aio: AioConfig) -> OffloadSpec | None:
-    """The ``offload_param`` block as an :class:`OffloadSpec` (None when off)."""
-    block = zero.offload_param
-    if block is None or block.device == "none":
-        return None
-    return OffloadSpec(
-        device=block.device,
-        nvme_path=block.nvme_path,
-        pin_memory=bool(block.pin_memory),
-        buffer_count=max(1, int(block.buffer_count)),
-        aio=_aio(aio),
-        buffer_size=max(1, int(block.buffer_size)),
-    )
 
 
 class Waitable(Protocol):
@@ -463,129 +384,3 @@ class OffloadStore:
         if self._directory is not None:
             self._finalizer()  # removes the directory, once
             self._directory = None
-
-
-class OffloadedOptimizer(torch.optim.Optimizer):
-    """A torch optimizer whose step runs through an :class:`OffloadStore`.
-
-    ZeRO hands it the device masters' groups; the inner optimizer is built over the
-    store's host tensors. ``param_groups`` and ``state`` are the inner optimizer's, so
-    schedulers and checkpoints see the real thing.
-
-    Example:
-        >>> import torch
-        >>> w = torch.zeros(4); w.grad = torch.ones(4)
-        >>> store = OffloadStore([{"params": [w], "lr": 0.5}], OffloadSpec(device="cpu"))
-        >>> opt = OffloadedOptimizer(torch.optim.SGD(store.host_groups, lr=0.5), store)
-        >>> opt.step(); w.tolist()
-        [-0.5, -0.5, -0.5, -0.5]
-    """
-
-    def __init__(self, inner: torch.optim.Optimizer, store: OffloadStore) -> None:
-        # Deliberately no super().__init__: the inner optimizer owns groups and state.
-        self.inner = inner
-        self.store = store
-        self.defaults = inner.defaults
-        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's groups (host tensors, live hyperparameters)."""
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, object]]) -> None:
-        self.inner.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        """The inner optimizer's state (placeholders between steps with nvme)."""
-        return self.inner.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.inner.state = value
-
-    def step(self, closure: object = None) -> Any:
-        """Step every tensor (closures are not supported with offload)."""
-        if closure is not None:
-            raise ValueError("optimizer offload does not support step(closure)")
-        self.store.step(self.inner)
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the device masters' gradients (host staging is refilled each step)."""
-        for tensor in self.store.device_tensors:
-            if set_to_none:
-                tensor.grad = None
-            elif tensor.grad is not None:
-                tensor.grad.zero_()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict, with nvme state read back into memory."""
-        with self.store.resident_state(self.inner):
-            packed = self.inner.state_dict()
-            # torch shares the per-parameter dicts with the live state, which is evicted
-            # again on leaving the block: hand out copies holding the loaded tensors
-            packed["state"] = {k: dict(v) for k, v in packed["state"].items()}
-            return packed
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load into the inner optimizer, then move the state back to its file (nvme)."""
-        with self.store.resident_state(self.inner):
-            self.inner.load_state_dict(state_dict)
-
-    def __repr__(self) -> str:
-        return f"OffloadedOptimizer({self.store.spec.device}, {self.inner!r})"
-
-
-class _DeviceKeyedOptimizer:
-    """An :class:`OffloadedOptimizer` as checkpoint code sees it.
-
-    The device masters are the truth between steps (the host copies are refilled from
-    them at every step, and with nvme they are empty), so checkpoints address parameters
-    by their device masters: ``param_groups`` lists those, ``state`` is keyed by them (read
-    from the swap file with nvme), and ``load_state_dict`` goes through the offloaded
-    optimizer (which writes the state back to its file).
-    """
-
-    def __init__(self, proxy: OffloadedOptimizer) -> None:
-        store = proxy.store
-        self._device_of = {id(h): d for h, d in zip(store.host, store.device_tensors)}
-        self._proxy = proxy
-        self.param_groups = [
-            {
-                **{k: v for k, v in group.items() if k != "params"},
-                "params": [self._device_of[id(h)] for h in group["params"]],
-            }
-            for group in proxy.inner.param_groups
-        ]
-        self._state: dict[torch.Tensor, dict[str, Any]] | None = None
-
-    @property
-    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
-        """Per device master, its state; read (from the swap file with nvme) on first use
-        only, so a load, which replaces the state, never reads the old one."""
-        if self._state is None:
-            store = self._proxy.store
-            snapshot = store.state_snapshot(self._proxy.inner)
-            self._state = {self._device_of[id(h)]: snapshot[id(h)] for h in store.host if id(h) in snapshot}
-        return self._state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load (parameters by index, in the order of ``param_groups``)."""
-        self._proxy.load_state_dict(state_dict)
-
-
-def checkpoint_view(optimizer: object) -> Any:
-    """``optimizer`` keyed by the tensors ZeRO handed it (device masters), for checkpoints.
-
-    A plain optimizer is returned as it is; an :class:`OffloadedOptimizer` (whose inner
-    optimizer works on host copies) as a view keyed by the device masters.
-    """
-    return _DeviceKeyedOptimizer(optimizer) if isinstance(optimizer, OffloadedOptimizer) else optimizer

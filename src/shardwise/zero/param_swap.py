@@ -36,7 +36,7 @@ from torch import nn
 
 from shardwise.comm.fsdp_internals import local_tensor
 from shardwise.zero.nvme import IoHandle, SwapFile, drop_pages, remove_directory, swap_directory
-from shardwise.zero.offload import OffloadSpec
+from shardwise.zero.offload_spec import OffloadSpec
 
 
 def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:

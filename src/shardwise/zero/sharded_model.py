@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise.comm.fsdp_internals import is_dtensor
 from shardwise.comm.group_type import Group
-from shardwise.zero.offload import OffloadSpec
+from shardwise.zero.offload_spec import OffloadSpec
 from shardwise.zero.param_swap import ParamSwapper
 from shardwise.zero.stage3_settings import Stage3Settings
 

@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from shardwise.comm import collectives
-from shardwise.comm.group_type import Group
 from shardwise.comm.host_transport import HostTransport, choose_host_transport
 from shardwise.comm.init import group_source_rank
 from shardwise.optim.clipping import squared_norm
@@ -39,34 +38,26 @@ from shardwise.optim.exchanging import GradientExchangingOptimizer
 from shardwise.utils.logging import logger
 from shardwise.zero.async_gather import BucketKey, PendingGathers
 from shardwise.zero.flat_group import FlatGroup
+from shardwise.zero.flat_layouts import FlatLayouts
 from shardwise.zero.full_buffer_reducer import FullBufferReducer
 from shardwise.zero.grad_fold import divide_, scaled_step
 from shardwise.zero.muon_shards import attach_flat_matrices
-from shardwise.zero.offload import OffloadedOptimizer, checkpoint_view
 from shardwise.zero.offload_states import OffloadStateType, StateOffloading
+from shardwise.zero.offloaded_optimizer import OffloadedOptimizer
 from shardwise.zero.optimizer_subset import restricted, steps_per_tensor
 from shardwise.zero.param_owner import register_owner
-from shardwise.zero.param_publish import PublishPolicy, launch_publish
+from shardwise.zero.param_publish import launch_publish
 from shardwise.zero.reducer import GradientReducer, ReducePolicy
 from shardwise.zero.reducer_set import ReducerSet
 from shardwise.zero.reduction_domain import (
     DATA,
-    ExpertLayout,
     ReductionDomain,
     distinct,
     refuse_experts,
     split_by_kind,
-    split_over,
 )
 from shardwise.zero.shard_accumulator_reducer import ShardAccumulatorReducer
-from shardwise.zero.state_layout import (
-    GRADIENTS_UNAVAILABLE,
-    FlatPiece,
-    GradientLayout,
-    Holding,
-    ParamPlace,
-    StateLayout,
-)
+from shardwise.zero.sharded_optimizer_policy import ZeroPolicy as ZeroPolicy  # re-exported: its old home
 from shardwise.zero.state_tensors import flat_zero_states
 from shardwise.zero.step_math import plan_step
 from shardwise.zero.strategy import StepResult, ZeroStrategy, sharded_gradients_refusal
@@ -75,37 +66,7 @@ from shardwise.zero.unused_parameters import raise_if_unused
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
-@dataclass(frozen=True)
-class ZeroPolicy:
-    """What the sharded optimizer needs from the config, decided once."""
-
-    stage: int
-    rank: int
-    world_size: int
-    bucket_numel: int
-    overlap_comm: bool
-    grad_dtype: torch.dtype
-    comm_dtype: torch.dtype | None
-    pre_multiplier: float
-    post_divisor: float
-    check_overflow: bool
-    gradient_clipping: float
-    process_group: Group = None
-    mp_group: Group = None  # with mp_size > 1, None is the world (tensor parallel over every rank)
-    mp_rank: int = 0
-    mp_size: int = 1
-    publish: PublishPolicy = field(default_factory=PublishPolicy)
-    all_reduce_gradients: bool = False  # reduce_scatter: false (stages 1-2): all-reduce, then slice
-    fail_on_unused: bool = False  # ignore_unused_parameters: false
-    param_names: Mapping[int, str] | None = None  # id(parameter) -> name, for the unused-parameter error
-    experts: ExpertLayout | None = None  # the expert groups, when the model has expert parameters
-
-    def data_domain(self) -> ReductionDomain:
-        """The domain of dense parameters: the data-parallel group."""
-        return ReductionDomain(DATA, self.process_group, self.rank, self.world_size)
-
-
-class ZeroOptimizer(StateOffloading, ZeroStrategy):
+class ZeroOptimizer(FlatLayouts, StateOffloading, ZeroStrategy):
     """Flat-buffer ZeRO (stages 0, 1, 2) around a torch optimizer built on the masters.
 
     ``module``: the model the parameters belong to; with ``policy.overlap_comm`` at stages 1-2
@@ -511,57 +472,8 @@ class ZeroOptimizer(StateOffloading, ZeroStrategy):
                 work.wait()
             then()
 
-    # ------------------------------------------------------------------ checkpoint state
-    def state_layout(self) -> StateLayout:
-        """Where each parameter's fp32 values and optimizer state sit: ranges of the flat masters
-        (``shardwise.checkpoint.optimizer_state`` turns this into the checkpoint format)."""
-        self.wait_for_parameters()
-        places: list[ParamPlace] = []
-        members: list[list[int]] = [[] for _ in self.optimizer.param_groups]
-        for flat, gi, domain in zip(self.groups, self.group_index, self.domains):
-            for index, param in enumerate(flat.params):
-                pieces = tuple(FlatPiece(s, e, flat.master[m], o) for s, e, m, o in flat.master_pieces(index))
-                members[gi].append(len(places))
-                separate = flat.dtype != torch.float32
-                split = split_over(domain, self.policy.stage)
-                places.append(
-                    ParamPlace(param, tuple(param.shape), Holding.FLAT, separate, pieces=pieces, split_over=split)
-                )
-        return StateLayout(
-            optimizer=checkpoint_view(self.optimizer),
-            optimizer_name=type(self.optimizer).__name__,
-            places=tuple(places),
-            groups=tuple(tuple(m) for m in members),
-            params_from_masters=self._publish_parameters,
-            masters_from_params=self._refresh_masters,
-            device=self.groups[0].device if self.groups else torch.device("cpu"),
-            process_group=self.policy.process_group,
-            partitioned=self.policy.stage >= 1 and self.policy.world_size > 1,
-            rank_state=self.exchanging,
-        )
-
     def release_gathered_parameters(self) -> None:
         """Nothing to free: at stages 0-2 every rank holds the parameters whole, never gathered."""
-
-    def gradient_layout(self) -> GradientLayout:
-        """Where each parameter's reduced gradient sits: the same ranges of the flat gradients as
-        its fp32 values of the masters; available after a reducing backward, until the step."""
-        self.wait_for_parameters()
-        places = []
-        for flat, domain in zip(self.groups, self.domains):
-            for index, param in enumerate(flat.params):
-                pieces = tuple(FlatPiece(s, e, flat.grad[m], o) for s, e, m, o in flat.master_pieces(index))
-                split = split_over(domain, self.policy.stage)
-                places.append(
-                    ParamPlace(param, tuple(param.shape), Holding.FLAT, False, pieces=pieces, split_over=split)
-                )
-        return GradientLayout(
-            places=tuple(places),
-            mean_divisor=self.mean_divisor,
-            process_group=self.policy.process_group,
-            partitioned=self.policy.stage >= 1 and self.policy.world_size > 1,
-            unavailable="" if self.reducer.gradients_ready else GRADIENTS_UNAVAILABLE,
-        )
 
     # ------------------------------------------------------------------ offload_states (zero.offload_states)
     def held_states(self) -> dict[OffloadStateType, list[torch.Tensor]]:
@@ -576,11 +488,6 @@ class ZeroOptimizer(StateOffloading, ZeroStrategy):
     def prepare_offload(self) -> None:
         """Parameters gathered in flight (``overlap_comm``) land before their buffers move."""
         self.wait_for_parameters()
-
-    def _refresh_masters(self) -> None:
-        """Re-read the fp32 masters from the (just loaded) parameters: weights-only loads."""
-        for flat in self.groups:
-            flat.refresh_masters()
 
     def close(self) -> None:
         """Complete gathers in flight, detach the hooks and delete optimizer-offload swap files (nvme)."""

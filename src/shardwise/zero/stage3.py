@@ -38,8 +38,7 @@ Two things FSDP2 does not do by itself, measured on the benchmark GPT (2 gloo ra
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -47,15 +46,11 @@ from torch import nn
 
 from shardwise.comm import collectives
 from shardwise.comm.fsdp_internals import is_dtensor, local_tensor
-from shardwise.comm.fsdp_shared_hooks import open_unit_comms
-from shardwise.comm.group_type import Group
 from shardwise.comm.init import group_source_rank
-from shardwise.comm.quantized_collectives import QuantizedReduceScatter, all_gather_hook
 from shardwise.utils.logging import logger
 from shardwise.zero.deferred_reduce_scatter import DeferredReduceScatter
-from shardwise.zero.expert_units import is_expert
 from shardwise.zero.grad_fold import divide_, scaled_step
-from shardwise.zero.offload import OffloadedOptimizer, OffloadSpec, OffloadStore, checkpoint_view
+from shardwise.zero.offload import OffloadedOptimizer, OffloadStore
 from shardwise.zero.offload_states import OffloadStateType, StateOffloading
 from shardwise.zero.optimizer_subset import step_in_sub_groups, steps_per_tensor
 from shardwise.zero.param_owner import register_owner
@@ -63,79 +58,18 @@ from shardwise.zero.param_swap import SwappedMasters
 from shardwise.zero.replicated import ReplicatedParams
 from shardwise.zero.sharded_model import ShardedModel
 from shardwise.zero.sharded_optimizer import OptimizerFactory
+from shardwise.zero.stage3_layouts import Stage3Layouts
 from shardwise.zero.stage3_memory import breakdown
-from shardwise.zero.state_layout import (
-    GRADIENTS_UNAVAILABLE,
-    GradientLayout,
-    Holding,
-    ParamPlace,
-    StateLayout,
-)
+from shardwise.zero.stage3_policy import Stage3Policy as Stage3Policy  # re-exported: its old home
+from shardwise.zero.stage3_policy import UnitHooks as UnitHooks
+from shardwise.zero.stage3_policy import choose_unit_hooks as choose_unit_hooks
 from shardwise.zero.state_tensors import stage3_states
 from shardwise.zero.step_math import plan_step
 from shardwise.zero.strategy import StepResult, ZeroStrategy, sharded_gradients_refusal
 from shardwise.zero.unused_parameters import raise_if_unused
 
 
-@dataclass(frozen=True)
-class Stage3Policy:
-    """What the stage-3 optimizer needs from the config, decided once."""
-
-    rank: int
-    world_size: int
-    pre_multiplier: float
-    post_divisor: float
-    check_overflow: bool
-    gradient_clipping: float
-    process_group: Group = None
-    comm_dtype: torch.dtype | None = None
-    reduce_bucket_numel: int = 500_000_000
-    optimizer_offload: OffloadSpec | None = None
-    quantized_weights: bool = False
-    quantized_gradients: bool = False
-    fail_on_unused: bool = False  # ignore_unused_parameters: false
-    param_names: Mapping[int, str] | None = None
-    sub_group_size: int = 1_000_000_000  # elements per optimizer step call (no offload store)
-    mp_group: Group = None  # tensor parallel (with mp_size > 1, None is the world)
-    mp_size: int = 1
-    tp_param_names: frozenset[str] = frozenset()  # parameters split over the tensor-parallel ranks
-
-
-@dataclass(frozen=True)
-class UnitHooks:
-    """The custom collectives FSDP2 runs for every unit (None: FSDP2's own)."""
-
-    reduce_scatter: object = None
-    all_gather: object = None
-
-
-def choose_unit_hooks(record: ShardedModel, policy: Stage3Policy) -> UnitHooks:
-    """Stage 3's FSDP2 collective hooks, chosen in one place.
-
-    Reduce-scatter: ZeRO++ qgZ when ``zero_quantized_gradients``; else, for fp32 reduction on CPU,
-    the shared-memory transport when all ranks share a host (:func:`open_unit_comms`), else the
-    deferred asynchronous one (not with NVMe parameters: it holds every unit's full gradients
-    until backward ends); else FSDP2's. All-gather: qwZ when ``zero_quantized_weights``, else the
-    shared-memory one when it is open, else the logged plain one (or FSDP2's).
-    """
-    cpu_fp32 = record.policy.device.type == "cpu" and record.policy.reduce_dtype == torch.float32
-    shared = None  # ranks on one host: FSDP2's collectives through shared memory
-    if cpu_fp32 and not policy.quantized_gradients and policy.world_size > 1:
-        shared = open_unit_comms(record.fsdp_modules(), policy.rank)
-    reduce_scatter: object = None
-    if policy.quantized_gradients:
-        reduce_scatter = QuantizedReduceScatter()
-    elif shared is not None:
-        reduce_scatter = shared[1]
-    elif cpu_fp32 and record.swapper is None:
-        reduce_scatter = DeferredReduceScatter()
-    gather: object = all_gather_hook(policy.quantized_weights)  # qwZ, or a logged plain one, or FSDP2's own
-    if shared is not None and not policy.quantized_weights:
-        gather = shared[0]
-    return UnitHooks(reduce_scatter, gather)
-
-
-class Stage3Optimizer(StateOffloading, ZeroStrategy):
+class Stage3Optimizer(Stage3Layouts, StateOffloading, ZeroStrategy):
     """ZeRO stage 3 over an FSDP2-wrapped module (a :class:`~shardwise.zero.strategy.ZeroStrategy`).
 
     Args:
@@ -482,76 +416,11 @@ class Stage3Optimizer(StateOffloading, ZeroStrategy):
         """Average, unscale and clip: one division of every gradient the optimizer reads."""
         divide_(grads, divisor)
 
-    # ------------------------------------------------------------------ checkpoints
-    def state_layout(self) -> StateLayout:
-        """Where each parameter's fp32 values and optimizer state sit: sharded parameters' masters
-        are their DTensors' local shards (the values are saved with the module as ``model/<name>``);
-        unsharded parameters' fp32 masters are whole tensors, separate where they are copies."""
-        self.record.ensure_resident()
-        self._rebind_masters()
-        optimizer = checkpoint_view(self.optimizer)
-        sharded = {id(m): p for p, m in zip(self.sharded, self.masters)}
-        replicated = {id(m): p for p, m in zip(self.replicated.params, self.replicated.masters)}
-        places: list[ParamPlace] = []
-        groups: list[tuple[int, ...]] = []
-        for group in optimizer.param_groups:
-            groups.append(tuple(range(len(places), len(places) + len(group["params"]))))
-            for tensor in group["params"]:
-                if id(tensor) in sharded:
-                    param, holding, separate = sharded[id(tensor)], Holding.LOCAL_SHARD, False
-                else:
-                    param = replicated[id(tensor)]
-                    holding, separate = Holding.WHOLE, tensor.data_ptr() != param.data_ptr()
-                places.append(
-                    ParamPlace(param, tuple(param.shape), holding, separate, tensor=tensor, split_over=self._split(param))
-                )
-        return StateLayout(
-            optimizer=optimizer,
-            optimizer_name=type(self.optimizer).__name__,
-            places=tuple(places),
-            groups=tuple(groups),
-            params_from_masters=self.replicated.publish,
-            masters_from_params=self.replicated.refresh_masters,
-            device=self.masters[0].device if self.masters else self.record.policy.device,
-            process_group=self.policy.process_group,
-        )
-
-    def _split(self, param: nn.Parameter) -> tuple[Group, bool] | None:
-        """Where an expert parameter is sharded with expert parallelism (its expert-data-parallel group,
-        and whether over more than one rank); None for the others (the data-parallel group's)."""
-        experts = self.record.policy.experts
-        if experts is None or not is_expert(param):
-            return None
-        return experts.group, experts.size > 1
-
     def release_gathered_parameters(self) -> None:
         """Reshard every unit FSDP2 holds gathered (those kept between micro steps of a window, or
         not resharded after forward); the next forward gathers them again."""
         for module in self.record.fsdp_modules():
             module.reshard()  # type: ignore[operator]
-
-    def gradient_layout(self) -> GradientLayout:
-        """Where each parameter's reduced gradient sits: the local fp32 shard accumulators of the
-        sharded parameters, the whole accumulators of the unsharded ones (zeros are installed for a
-        parameter that got no gradient, so a write there reaches the step)."""
-        self._collect_grads()
-        places = []
-        if self._grads_ready:
-            for param, master in zip(self.sharded, self.masters):
-                acc = self._acc.setdefault(id(param), torch.zeros_like(master))
-                places.append(
-                    ParamPlace(param, tuple(param.shape), Holding.LOCAL_SHARD, False, tensor=acc,
-                               split_over=self._split(param))
-                )
-            self.replicated.bind_grads()
-            for param, held in zip(self.replicated.params, self.replicated.accumulators):
-                places.append(ParamPlace(param, tuple(param.shape), Holding.WHOLE, False, tensor=held))
-        return GradientLayout(
-            places=tuple(places),
-            mean_divisor=self.mean_divisor,
-            process_group=self.policy.process_group,
-            unavailable="" if self._grads_ready else GRADIENTS_UNAVAILABLE,
-        )
 
     # ------------------------------------------------------------------ offload_states (zero.offload_states)
     def held_states(self) -> dict[OffloadStateType, list[torch.Tensor]]:
@@ -576,20 +445,6 @@ class Stage3Optimizer(StateOffloading, ZeroStrategy):
         gradients collected into their accumulators, so every state has one place to move."""
         self.release_gathered_parameters()
         self._collect_grads()
-
-    # ------------------------------------------------------------------ saving
-    def full_fp32_parameters(self) -> list[torch.Tensor]:
-        """Every parameter's full fp32 value (the masters where there are), in
-        ``module.parameters()`` order. Collective: every rank must call it."""
-        self.record.ensure_resident()
-        out = []
-        for param in self.record.module.parameters():
-            if hasattr(param, "full_tensor"):
-                out.append(param.detach().full_tensor().float().clone())  # type: ignore[attr-defined]
-                continue
-            master = self.replicated.master_of(param)
-            out.append((master if master is not None else param.detach()).float().clone())
-        return out
 
     # ------------------------------------------------------------------ introspection
     def memory_breakdown(self) -> dict[str, int]:

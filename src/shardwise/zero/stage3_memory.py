@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from shardwise.comm.fsdp_internals import local_tensor
-from shardwise.zero.offload import OffloadedOptimizer
+from shardwise.zero.offloaded_optimizer import OffloadedOptimizer
 
 
 def breakdown(opt: Any) -> dict[str, int]:
