@@ -26,26 +26,10 @@ def _default_log_level():
 def _no_leaked_process_group():
     """A test that creates the default process group in this process (an in-process ``initialize``
     of a world of one) tears it down, with shardwise's layout, so the tests after it start clean."""
-    import os
+    from shardwise.testing.in_process_group import torn_down_process_group
 
-    import torch.distributed as dist
-
-    exported = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    before = {name: os.environ.get(name) for name in exported}  # init_distributed exports these
-    had_group = dist.is_initialized()
-    yield
-    if not had_group and dist.is_initialized():
-        from shardwise.comm import groups, mesh
-        from shardwise.comm.init import destroy_process_group
-
-        mesh.reset_layout()
-        groups.clear_topology()
-        destroy_process_group()
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with torn_down_process_group():
+        yield
 
 
 def _outside_message(paths: list[str]) -> str:

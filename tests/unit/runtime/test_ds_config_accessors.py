@@ -20,14 +20,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import shardwise
-from shardwise.comm import groups, mesh
-from shardwise.comm.init import destroy_process_group
 from shardwise.config import load_config
 from shardwise.data_efficiency import convert_to_random_ltd
 from shardwise.runtime.ds_config_accessors import DeepSpeedConfigAccessors
+from shardwise.testing.in_process_group import torn_down_process_group
 
 RECORD = json.loads(
     (Path(__file__).resolve().parents[2] / "data" / "deepspeed_engine_accessors.json").read_text()
@@ -110,21 +108,8 @@ def test_record_is_deepspeed_0_19_8_and_names_every_accessor() -> None:
 def shardwise_answers() -> Iterator[dict[str, dict[str, Any]]]:
     """Every case's shardwise values, from engines built in one process group (one rendezvous for the
     module, not one per case); the group is torn down afterwards as ``tests/conftest.py`` does."""
-    had_group = dist.is_initialized()
-    exported = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    before = {name: os.environ.get(name) for name in exported}
-    try:
+    with torn_down_process_group():
         yield {case["name"]: shardwise_values(case) for case in RECORD["configs"]}
-    finally:
-        if not had_group and dist.is_initialized():
-            mesh.reset_layout()
-            groups.clear_topology()
-            destroy_process_group()
-            for name, value in before.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
 
 @pytest.mark.parametrize("case", RECORD["configs"], ids=[case["name"] for case in RECORD["configs"]])
